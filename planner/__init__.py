@@ -1,0 +1,18 @@
+"""planner: turns a ModelProfile and a ClusterSpec into a ranked set of Plans.
+
+Pipeline position: second stage. Imports no TensorFlow (the CLI imports the
+profiler and apply lazily). Public API: ``load_plan``, ``save_plan``, ``Plan``,
+``ClusterSpec``, ``parse_cluster``, ``plan_candidates`` and the error types.
+"""
+from __future__ import annotations
+
+from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from planner.errors import (ClusterSpecError, InfeasiblePlanError, ModelLoadError,
+                            PlanMismatchError, PlannerError, SchemaError, SolverError)
+from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy, load_plan, save_plan
+
+__all__ = [
+    "Breakdown", "ClusterSpec", "ClusterSpecError", "DeviceSpec", "InfeasiblePlanError",
+    "LinkSpec", "ModelLoadError", "Plan", "PlanMismatchError", "PlannerError", "Prediction",
+    "SchemaError", "SolverError", "Stage", "Strategy", "load_plan", "save_plan",
+]

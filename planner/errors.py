@@ -1,0 +1,41 @@
+"""Typed errors for the whole pipeline (profiler -> planner -> apply -> reports).
+
+Every stage raises one of these for bad input or an impossible request; the CLI
+maps them to exit codes in one place (``planner.cli``). Messages say what was
+received, what was expected, and how to fix it.
+"""
+from __future__ import annotations
+
+
+class PlannerError(Exception):
+    """Base class: a problem the user can fix. Exit code 2 at the CLI."""
+
+    exit_code = 2
+
+
+class ModelLoadError(PlannerError):
+    """The model file or ``module:function`` could not be loaded or built."""
+
+
+class ClusterSpecError(PlannerError):
+    """The cluster preset, ``cpu:N`` form or cluster file is unknown or malformed."""
+
+
+class InfeasiblePlanError(PlannerError):
+    """No strategy fits the devices; the message names the binding limit."""
+
+    exit_code = 3
+
+
+class SolverError(PlannerError):
+    """The ILP solver failed or returned an answer that breaks the constraints."""
+
+    exit_code = 4
+
+
+class PlanMismatchError(PlannerError):
+    """A plan file does not match the model, the devices or the batch it is used with."""
+
+
+class SchemaError(PlannerError):
+    """A JSON document (profile, cluster, plan) is malformed or has the wrong schema_version."""

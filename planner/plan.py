@@ -1,0 +1,243 @@
+"""The planner's output value: ``Plan`` (strategy, placement, prediction) and plan.json.
+
+Pipeline position: made by ``planner.search`` from a ModelProfile and a
+ClusterSpec, checked by ``planner.validate``, written as plan.json, read back by
+``load_plan`` in a training script and handed to ``apply.wrap``.
+
+Placement: ``stages[s].devices[r]`` is the device that holds stage ``s`` of
+data-parallel replica ``r``. A data-parallel plan has one stage on ``dp``
+devices; a pipeline plan has ``pp`` stages of one device each.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field as dc_field
+from typing import Any, Mapping
+
+from planner.cluster import ClusterSpec
+from planner.errors import PlanMismatchError, SchemaError
+from planner.schema import SCHEMA_VERSION, check_version, field
+
+SCHEDULES = ("none", "gpipe", "1f1b")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str = "none"  # "none" when pp == 1
+    recompute: str = "none"
+    optimizer_sharding: bool = False
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "microbatch_size": self.microbatch_size,
+                "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+                "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
+        k, w = "Plan", "strategy"
+        s = cls(**{n: field(d, n, k, int, where=w, minimum=1) for n in (
+            "dp", "tp", "pp", "microbatch_size", "num_microbatches")},
+            schedule=field(d, "schedule", k, str, where=w, optional=True, default="none"),
+            recompute=field(d, "recompute", k, str, where=w, optional=True, default="none"),
+            optimizer_sharding=field(d, "optimizer_sharding", k, bool, where=w, optional=True,
+                                     default=False))
+        if s.schedule not in SCHEDULES:
+            raise SchemaError(f"Plan.strategy.schedule is {s.schedule!r}; expected one of "
+                              f"{SCHEDULES}.")
+        if s.recompute not in RECOMPUTE:
+            raise SchemaError(f"Plan.strategy.recompute is {s.recompute!r}; expected one of "
+                              f"{RECOMPUTE}.")
+        return s
+
+
+@dataclass(frozen=True)
+class Stage:
+    layers: tuple[str, ...]
+    devices: tuple[str, ...]  # one per data-parallel replica
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "devices": list(self.devices)}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the predicted step time goes (seconds; they sum to step_time_s)."""
+
+    compute_s: float
+    communication_s: float  # exposed (not overlapped) communication
+    bubble_s: float
+    recompute_s: float
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s + self.bubble_s + self.recompute_s \
+            + self.optimizer_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "communication_s": self.communication_s,
+                "bubble_s": self.bubble_s, "recompute_s": self.recompute_s,
+                "optimizer_s": self.optimizer_s}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time_s: float
+    breakdown: Breakdown
+    peak_memory_bytes_per_device: tuple[tuple[str, int], ...]  # (device, bytes), plan order
+    memory_capacity_bytes: int
+    samples_per_s: float
+    model_tflops_per_device: float
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(b for _, b in self.peak_memory_bytes_per_device)
+
+    @property
+    def fits(self) -> bool:
+        return self.max_memory_bytes <= self.memory_capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "breakdown": self.breakdown.to_dict(),
+                "peak_memory_bytes_per_device": dict(self.peak_memory_bytes_per_device),
+                "memory_capacity_bytes": self.memory_capacity_bytes, "fits": self.fits,
+                "samples_per_s": self.samples_per_s,
+                "model_tflops_per_device": self.model_tflops_per_device}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Prediction":
+        k, w = "Plan", "predicted"
+        b = field(d, "breakdown", k, dict, where=w)
+        mem = field(d, "peak_memory_bytes_per_device", k, dict, where=w)
+        return cls(
+            step_time_s=field(d, "step_time_s", k, float, where=w, minimum=0),
+            breakdown=Breakdown(**{n: field(b, n, k, float, where=w + ".breakdown", minimum=0)
+                                   for n in ("compute_s", "communication_s", "bubble_s",
+                                             "recompute_s", "optimizer_s")}),
+            peak_memory_bytes_per_device=tuple((str(dev), int(v)) for dev, v in mem.items()),
+            memory_capacity_bytes=field(d, "memory_capacity_bytes", k, int, where=w),
+            samples_per_s=field(d, "samples_per_s", k, float, where=w, minimum=0),
+            model_tflops_per_device=field(d, "model_tflops_per_device", k, float, where=w,
+                                          minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to train one model on one cluster, and what that is predicted to cost."""
+
+    name: str  # "single device", "data parallel dp=4", "pipeline pp=2 m=4", ...
+    model_name: str
+    model_fingerprint: str
+    model_signature: tuple[tuple[str, str, int], ...]  # (layer, type, params)
+    cluster: ClusterSpec
+    global_batch: int
+    precision: str
+    optimizer: str
+    strategy: Strategy
+    stages: tuple[Stage, ...]
+    predicted: Prediction
+    reason: str = ""
+    solver: str = ""  # how the placement was found ("ILP (HiGHS) ...", "enumeration")
+    schema_version: int = dc_field(default=SCHEMA_VERSION)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+    def device_of_layer(self, replica: int = 0) -> dict[str, str]:
+        return {layer: s.devices[replica] for s in self.stages for layer in s.layers}
+
+    def with_reason(self, reason: str) -> "Plan":
+        from dataclasses import replace
+        return replace(self, reason=reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version, "name": self.name,
+            "model": {"name": self.model_name, "fingerprint": self.model_fingerprint,
+                      "layers": [list(x) for x in self.model_signature]},
+            "cluster": self.cluster.to_dict(), "global_batch": self.global_batch,
+            "precision": self.precision, "optimizer": self.optimizer,
+            "strategy": self.strategy.to_dict(),
+            "stages": [s.to_dict() for s in self.stages],
+            "predicted": self.predicted.to_dict(), "reason": self.reason,
+            "solver": self.solver,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        k = "Plan"
+        check_version(d, k)
+        model = field(d, "model", k, dict)
+        sig = []
+        for i, row in enumerate(field(model, "layers", k, list, where="model")):
+            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[2], int)):
+                raise SchemaError(f"Plan.model.layers[{i}] is {row!r}; expected "
+                                  "[name, type, params].")
+            sig.append((str(row[0]), str(row[1]), int(row[2])))
+        stages = []
+        for i, s in enumerate(field(d, "stages", k, list)):
+            stages.append(Stage(
+                layers=tuple(field(s, "layers", k, list, where=f"stages[{i}]")),
+                devices=tuple(field(s, "devices", k, list, where=f"stages[{i}]"))))
+        return cls(
+            name=field(d, "name", k, str),
+            model_name=field(model, "name", k, str, where="model"),
+            model_fingerprint=field(model, "fingerprint", k, str, where="model"),
+            model_signature=tuple(sig),
+            cluster=ClusterSpec.from_dict(field(d, "cluster", k, dict)),
+            global_batch=field(d, "global_batch", k, int, minimum=1),
+            precision=field(d, "precision", k, str),
+            optimizer=field(d, "optimizer", k, str),
+            strategy=Strategy.from_dict(field(d, "strategy", k, dict)),
+            stages=tuple(stages),
+            predicted=Prediction.from_dict(field(d, "predicted", k, dict)),
+            reason=field(d, "reason", k, str, optional=True, default=""),
+            solver=field(d, "solver", k, str, optional=True, default=""),
+        )
+
+    def check_model(self, signature: tuple[tuple[str, str, int], ...]) -> None:
+        """Raise PlanMismatchError naming the first difference from ``signature``."""
+        mine = self.model_signature
+        for i, (a, b) in enumerate(zip(mine, signature)):
+            if a != b:
+                raise PlanMismatchError(
+                    f"This plan was made for model {self.model_name!r}, and layer {i} differs: "
+                    f"the plan has {a[0]!r} ({a[1]}, {a[2]} params), the model has {b[0]!r} "
+                    f"({b[1]}, {b[2]} params). Re-run `plan analyze` for this model.")
+        if len(mine) != len(signature):
+            raise PlanMismatchError(
+                f"This plan was made for model {self.model_name!r} with {len(mine)} layers; the "
+                f"model has {len(signature)}. Re-run `plan analyze` for this model.")
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(plan.to_dict(), f, indent=2)
+        f.write("\n")
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a plan.json written by ``plan analyze`` (validated; SchemaError if malformed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise PlanMismatchError(f"Plan file {os.fspath(path)!r} does not exist. Create one with "
+                                "`plan analyze MODEL --cluster C --global-batch B --out DIR`.")
+    except json.JSONDecodeError as e:
+        raise SchemaError(f"Plan file {os.fspath(path)!r} is not valid JSON ({e}).")
+    return Plan.from_dict(doc)

@@ -1,0 +1,187 @@
+"""The profiler's output value: ``LayerProfile`` and ``ModelProfile``.
+
+Pipeline position: ``profiler`` builds a ModelProfile from a Keras model; the
+planner reads it (and never reaches back into TensorFlow). This module imports
+no TensorFlow, so the planner can load a saved profile on any machine.
+
+All sizes are bytes and all work is FLOPs (2 per multiply-add), measured for
+``ModelProfile.batch_size`` samples; ``per_sample`` helpers divide by it.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field as dc_field
+from typing import Any, Mapping
+
+from planner.schema import SCHEMA_VERSION, check_version, field
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's costs for ``ModelProfile.batch_size`` samples."""
+
+    name: str
+    type: str
+    params: int
+    trainable_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # bytes of the layer's output tensor(s)
+    flops_fwd: int
+    flops_bwd: int
+    inputs: tuple[str, ...] = ()  # names of the layers that feed this one
+    not_counted: tuple[str, ...] = ()  # what has no FLOP formula (never silently zero)
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights + gradients + optimizer state: what a replica of this layer holds."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "type": self.type, "params": self.params,
+            "trainable_params": self.trainable_params, "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes, "flops_fwd": self.flops_fwd,
+            "flops_bwd": self.flops_bwd, "inputs": list(self.inputs),
+            "not_counted": list(self.not_counted),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "layers[?]") -> "LayerProfile":
+        k = "ModelProfile"
+        ints = {n: field(d, n, k, int, where=where, minimum=0) for n in (
+            "params", "trainable_params", "param_bytes", "grad_bytes", "optimizer_bytes",
+            "activation_bytes", "flops_fwd", "flops_bwd")}
+        return cls(
+            name=field(d, "name", k, str, where=where), type=field(d, "type", k, str, where=where),
+            inputs=tuple(field(d, "inputs", k, list, where=where, optional=True, default=[])),
+            not_counted=tuple(field(d, "not_counted", k, list, where=where, optional=True,
+                                    default=[])),
+            **ints,
+        )
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor flowing from one layer to another, with its size for the profiled batch."""
+
+    src: str
+    dst: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"src": self.src, "dst": self.dst, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A whole model's per-layer costs, in a topological order of its layer graph."""
+
+    model_name: str
+    batch_size: int
+    precision: str  # dtype policy name: float32, mixed_float16, mixed_bfloat16
+    optimizer: str  # e.g. "adam", "sgd"
+    optimizer_slots_per_param: int
+    layers: tuple[LayerProfile, ...]
+    edges: tuple[Edge, ...] = ()
+    warnings: tuple[str, ...] = ()
+    schema_version: int = dc_field(default=SCHEMA_VERSION)
+
+    # --- totals -----------------------------------------------------------------
+    @property
+    def params(self) -> int:
+        return sum(l.params for l in self.layers)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(l.trainable_params for l in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(l.param_bytes for l in self.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(l.state_bytes for l in self.layers)
+
+    @property
+    def flops_fwd(self) -> int:
+        return sum(l.flops_fwd for l in self.layers)
+
+    @property
+    def flops_bwd(self) -> int:
+        return sum(l.flops_bwd for l in self.layers)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(l.activation_bytes for l in self.layers)
+
+    def totals(self) -> dict[str, int]:
+        """The totals block of ``plan profile --json``."""
+        return {
+            "params": self.params, "trainable_params": self.trainable_params,
+            "param_bytes": self.param_bytes,
+            "grad_bytes": sum(l.grad_bytes for l in self.layers),
+            "optimizer_bytes": sum(l.optimizer_bytes for l in self.layers),
+            "activation_bytes": self.activation_bytes,
+            "flops_fwd": self.flops_fwd, "flops_bwd": self.flops_bwd,
+        }
+
+    @property
+    def not_counted(self) -> tuple[str, ...]:
+        return tuple(f"{l.name}: {what}" for l in self.layers for what in l.not_counted)
+
+    # --- identity ---------------------------------------------------------------
+    def signature(self) -> tuple[tuple[str, str, int], ...]:
+        """(name, type, params) per layer: what a plan checks a model against."""
+        return tuple((l.name, l.type, l.params) for l in self.layers)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.signature())
+
+    def layer(self, name: str) -> LayerProfile:
+        for l in self.layers:
+            if l.name == name:
+                return l
+        raise KeyError(name)
+
+    # --- JSON -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version, "model_name": self.model_name,
+            "fingerprint": self.fingerprint, "batch_size": self.batch_size,
+            "precision": self.precision, "optimizer": self.optimizer,
+            "optimizer_slots_per_param": self.optimizer_slots_per_param,
+            "totals": self.totals(), "layers": [l.to_dict() for l in self.layers],
+            "edges": [e.to_dict() for e in self.edges], "warnings": list(self.warnings),
+            "not_counted": list(self.not_counted),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelProfile":
+        k = "ModelProfile"
+        check_version(d, k)
+        layers = tuple(LayerProfile.from_dict(ld, where=f"layers[{i}]")
+                       for i, ld in enumerate(field(d, "layers", k, list)))
+        edges = tuple(Edge(src=field(e, "src", k, str, where=f"edges[{i}]"),
+                           dst=field(e, "dst", k, str, where=f"edges[{i}]"),
+                           bytes=field(e, "bytes", k, int, where=f"edges[{i}]", minimum=0))
+                      for i, e in enumerate(field(d, "edges", k, list, optional=True, default=[])))
+        return cls(
+            model_name=field(d, "model_name", k, str),
+            batch_size=field(d, "batch_size", k, int, minimum=1),
+            precision=field(d, "precision", k, str),
+            optimizer=field(d, "optimizer", k, str),
+            optimizer_slots_per_param=field(d, "optimizer_slots_per_param", k, int, minimum=0),
+            layers=layers, edges=edges,
+            warnings=tuple(field(d, "warnings", k, list, optional=True, default=[])),
+        )
+
+
+def fingerprint_of(signature: tuple[tuple[str, str, int], ...]) -> str:
+    """A short stable hash of a model signature (layer names, types, parameter counts)."""
+    text = "\n".join(f"{n}|{t}|{p}" for n, t, p in signature)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
