@@ -1,0 +1,277 @@
+"""The ``plan`` command: parse, call the library, render.
+
+Pipeline position: the front door. It imports only argparse at start-up (so
+``plan --help`` is instant); the profiler (TensorFlow), the planner's search and
+the reports are imported inside each command. One boundary, ``main``, maps the
+typed errors of ``planner.errors`` to exit codes:
+
+    0 success; 2 bad input (model, cluster, plan, arguments);
+    3 no plan fits; 4 solver failure; 1 a bug in this tool (traceback shown).
+
+Every command that prints a table also takes ``--json`` and then prints exactly
+one JSON object on stdout and nothing else there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from planner.errors import PlannerError, SchemaError
+
+PRECISION_CHOICES = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plan",
+        description="Profile a Keras model, plan how to split its training across devices, "
+                    "and write a plan that `apply.wrap(model, plan)` trains with.")
+    parser.add_argument("--version", action="version", version="%(prog)s 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    model_help = ("a .py file defining build_model() (optionally loss, optimizer, "
+                  "sample_batch(batch_size)), or module:function such as "
+                  "keras.applications:MobileNetV2")
+
+    p = sub.add_parser("profile", help="per-layer params, bytes and FLOPs of a model",
+                       description="Per-layer parameters, bytes and FLOPs (forward and backward) "
+                                   "of a Keras model, built without allocating its weights.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    p.add_argument("--batch-size", type=_positive_int, default=1,
+                   help="samples the activation bytes and FLOPs are counted for (default 1)")
+    _add_model_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_profile)
+
+    a = sub.add_parser("analyze", help="profile, plan for a cluster, write plan.json",
+                       description="Profile the model, rank the strategies for the cluster by "
+                                   "predicted step time, write DIR/plan.json and a TensorBoard "
+                                   "run under DIR/tensorboard.")
+    a.add_argument("model", metavar="MODEL", help=model_help)
+    a.add_argument("--cluster", required=True,
+                   help="cpu:N (N logical CPU devices here), a preset such as 8xA100-80GB, "
+                        "NODESxPRESET such as 64x8xA100-80GB, or a .yaml/.json cluster file "
+                        "(`plan clusters` lists the presets)")
+    a.add_argument("--global-batch", type=_positive_int, required=True,
+                   help="samples per training step, over all devices")
+    _add_model_options(a)
+    a.add_argument("--fix", metavar="dp=D,pp=P",
+                   help="evaluate this one strategy instead of searching (reported even if it "
+                        "does not fit)")
+    a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
+                   help="time limit for each ILP solve (default 10)")
+    a.add_argument("--out", default="out", metavar="DIR",
+                   help="where plan.json, profile.json and the TensorBoard run go (default out)")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(func=cmd_analyze)
+
+    c = sub.add_parser("clusters", help="list the cluster presets",
+                       description="List the named cluster presets and their datasheet figures.")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_clusters)
+    return parser
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=PRECISION_CHOICES,
+                   help="dtype policy to count bytes for (default: the model's own)")
+    p.add_argument("--optimizer", metavar="NAME",
+                   help="optimizer whose state to count, e.g. adam, sgd (default: the model "
+                        "file's optimizer, else adam)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+    return value
+
+
+def parse_fix(text: str | None) -> dict[str, int] | None:
+    """'dp=2,pp=2' -> {'dp': 2, 'pp': 2}."""
+    if text is None:
+        return None
+    fixed: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in ("dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+            raise PlannerError(
+                f"--fix {text!r}: each part must be dp=N, tp=N or pp=N with N >= 1 "
+                f"(received {part.strip()!r}); e.g. --fix dp=2,pp=2.")
+        fixed[key] = int(value)
+    return fixed
+
+
+# --- commands -------------------------------------------------------------------
+
+def _quiet_tensorflow() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _profile(args: argparse.Namespace, batch_size: int, status):
+    _quiet_tensorflow()
+    from profiler.loader import load_model_source
+    from profiler.static import profile_source
+
+    with status(f"Loading {args.model}"):
+        source = load_model_source(args.model)
+    with status(f"Profiling {source.name} (batch {batch_size})"):
+        return profile_source(source, batch_size=batch_size, precision=args.precision,
+                              optimizer=args.optimizer)
+
+
+def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
+    profile = _profile(args, args.batch_size, ui.status)
+    if args.json:
+        ui.print_json(profile.to_dict())
+        return 0
+    from reports.tables import PROFILE_HEADER, profile_rows
+    ui.table(f"{profile.model_name}: per-layer profile at batch size {profile.batch_size} "
+             f"({profile.precision}, optimizer {profile.optimizer})",
+             PROFILE_HEADER, profile_rows(profile))
+    for w in profile.warnings:
+        ui.note(f"warning: {w}")
+    if profile.not_counted:
+        ui.note("* not counted (no FLOP formula): " + "; ".join(profile.not_counted))
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
+    from planner.presets import parse_cluster
+    from planner.search import search
+
+    fix = parse_fix(args.fix)
+    cluster = parse_cluster(args.cluster)  # before the slow profile: fail fast on a typo
+    out_dir = os.path.abspath(args.out)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise PlannerError(f"--out {args.out!r} exists and is not a directory; pass a "
+                           "directory path.")
+    profile = _profile(args, 1, ui.status)
+    with ui.status(f"Planning for {cluster.name} ({cluster.num_devices} devices)"):
+        result = search(profile, cluster, args.global_batch, fix=fix,
+                        time_limit_s=args.time_limit)
+
+    from planner.plan import save_plan
+    from reports.tensorboard import write_analysis
+
+    os.makedirs(out_dir, exist_ok=True)
+    plan_path = os.path.join(out_dir, "plan.json")
+    save_plan(result.chosen, plan_path)
+    with open(os.path.join(out_dir, "profile.json"), "w", encoding="utf-8") as f:
+        json.dump(profile.to_dict(), f, indent=2)
+    with ui.status("Writing the TensorBoard run"):
+        logdir = write_analysis(os.path.join(out_dir, "tensorboard"), profile, result.chosen,
+                                result.candidates)
+
+    if args.json:
+        ui.print_json({"plan": result.chosen.to_dict(),
+                       "candidates": [c.to_dict() for c in result.candidates],
+                       "profile": {"model_name": profile.model_name,
+                                   "fingerprint": profile.fingerprint,
+                                   "totals": profile.totals()},
+                       "files": {"plan": plan_path, "tensorboard": logdir}})
+        return 0
+    from reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
+    t = profile.totals()
+    ui.note(f"Model {profile.model_name}: {t['params']:,} params ({fmt_bytes(t['param_bytes'])}), "
+            f"{fmt_count(t['flops_fwd'])}FLOP forward + {fmt_count(t['flops_bwd'])}FLOP "
+            f"backward per sample, optimizer {profile.optimizer}.")
+    ui.table(f"Strategies for {cluster.name}, global batch {args.global_batch} "
+             "(ranked by predicted step time; * = chosen)",
+             CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen))
+    ui.note(f"Chosen: {result.chosen.name}. {result.chosen.reason}")
+    ui.note(f"Wrote {plan_path}")
+    ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace, ui: "UI") -> int:
+    from planner.presets import known_presets, parse_cluster
+
+    clusters = [parse_cluster(name) for name in known_presets()]
+    if args.json:
+        ui.print_json({"presets": [c.to_dict() for c in clusters]})
+        return 0
+    from reports.tables import fmt_bytes
+    rows = []
+    for c in clusters:
+        d = c.device
+        peaks = ", ".join(f"{p} {v / 1e12:g}" for p, v in d.peak_flops_per_s)
+        rows.append((c.name, str(c.devices_per_node), fmt_bytes(d.memory_bytes), peaks,
+                     f"{c.intra_node_link.bandwidth_bytes_per_s / 1e9:g} GB/s",
+                     f"{c.inter_node_link.bandwidth_bytes_per_s / 1e9:g} GB/s"
+                     if c.inter_node_link else "-"))
+    ui.table("Cluster presets (use NODESxPRESET for several nodes, cpu:N for logical CPUs)",
+             ("preset", "devices/node", "memory/device", "peak TFLOP/s", "intra-node/device",
+              "inter-node/device"), rows)
+    return 0
+
+
+# --- rendering ------------------------------------------------------------------
+
+class UI:
+    """Terminal output: tables on stdout, progress and notes on stderr."""
+
+    def __init__(self, json_mode: bool) -> None:
+        self.json_mode = json_mode
+        self._console = None
+        self._err = None
+
+    def _consoles(self):
+        if self._console is None:
+            from rich.console import Console
+            self._console = Console(soft_wrap=False)
+            self._err = Console(stderr=True)
+        return self._console, self._err
+
+    def status(self, text: str):
+        """A spinner on stderr while slow work runs (silent when stderr is not a terminal)."""
+        import contextlib
+        _, err = self._consoles()
+        if not err.is_terminal:
+            return contextlib.nullcontext()
+        return err.status(text + " ...")
+
+    def print_json(self, obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+    def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        from rich.table import Table
+        out, _ = self._consoles()
+        table = Table(title=title, title_justify="left")
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
+        for row in rows:
+            style = "bold" if row and row[0] in ("*", "TOTAL") else None
+            table.add_row(*row, style=style)
+        out.print(table)
+
+    def note(self, text: str) -> None:
+        out, _ = self._consoles()
+        out.print(text, highlight=False, markup=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ui = UI(json_mode=getattr(args, "json", False))
+    try:
+        return args.func(args, ui)
+    except PlannerError as e:
+        kind = "invalid file" if isinstance(e, SchemaError) else type(e).__name__
+        sys.stderr.write(f"plan {args.command}: error ({kind}): {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

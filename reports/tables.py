@@ -1,0 +1,79 @@
+"""Rows of the tables every front end shows: the per-layer profile and the ranked plans.
+
+Pipeline position: last stage, pure (no TensorFlow). The CLI renders these rows
+with rich; ``reports.tensorboard`` renders the same rows as markdown text
+summaries, so the terminal and TensorBoard always say the same thing.
+Units: bytes and seconds come in; human units (KiB..GiB, ms, GFLOP) go out.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from planner.plan import Plan
+from profiler.model_profile import ModelProfile
+
+PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
+                  "fwd FLOPs", "bwd FLOPs")
+CANDIDATE_HEADER = ("", "#", "strategy", "dp", "tp", "pp", "micro-batches", "step time",
+                    "compute", "comm", "bubble", "optimizer", "peak mem / device",
+                    "capacity", "fits", "samples/s")
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units: 1536 -> '1.50 KiB'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    """SI units for parameter and FLOP counts: 7.76e9 -> '7.76 G'."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)}"
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def profile_rows(profile: ModelProfile) -> list[tuple[str, ...]]:
+    """One row per layer, then a totals row."""
+    rows = [(l.name, l.type, f"{l.params:,}", fmt_bytes(l.param_bytes),
+             fmt_bytes(l.activation_bytes), fmt_count(l.flops_fwd) + ("*" if l.not_counted else ""),
+             fmt_count(l.flops_bwd)) for l in profile.layers]
+    rows.append(("TOTAL", "", f"{profile.params:,}", fmt_bytes(profile.param_bytes),
+                 fmt_bytes(profile.activation_bytes), fmt_count(profile.flops_fwd),
+                 fmt_count(profile.flops_bwd)))
+    return rows
+
+
+def candidate_rows(candidates: Sequence[Plan], chosen: Plan) -> list[tuple[str, ...]]:
+    """One row per candidate plan, ranked as given; the chosen one is marked with '*'."""
+    rows = []
+    for rank, p in enumerate(candidates, 1):
+        s, pr, b = p.strategy, p.predicted, p.predicted.breakdown
+        rows.append((
+            "*" if p.name == chosen.name else "", str(rank), p.name, str(s.dp), str(s.tp),
+            str(s.pp), f"{s.num_microbatches} x {s.microbatch_size}",
+            fmt_seconds(pr.step_time_s), fmt_seconds(b.compute_s),
+            fmt_seconds(b.communication_s), fmt_seconds(b.bubble_s),
+            fmt_seconds(b.optimizer_s), fmt_bytes(pr.max_memory_bytes),
+            fmt_bytes(pr.memory_capacity_bytes), "yes" if pr.fits else "NO",
+            f"{pr.samples_per_s:,.1f}"))
+    return rows
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """GitHub-flavoured markdown, as TensorBoard's text plugin renders it."""
+    esc = lambda c: str(c).replace("|", "\\|") or " "  # noqa: E731
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

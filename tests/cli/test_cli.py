@@ -1,0 +1,182 @@
+"""The `plan` command end to end: real subprocesses, real models, real files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def run_plan(*args: str, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(EXAMPLES, "train.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_is_fast_and_imports_no_tensorflow():
+    code = ("import sys, time; t = time.perf_counter(); import planner.cli as c; "
+            "c.build_parser().format_help(); "
+            "print(time.perf_counter() - t, 'tensorflow' in sys.modules, 'scipy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1] == "False" and out[2] == "False"
+    assert float(out[0]) < 1.0
+    started = time.perf_counter()
+    r = run_plan("--help")
+    assert r.returncode == 0 and "analyze" in r.stdout and "profile" in r.stdout
+    assert time.perf_counter() - started < 5.0  # includes interpreter start on a busy machine
+
+
+def test_profile_json_totals_match_the_example(tmp_path):
+    r = run_plan("profile", "examples/mlp.py", "--batch-size", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["batch_size"] == 4
+    assert doc["totals"]["params"] == sum(l["params"] for l in doc["layers"])
+    for key in ("params", "trainable_params", "param_bytes", "flops_fwd", "flops_bwd",
+                "activation_bytes"):
+        assert key in doc["totals"]
+    for layer in doc["layers"]:
+        assert {"name", "type", "params", "param_bytes", "activation_bytes", "flops_fwd",
+                "flops_bwd"} <= set(layer)
+
+
+def test_profile_table_prints(tmp_path):
+    r = run_plan("profile", "examples/cnn.py")
+    assert r.returncode == 0, r.stderr
+    assert "TOTAL" in r.stdout and "fwd FLOPs" in r.stdout
+
+
+def test_clusters_lists_presets():
+    r = run_plan("clusters", "--json")
+    assert r.returncode == 0, r.stderr
+    names = [c["name"] for c in json.loads(r.stdout)["presets"]]
+    assert "8xA100-80GB" in names and "8xH100-80GB" in names
+
+
+# --- bad input: a clear message, a non-zero exit, never our traceback -------------------
+
+def _assert_clean_error(r: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "error" in r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
+    assert "planner/cli.py" not in r.stderr  # our own frames are not shown
+
+
+def test_missing_model_file(tmp_path):
+    r = run_plan("profile", str(tmp_path / "nope.py"))
+    _assert_clean_error(r, "nope.py")
+
+
+def test_model_file_that_fails_to_import_shows_its_own_traceback(tmp_path):
+    bad = tmp_path / "broken_model.py"
+    bad.write_text(textwrap.dedent("""\
+        import keras
+
+        def helper():
+            raise RuntimeError("boom from the user's file")
+
+        helper()
+        """))
+    r = run_plan("profile", str(bad))
+    _assert_clean_error(r, "broken_model.py", "boom from the user's file", "helper()")
+
+
+def test_model_file_without_build_model(tmp_path):
+    f = tmp_path / "no_builder.py"
+    f.write_text("def make():\n    return None\n")
+    r = run_plan("profile", str(f))
+    _assert_clean_error(r, "build_model")
+
+
+def test_unknown_cluster_preset_lists_known_ones():
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", "9xTPU-v9", "--global-batch", "8")
+    _assert_clean_error(r, "9xTPU-v9", "8xA100-80GB")
+
+
+def test_malformed_cluster_file_names_the_problem(tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_text("name: mine\nnum_nodes: 1\ndevices_per_node: four\n")
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", str(f), "--global-batch", "8")
+    _assert_clean_error(r, "devices_per_node")
+
+
+def test_bad_fix_argument():
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "8",
+                 "--fix", "dp=two")
+    _assert_clean_error(r, "--fix")
+
+
+# --- the end-to-end path: analyze, then train with the plan -------------------------
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    r = run_train("--model", "examples/mlp.py", "--steps", "5", "--global-batch", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["losses"]
+
+
+@pytest.mark.parametrize("fix,expect", [(None, None), ("dp=4", (4, 1)), ("pp=2", (1, 2))])
+def test_analyze_then_train_matches_single_device(tmp_path, reference_losses, fix, expect):
+    out = tmp_path / "out"
+    args = ["analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "32",
+            "--out", str(out), "--json"]
+    if fix:
+        args += ["--fix", fix]
+    r = run_plan(*args)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    plan = doc["plan"]
+    assert {"dp", "tp", "pp"} <= set(plan["strategy"])
+    assert plan["predicted"]["step_time_s"] > 0
+    assert len(plan["predicted"]["peak_memory_bytes_per_device"]) >= 1
+    ranked = [c["predicted"]["step_time_s"] for c in doc["candidates"] if c["predicted"]["fits"]]
+    assert ranked == sorted(ranked)
+    if fix is None:
+        names = " ".join(c["name"] for c in doc["candidates"])
+        assert "single device" in names and "data parallel" in names and "pipeline" in names
+    else:
+        assert (plan["strategy"]["dp"], plan["strategy"]["pp"]) == expect
+    assert (out / "plan.json").is_file()
+    events = [f for _, _, fs in os.walk(out / "tensorboard") for f in fs if "tfevents" in f]
+    assert events, "no TensorBoard event file written"
+
+    t = run_train("--plan", str(out / "plan.json"), "--steps", "5", "--json")
+    assert t.returncode == 0, t.stderr
+    trained = json.loads(t.stdout)
+    assert len(trained["losses"]) == 5
+    for got, want in zip(trained["losses"], reference_losses):
+        assert abs(got - want) <= 1e-4 * abs(want), (trained["losses"], reference_losses)
+    # Every variable sits on a device the plan names, each layer on its stage's device.
+    stage_of = {layer: stage["devices"] for stage in plan["stages"] for layer in stage["layers"]}
+    for var_path, devices in trained["devices"].items():
+        layer = var_path.split("/")[0]
+        if layer in stage_of:
+            planned = {d.split("device:")[-1] for d in stage_of[layer]}
+            placed = {d.split("device:")[-1] for d in devices}
+            assert placed == planned, (var_path, devices, stage_of[layer])
+
+
+def test_train_with_a_plan_for_another_model_fails_clearly(tmp_path):
+    out = tmp_path / "out"
+    r = run_plan("analyze", "examples/cnn.py", "--cluster", "cpu:2", "--global-batch", "8",
+                 "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    t = run_train("--plan", str(out / "plan.json"), "--model", "examples/mlp.py", "--steps", "1")
+    assert t.returncode != 0
+    assert "plan" in t.stderr.lower() and "layer" in t.stderr
+    assert "Traceback" not in t.stderr
