@@ -2,7 +2,9 @@
 
 Pipeline position: second stage. Imports no TensorFlow (the CLI imports the
 profiler and apply lazily). Public API: ``load_plan``, ``save_plan``, ``Plan``,
-``ClusterSpec``, ``parse_cluster``, ``plan_candidates`` and the error types.
+``ClusterSpec`` and the error types here; ``planner.presets.parse_cluster``,
+``planner.search.search`` and ``planner.validate.validate_plan`` in their modules
+(kept out of this file so that importing ``planner`` stays light).
 """
 from __future__ import annotations
 

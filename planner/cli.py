@@ -185,7 +185,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
             f"backward per sample, optimizer {profile.optimizer}.")
     ui.table(f"Strategies for {cluster.name}, global batch {args.global_batch} "
              "(ranked by predicted step time; * = chosen)",
-             CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen))
+             CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen), left_columns=3)
     ui.note(f"Chosen: {result.chosen.name}. {result.chosen.reason}")
     ui.note(f"Wrote {plan_path}")
     ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
@@ -227,7 +227,9 @@ class UI:
     def _consoles(self):
         if self._console is None:
             from rich.console import Console
-            self._console = Console(soft_wrap=False)
+            # Piped output is not cut to 80 columns: tables stay one line per row.
+            self._console = Console(soft_wrap=False,
+                                    width=None if sys.stdout.isatty() else 220)
             self._err = Console(stderr=True)
         return self._console, self._err
 
@@ -242,12 +244,13 @@ class UI:
     def print_json(self, obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
-    def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+              left_columns: int = 2) -> None:
         from rich.table import Table
         out, _ = self._consoles()
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i < 3 else "right", no_wrap=i < 3)
+            table.add_column(h, justify="left" if i < left_columns else "right", no_wrap=True)
         for row in rows:
             style = "bold" if row and row[0] in ("*", "TOTAL") else None
             table.add_row(*row, style=style)

@@ -33,10 +33,13 @@ class DeviceSpec:
         """Peak dense FLOP/s for a compute precision (``mixed_float16`` -> float16)."""
         key = compute_precision(precision)
         table = dict(self.peak_flops_per_s)
-        if key in table:
-            return table[key]
+        # TensorFlow runs float32 matmuls and convolutions in TF32 on GPUs that have it
+        # (tf.config.experimental.enable_tensor_float_32_execution defaults to True since
+        # TF 2.4), so a float32 model is priced at the TF32 peak where the device lists one.
         if key == "float32" and "tf32" in table:
             return table["tf32"]
+        if key in table:
+            return table[key]
         raise ClusterSpecError(
             f"Device {self.kind} has no peak FLOP/s for precision {key!r}; it lists "
             f"{sorted(table)}. Add it to the cluster file under peak_flops_per_s.")

@@ -1,0 +1,130 @@
+"""The cost model: pure functions from profile numbers and hardware to seconds and bytes.
+
+Pipeline position: read by ``planner.search`` (to price each candidate) and
+``planner.pipeline_ilp`` (through the per-layer numbers search hands it). Every
+function is pure, names its symbols, and cites where its formula comes from.
+
+Profile numbers are for ``ModelProfile.batch_size`` samples (b); a cost for
+``samples`` samples scales them linearly: ``value * samples / b``.
+"""
+from __future__ import annotations
+
+from planner.cluster import DeviceSpec, LinkSpec
+from profiler.model_profile import LayerProfile
+
+# Fixed cost of one layer in one micro-batch pass (its forward and backward ops
+# together): kernel launch (~5 us per CUDA launch, NVIDIA CUDA best-practices
+# guide) plus TensorFlow op dispatch inside a tf.function. Assumed 10 us. It is
+# what makes more micro-batches not free.
+LAYER_OVERHEAD_S = 10e-6
+
+# Allocator/workspace margin on every memory estimate. TensorFlow's BFC allocator
+# rounds allocations to size bins and fragments; cuBLAS/cuDNN take workspaces.
+# ZeRO (Rajbhandari et al., SC'20, Sec. 3.2) reports fragmentation that leaves
+# >30% of memory unusable in extreme cases; 10% is our assumption for the common
+# case, to be calibrated against measured peaks.
+MEMORY_MARGIN = 1.10
+
+
+def scaled(value_for_profile_batch: float, samples: float, profile_batch_size: int) -> float:
+    """A per-layer profile number for ``samples`` samples: value * samples / b (linear)."""
+    return value_for_profile_batch * samples / profile_batch_size
+
+
+def compute_time_s(flops: float, device: DeviceSpec, precision: str) -> float:
+    """t = F / (P_peak(precision) * eta).
+
+    F: FLOPs (2 per multiply-add); P_peak: the device's dense peak for the
+    precision its matmuls run in; eta: ``device.matmul_efficiency`` (see
+    ``planner.presets`` for the figure and its source).
+    """
+    return flops / device.achieved_flops(precision)
+
+
+def layer_pass_time_s(layer: LayerProfile, samples: float, profile_batch_size: int,
+                      device: DeviceSpec, precision: str) -> float:
+    """Forward + backward time of one layer for one pass over ``samples`` samples.
+
+    t = (F_fwd + F_bwd) * samples / b / (P_peak * eta) + LAYER_OVERHEAD_S.
+    """
+    flops = scaled(layer.flops_fwd + layer.flops_bwd, samples, profile_batch_size)
+    return compute_time_s(flops, device, precision) + LAYER_OVERHEAD_S
+
+
+def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
+    """Point-to-point transfer, alpha-beta model: t = alpha + n / beta.
+
+    alpha: ``link.latency_s``; beta: ``link.bandwidth_bytes_per_s`` (one
+    direction); n: bytes (Hockney, "The communication challenge for MPP", 1994).
+    """
+    return link.latency_s + nbytes / link.bandwidth_bytes_per_s
+
+
+def ring_allreduce_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring all-reduce of ``nbytes`` on ``n`` devices.
+
+    t = 2 (n-1)/n * N / beta + 2 (n-1) * alpha; 0 for n == 1.
+    A reduce-scatter then an all-gather, each n-1 steps of N/n bytes
+    (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations", JPDC 2009; NCCL docs, "Performance: algorithm bandwidth vs bus
+    bandwidth", bus factor 2(n-1)/n).
+    """
+    if n < 1:
+        raise ValueError(f"all-reduce over {n} devices; expected n >= 1")
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
+
+
+def optimizer_time_s(param_bytes: float, grad_bytes: float, optimizer_bytes: float,
+                     device: DeviceSpec) -> float:
+    """Optimizer update, memory-bound: t = (2 W + G + 2 S) / B_mem.
+
+    The update is element-wise (about one FLOP per byte moved, far below the
+    roofline ridge point: Williams et al., "Roofline", CACM 2009), so its time is
+    the bytes it moves over HBM: read and write the weights W, read the
+    gradients G, read and write the optimizer state S, once per step.
+    """
+    return (2 * param_bytes + grad_bytes + 2 * optimizer_bytes) \
+        / device.memory_bandwidth_bytes_per_s
+
+
+def with_margin_bytes(raw_bytes: float) -> float:
+    """Memory a device needs for ``raw_bytes`` of tensors: raw * MEMORY_MARGIN."""
+    return raw_bytes * MEMORY_MARGIN
+
+
+def layer_memory_bytes(layer: LayerProfile, samples_in_flight: float, profile_batch_size: int,
+                       input_bytes: float = 0.0) -> float:
+    """What holding one layer costs a device, margin included.
+
+    M = (W + G + S + (A + I) * k / b) * MEMORY_MARGIN, with W, G, S the layer's
+    weight, gradient and optimizer-state bytes, A its output activation bytes and
+    I the bytes of model inputs it reads (for the profile batch b), and k the
+    samples whose activations are alive at the peak. GPipe keeps every
+    micro-batch's activations until its backward pass (Huang et al., "GPipe",
+    NeurIPS 2019, Sec. 2.3), so k = the device's whole local batch.
+    """
+    activations = scaled(layer.activation_bytes + input_bytes, samples_in_flight,
+                         profile_batch_size)
+    return with_margin_bytes(layer.state_bytes + activations)
+
+
+def gpipe_step_time_s(num_microbatches: int, num_stages: int, slowest_stage_s: float,
+                      optimizer_s: float) -> float:
+    """GPipe step: t = (m + p - 1) * t_stage + t_opt.
+
+    m micro-batches through p stages: the slowest stage's forward+backward time
+    per micro-batch t_stage (boundary transfers included) paces the pipeline,
+    and fill and drain add p - 1 slots (Huang et al., "GPipe", NeurIPS 2019,
+    bubble fraction (p-1)/(m+p-1)).
+    """
+    return (num_microbatches + num_stages - 1) * slowest_stage_s + optimizer_s
+
+
+def model_tflops_per_device(flops_per_sample: float, global_batch: int, step_time_s: float,
+                            devices_used: int) -> float:
+    """Model FLOP/s per device in TFLOP/s: F_sample * B / t_step / d / 1e12
+    (the "model FLOPs" of Chowdhery et al., PaLM, 2022, App. B: recomputation
+    not counted)."""
+    return flops_per_sample * global_batch / step_time_s / devices_used / 1e12

@@ -1,0 +1,412 @@
+"""Strategy search: price every candidate strategy, rank them, choose one and say why.
+
+Pipeline position: reads a ModelProfile and a ClusterSpec, prices candidates with
+``planner.cost_model``, places pipeline stages with ``planner.pipeline_ilp``,
+checks every plan with ``planner.validate``, and returns a ``SearchResult`` that
+the CLI renders and writes as plan.json.
+
+Candidates in this first cut:
+
+- single device (dp = tp = pp = 1);
+- data parallel over all devices, and over every smaller power of two, when dp
+  divides the global batch. Step = compute of the local batch + the gradient
+  ring all-reduce, fully exposed (no overlap with the backward pass yet) + the
+  optimizer update;
+- GPipe pipelines of pp = 2..min(devices, layers) stages, one device each (when
+  there are more than 16 such degrees: the powers of two and the largest), the
+  split chosen by ``pipeline_ilp.best_split`` (the ILP, bounded by an exact DP;
+  the DP alone above ILP_MAX_BINARIES), the number of micro-batches m among the
+  divisors of the global batch in [pp, 8 pp] by predicted step time.
+  Step = (m + pp - 1) x slowest stage per micro-batch + optimizer. GPipe keeps
+  every micro-batch's activations until its backward pass, so memory does not
+  depend on m.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from planner import cost_model as cm
+from planner.cluster import ClusterSpec, LinkSpec
+from planner.errors import InfeasiblePlanError, PlannerError, SolverError
+from planner.graph import input_edges, layer_graph, topological_layers
+from planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
+                                  min_max_stage_memory, min_stages_to_fit)
+from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from planner.validate import validate_plan
+from profiler.model_profile import ModelProfile
+
+MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
+MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
+FIX_KEYS = ("dp", "tp", "pp", "num_microbatches")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    chosen: Plan  # candidates[0] when it fits; carries the ``reason``
+    candidates: tuple[Plan, ...]  # fitting ones by step time, then the ones that do not fit
+
+
+@dataclass(frozen=True)
+class _Context:
+    """The search's inputs, checked once, plus the layer graph in index form."""
+
+    profile: ModelProfile
+    cluster: ClusterSpec
+    global_batch: int
+    names: tuple[str, ...]  # topological layer order
+    input_bytes: tuple[float, ...]  # per layer: model-input bytes charged to it (profile batch)
+    tensors: tuple[tuple[int, tuple[int, ...], int], ...]  # (producer, readers, bytes)
+
+    def layer_times_s(self, samples: float) -> tuple[float, ...]:
+        p = self.profile
+        return tuple(cm.layer_pass_time_s(l, samples, p.batch_size, self.cluster.device,
+                                          p.precision) for l in p.layers)
+
+    def layer_memories_bytes(self, samples_in_flight: float) -> tuple[float, ...]:
+        p = self.profile
+        return tuple(cm.layer_memory_bytes(l, samples_in_flight, p.batch_size, self.input_bytes[i])
+                     for i, l in enumerate(p.layers))
+
+
+def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
+           fix: Mapping[str, int] | None = None, time_limit_s: float = 10.0) -> SearchResult:
+    """Rank the candidate strategies for training ``profile`` on ``cluster``.
+
+    ``fix`` (e.g. ``{"dp": 4}`` or ``{"pp": 2, "num_microbatches": 4}``) prices only
+    that strategy and returns it even when it does not fit. ``time_limit_s`` is the
+    ILP budget for the whole search, shared evenly among the pipeline splits.
+    Same input, same output. Raises InfeasiblePlanError when nothing fits.
+    """
+    ctx = _context(profile, cluster, global_batch)
+    if fix is not None:
+        return _fixed(ctx, fix, time_limit_s)
+    n, b = cluster.num_devices, global_batch
+    plans = [_data_parallel(ctx, 1)]
+    plans += [_data_parallel(ctx, dp) for dp in _data_parallel_degrees(n) if b % dp == 0]
+    pipelines = [(pp, _microbatch_choices(b, pp)) for pp in _pipeline_degrees(n, len(ctx.names))]
+    pipelines = [(pp, ms) for pp, ms in pipelines if ms]
+    per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
+    plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
+    for plan in plans:
+        validate_plan(plan, profile, error_type=SolverError)
+    ranked = sorted(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s,
+                                          p.strategy.num_devices, p.name))
+    if not ranked[0].predicted.fits:
+        raise InfeasiblePlanError(_nothing_fits(ctx, ranked))
+    chosen = ranked[0].with_reason(_reason(ranked))
+    return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]))
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+def _context(profile: ModelProfile, cluster: ClusterSpec, global_batch: int) -> _Context:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlannerError(f"Global batch is {global_batch!r}; expected a whole number of "
+                           "samples >= 1 (e.g. --global-batch 512).")
+    if not profile.layers:
+        raise PlannerError(f"Profile of {profile.model_name!r} has no layers; nothing to plan. "
+                           "Check that the model has layers with work in them.")
+    names = topological_layers(profile)
+    index = {name: i for i, name in enumerate(names)}
+    inputs = [0.0] * len(names)
+    by_input: dict[str, list] = {}
+    for e in input_edges(profile):
+        by_input.setdefault(e.src, []).append(e)
+    for edges in by_input.values():  # charged once, to the first layer that reads it
+        inputs[min(index[e.dst] for e in edges)] += max(e.bytes for e in edges)
+    graph = layer_graph(profile)
+    tensors = []
+    for u in names:
+        readers = sorted(index[v] for v in graph.successors(u))
+        if readers:
+            nbytes = max(graph.edges[u, v]["bytes"] for v in graph.successors(u))
+            tensors.append((index[u], tuple(readers), nbytes))
+    return _Context(profile, cluster, global_batch, names, tuple(inputs), tuple(tensors))
+
+
+def _data_parallel_degrees(num_devices: int) -> list[int]:
+    powers = [2**k for k in range(1, num_devices.bit_length()) if 2**k < num_devices]
+    return powers + ([num_devices] if num_devices > 1 else [])
+
+
+def _pipeline_degrees(num_devices: int, num_layers: int) -> list[int]:
+    top = min(num_devices, num_layers)
+    if top - 1 <= MAX_PIPELINE_DEGREES:
+        return list(range(2, top + 1))
+    return sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top})
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
+
+
+def _microbatch_choices(global_batch: int, pp: int) -> list[int]:
+    divisors = _divisors(global_batch)
+    inside = [d for d in divisors if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
+    return inside or [d for d in divisors if d >= pp][:1]
+
+
+# --- pricing one strategy -------------------------------------------------------------------
+
+def _data_parallel(ctx: _Context, dp: int) -> Plan:
+    p, cluster, device = ctx.profile, ctx.cluster, ctx.cluster.device
+    local = ctx.global_batch // dp
+    grad_bytes = sum(l.grad_bytes for l in p.layers)
+    breakdown = Breakdown(
+        compute_s=sum(ctx.layer_times_s(local)),
+        communication_s=cm.ring_allreduce_time_s(grad_bytes, dp, cluster.link_between(dp)),
+        bubble_s=0.0, recompute_s=0.0,
+        optimizer_s=cm.optimizer_time_s(p.param_bytes, grad_bytes,
+                                        sum(l.optimizer_bytes for l in p.layers), device))
+    devices = cluster.device_names()[:dp]
+    memory = math.ceil(sum(ctx.layer_memories_bytes(local)))
+    return _plan(ctx, "single device" if dp == 1 else f"data parallel dp={dp}",
+                 Strategy(dp=dp, tp=1, pp=1, microbatch_size=local, num_microbatches=1),
+                 (Stage(layers=ctx.names, devices=devices),), breakdown,
+                 tuple((d, memory) for d in devices),
+                 "closed form (one stage; every layer on each data-parallel device)")
+
+
+def _boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
+    """The link between pipeline devices ``boundary`` and ``boundary + 1`` (node-major)."""
+    same_node = boundary // cluster.devices_per_node == (boundary + 1) // cluster.devices_per_node
+    return cluster.intra_node_link if same_node or cluster.inter_node_link is None \
+        else cluster.inter_node_link
+
+
+def _split_problem(ctx: _Context, pp: int, microbatch_size: int, samples_in_flight: int,
+                  memory_capacity_bytes: float | None) -> SplitProblem:
+    """The pipeline-split problem for pp stages (GPipe: every micro-batch in flight).
+
+    A boundary tensor is sent forward and its gradient sent back:
+    2 x p2p_time_s(bytes for one micro-batch) per boundary it crosses.
+    """
+    b = ctx.profile.batch_size
+    links = [_boundary_link(ctx.cluster, s) for s in range(pp - 1)]
+    transfers = tuple(Transfer(
+        src=src, dsts=dsts,
+        send_time_s=tuple(2 * cm.p2p_time_s(cm.scaled(nbytes, microbatch_size, b), link)
+                          for link in links),
+        recv_memory_bytes=cm.with_margin_bytes(cm.scaled(nbytes, samples_in_flight, b)))
+        for src, dsts, nbytes in ctx.tensors)
+    return SplitProblem(layer_names=ctx.names, layer_time_s=ctx.layer_times_s(microbatch_size),
+                        layer_memory_bytes=ctx.layer_memories_bytes(samples_in_flight),
+                        transfers=transfers, num_stages=pp,
+                        memory_capacity_bytes=memory_capacity_bytes)
+
+
+def _pipeline(ctx: _Context, pp: int, microbatch_counts: list[int], ilp_time_s: float) -> Plan:
+    """The fastest GPipe plan with pp stages; when no split fits memory, the fastest
+    split regardless (its prediction then says it does not fit)."""
+    capacity = ctx.cluster.device.memory_bytes
+    try:
+        plans = [_pipeline_with(ctx, pp, m, capacity, ilp_time_s, microbatch_counts)
+                 for m in microbatch_counts]
+    except InfeasiblePlanError:  # memory does not depend on m: no m fits
+        plans = [_pipeline_with(ctx, pp, m, None, ilp_time_s, microbatch_counts)
+                 for m in microbatch_counts]
+    return min(plans, key=lambda p: (p.predicted.step_time_s, p.strategy.num_microbatches))
+
+
+def _pipeline_with(ctx: _Context, pp: int, m: int, capacity: float | None, ilp_time_s: float,
+                   choices: list[int]) -> Plan:
+    p, device = ctx.profile, ctx.cluster.device
+    split: Split = best_split(_split_problem(ctx, pp, ctx.global_batch // m, ctx.global_batch,
+                                           capacity), time_limit_s=ilp_time_s)
+    slow = split.slowest_stage
+    optimizer_s = max(cm.optimizer_time_s(
+        sum(l.param_bytes for l in p.layers[c.start:c.stop]),
+        sum(l.grad_bytes for l in p.layers[c.start:c.stop]),
+        sum(l.optimizer_bytes for l in p.layers[c.start:c.stop]), device)
+        for c in split.stages)
+    breakdown = Breakdown(compute_s=m * slow.compute_s, communication_s=m * slow.send_s,
+                          bubble_s=(pp - 1) * slow.time_s, recompute_s=0.0,
+                          optimizer_s=optimizer_s)
+    devices = ctx.cluster.device_names()[:pp]
+    stages = tuple(Stage(layers=ctx.names[c.start:c.stop], devices=(devices[s],))
+                   for s, c in enumerate(split.stages))
+    solver = (f"{split.solver}; num_microbatches {m} chosen from {choices} by predicted step "
+              "time" + ("" if capacity is not None else
+                        "; no split fits memory, shown with the fastest split regardless"))
+    return _plan(ctx, f"pipeline pp={pp} m={m}",
+                 Strategy(dp=1, tp=1, pp=pp, microbatch_size=ctx.global_batch // m,
+                          num_microbatches=m, schedule="gpipe"),
+                 stages, breakdown,
+                 tuple((devices[s], c.memory_bytes) for s, c in enumerate(split.stages)), solver)
+
+
+def _plan(ctx: _Context, name: str, strategy: Strategy, stages: tuple[Stage, ...],
+          breakdown: Breakdown, memory: tuple[tuple[str, int], ...], solver: str) -> Plan:
+    p = ctx.profile
+    step_s = breakdown.total_s
+    flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
+    return Plan(
+        name=name, model_name=p.model_name, model_fingerprint=p.fingerprint,
+        model_signature=p.signature(), cluster=ctx.cluster, global_batch=ctx.global_batch,
+        precision=p.precision, optimizer=p.optimizer, strategy=strategy, stages=stages,
+        predicted=Prediction(
+            step_time_s=step_s, breakdown=breakdown, peak_memory_bytes_per_device=memory,
+            memory_capacity_bytes=ctx.cluster.device.memory_bytes,
+            samples_per_s=ctx.global_batch / step_s,
+            model_tflops_per_device=cm.model_tflops_per_device(
+                flops_per_sample, ctx.global_batch, step_s, strategy.num_devices)),
+        solver=solver)
+
+
+# --- a strategy fixed by the caller ------------------------------------------------------------
+
+def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
+    if not isinstance(fix, Mapping):
+        raise PlannerError(f"fix is {fix!r}; expected a mapping such as {{'dp': 4}} or "
+                           "{'pp': 2, 'num_microbatches': 4}.")
+    unknown = sorted(set(fix) - set(FIX_KEYS))
+    if unknown:
+        raise PlannerError(f"fix has unknown key(s) {unknown}; expected some of {FIX_KEYS}.")
+    for key, value in fix.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlannerError(f"fix {key}={value!r}; expected a whole number >= 1.")
+    dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
+    m = fix.get("num_microbatches")
+    n, b = ctx.cluster.num_devices, ctx.global_batch
+    if tp != 1:
+        raise PlannerError(f"fix asks for tp={tp}; tensor parallelism is not implemented in this "
+                           "version, so tp must be 1. Use dp or pp.")
+    if dp > 1 and pp > 1:
+        raise PlannerError(f"fix asks for dp={dp} and pp={pp}; hybrid data x pipeline "
+                           "parallelism is not implemented yet. Fix dp or pp, not both.")
+    if dp * pp > n:
+        raise InfeasiblePlanError(f"fix asks for dp*pp = {dp * pp} devices; cluster "
+                                  f"{ctx.cluster.name!r} has {n}. Use a bigger cluster.")
+    if b % dp:
+        raise PlannerError(f"fix asks for dp={dp}, which does not divide the global batch {b}; "
+                           "choose a dp that divides it (or change the batch).")
+    if pp == 1:
+        if m not in (None, 1):
+            raise PlannerError(f"fix asks for num_microbatches={m} with pp=1; micro-batching "
+                               "without a pipeline (gradient accumulation) is not supported yet.")
+        plan = _data_parallel(ctx, dp)
+    else:
+        choices = [m] if m is not None else _microbatch_choices(b, pp)
+        if m is not None and b % m:
+            raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
+                               f"global batch {b}.")
+        if not choices:
+            raise PlannerError(f"fix asks for pp={pp}, but the global batch {b} is smaller than "
+                               "the number of stages; use a batch of at least pp samples.")
+        plan = _pipeline(ctx, pp, choices, time_limit_s / len(choices))
+    validate_plan(plan, ctx.profile, error_type=SolverError)
+    pred = plan.predicted
+    reason = (f"{plan.name} was fixed by the request ({dict(fix)}); it is predicted to take "
+              f"{_fmt_s(pred.step_time_s)} per step and needs {_fmt_bytes(pred.max_memory_bytes)} "
+              f"of {_fmt_bytes(pred.memory_capacity_bytes)} per device")
+    reason += "." if pred.fits else "; it does NOT fit in memory."
+    plan = plan.with_reason(reason)
+    return SearchResult(chosen=plan, candidates=(plan,))
+
+
+# --- explaining the answer ----------------------------------------------------------------
+
+def _reason(ranked: list[Plan]) -> str:
+    chosen = ranked[0]
+    pred = chosen.predicted
+    fits_text = (f"fits in {_fmt_bytes(pred.max_memory_bytes)} of "
+                 f"{_fmt_bytes(pred.memory_capacity_bytes)} per device")
+    fitting = [p for p in ranked if p.predicted.fits]
+    if len(fitting) == 1:
+        text = f"{chosen.name} is the only candidate that {fits_text}"
+    else:
+        runner = fitting[1]
+        ratio = runner.predicted.step_time_s / pred.step_time_s
+        text = (f"{chosen.name} is predicted {ratio:.{1 if ratio >= 1.1 else 2}f}x faster than "
+                f"the runner-up {runner.name} ({_fmt_s(pred.step_time_s)} vs "
+                f"{_fmt_s(runner.predicted.step_time_s)} per step) and {fits_text}")
+    faster = [p for p in ranked if not p.predicted.fits
+              and p.predicted.step_time_s < pred.step_time_s]
+    if faster:
+        f = faster[0]
+        text += (f"; the faster {f.name} ({_fmt_s(f.predicted.step_time_s)}) would need "
+                 f"{_fmt_bytes(f.predicted.max_memory_bytes)} per device and does not fit")
+    return text + "."
+
+
+def _nothing_fits(ctx: _Context, ranked: list[Plan]) -> str:
+    p, cluster, b = ctx.profile, ctx.cluster, ctx.global_batch
+    cap = cluster.device.memory_bytes
+    least = min(ranked, key=lambda x: (x.predicted.max_memory_bytes, x.name))
+    activations = cm.scaled(p.activation_bytes + sum(ctx.input_bytes), b, p.batch_size)
+    text = (f"No strategy fits in {_fmt_bytes(cap)} per device on {cluster.name} "
+            f"({cluster.num_devices} devices, global batch {b}). Memory binds: the model's state "
+            f"(weights + gradients + optimizer state) is {_fmt_bytes(p.state_bytes)} and the "
+            f"activations of the global batch are {_fmt_bytes(activations)}; the candidate that "
+            f"needs least, {least.name}, needs {_fmt_bytes(least.predicted.max_memory_bytes)} "
+            "per device.")
+    need = least.predicted.max_memory_bytes
+    max_pp = min(cluster.num_devices, len(ctx.names))
+    if max_pp > 1:  # the most even split of memory over the most stages
+        need = min(need, math.ceil(min_max_stage_memory(_split_problem(ctx, max_pp, b, b, cap))[0]))
+    fixes = [f"devices with at least {_fmt_bytes(need)} each"]
+    more = _devices_that_would_fit(ctx)
+    if more:
+        fixes.append(more)
+    worst = max(p.layers, key=lambda l: l.state_bytes)
+    if cm.with_margin_bytes(worst.state_bytes) > cap:
+        text += (f" Layer {worst.name!r} alone holds {_fmt_bytes(worst.state_bytes)} of weights, "
+                 "gradients and optimizer state (before the allocator margin), so more devices "
+                 "cannot help until tensor parallelism is supported.")
+    largest = _largest_batch_that_fits(ctx, b - 1)
+    if largest:
+        fixes.append(f"a global batch of at most {largest} (activation memory grows with it)")
+    return text + " Smallest changes that would fit: " + "; or ".join(fixes) + "."
+
+
+def _devices_that_would_fit(ctx: _Context) -> str | None:
+    """The fewest devices (more than the cluster has) with which a pipeline or data
+    parallelism would fit this batch, as a phrase; None if neither would."""
+    cap, n, b = ctx.cluster.device.memory_bytes, ctx.cluster.num_devices, ctx.global_batch
+    options = []
+    stages = min_stages_to_fit(_split_problem(ctx, 1, b, b, cap))
+    if stages is not None and stages > n:
+        options.append((stages, f"at least {stages} devices (a pipeline of {stages} stages)"))
+    for dp in (d for d in _divisors(b) if d > n):
+        if math.ceil(sum(ctx.layer_memories_bytes(b // dp))) <= cap:
+            options.append((dp, f"at least {dp} devices (data parallel dp={dp})"))
+            break
+    return min(options)[1] if options else None
+
+
+def _largest_batch_that_fits(ctx: _Context, upper: int) -> int | None:
+    """Largest batch <= upper that some candidate shape could hold (binary search;
+    memory grows with the batch)."""
+    cap, n = ctx.cluster.device.memory_bytes, ctx.cluster.num_devices
+    max_pp = min(n, len(ctx.names))
+
+    def fits(batch: int) -> bool:
+        if math.ceil(sum(ctx.layer_memories_bytes(batch / n))) <= cap:  # data parallel, dp = n
+            return True
+        stages = min_stages_to_fit(_split_problem(ctx, 1, batch, batch, cap))
+        return stages is not None and stages <= max_pp
+
+    lo, hi = 0, upper  # fits(lo) is taken as true, answer in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo or None
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _fmt_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+

@@ -1,0 +1,119 @@
+"""Re-checking a Plan against the model profile and its own cluster.
+
+Pipeline position: every plan ``planner.search`` returns passes through
+``validate_plan`` (a broken one is a solver bug: SolverError); a plan read back
+from plan.json can be checked the same way before it is applied (a broken one
+does not match: PlanMismatchError).
+"""
+from __future__ import annotations
+
+from planner.errors import PlanMismatchError, PlannerError
+from planner.plan import Plan
+from profiler.model_profile import ModelProfile
+
+
+def validate_plan(plan: Plan, profile: ModelProfile, *,
+                  error_type: type[PlannerError] = PlanMismatchError) -> None:
+    """Raise ``error_type`` naming the first way ``plan`` is not a valid plan for ``profile``.
+
+    Checks: the model signature; strategy numbers (dp*tp*pp <= devices,
+    microbatch_size * num_microbatches * dp == global_batch, schedule); every
+    profiled layer in exactly one stage, stages contiguous in the profile order;
+    pp stages of dp devices each; devices exist in the plan's cluster and are
+    used once; the prediction names the plan's devices and its breakdown sums
+    to its step time. ``search`` passes ``error_type=SolverError``.
+    """
+    def fail(what: str) -> None:
+        raise error_type(f"Plan {plan.name!r} for model {plan.model_name!r}: {what}")
+
+    if error_type is PlanMismatchError:
+        plan.check_model(profile.signature())
+    elif plan.model_signature != profile.signature():
+        fail("its model signature differs from the profile's.")
+    _check_strategy(plan, fail)
+    _check_stages(plan, profile, fail)
+    _check_devices(plan, fail)
+    _check_prediction(plan, fail)
+
+
+def _check_strategy(plan: Plan, fail) -> None:
+    s, cluster = plan.strategy, plan.cluster
+    if s.tp != 1:
+        fail(f"tp is {s.tp}; tensor parallelism is not implemented yet, expected tp = 1.")
+    if s.num_devices > cluster.num_devices:
+        fail(f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.num_devices} devices, but cluster "
+             f"{cluster.name!r} has {cluster.num_devices}. Re-plan for this cluster.")
+    if s.microbatch_size * s.num_microbatches * s.dp != plan.global_batch:
+        fail(f"microbatch_size * num_microbatches * dp = {s.microbatch_size} * "
+             f"{s.num_microbatches} * {s.dp} = {s.microbatch_size * s.num_microbatches * s.dp}, "
+             f"expected the global batch {plan.global_batch}.")
+    if s.pp == 1 and s.schedule != "none":
+        fail(f"schedule is {s.schedule!r} with pp = 1; expected 'none'.")
+    if s.pp > 1 and s.schedule == "none":
+        fail(f"pp = {s.pp} but schedule is 'none'; expected a pipeline schedule (gpipe).")
+    if s.pp == 1 and s.num_microbatches != 1:
+        fail(f"num_microbatches is {s.num_microbatches} with pp = 1; gradient accumulation "
+             "is not supported yet, expected 1.")
+
+
+def _check_stages(plan: Plan, profile: ModelProfile, fail) -> None:
+    s = plan.strategy
+    if len(plan.stages) != s.pp:
+        fail(f"it has {len(plan.stages)} stages; expected pp = {s.pp}.")
+    order = [layer.name for layer in profile.layers]
+    position = {name: i for i, name in enumerate(order)}
+    seen: dict[str, int] = {}
+    for k, stage in enumerate(plan.stages):
+        if not stage.layers:
+            fail(f"stage {k} holds no layers; every stage needs at least one.")
+        for name in stage.layers:
+            if name not in position:
+                fail(f"stage {k} holds layer {name!r}, which the model does not have.")
+            if name in seen:
+                fail(f"layer {name!r} is in stage {seen[name]} and again in stage {k}; "
+                     "each layer belongs to exactly one stage.")
+            seen[name] = k
+        if len(stage.devices) != s.dp:
+            fail(f"stage {k} has {len(stage.devices)} devices; expected one per data-parallel "
+                 f"replica (dp = {s.dp}).")
+    missing = [name for name in order if name not in seen]
+    if missing:
+        fail(f"layer(s) {', '.join(repr(n) for n in missing[:5])} are in no stage; every "
+             "profiled layer must be placed.")
+    placed = [name for stage in plan.stages for name in stage.layers]
+    for i, name in enumerate(placed):
+        if position[name] != i:
+            k = seen[name]
+            expected = order[i]
+            fail(f"stage {k} is not contiguous in the model's layer order: layer {name!r} comes "
+                 f"where layer {expected!r} (position {i}) belongs. Stages must hold runs of "
+                 "consecutive layers, in order.")
+
+
+def _check_devices(plan: Plan, fail) -> None:
+    known = set(plan.cluster.device_names())
+    used: dict[str, int] = {}
+    for k, stage in enumerate(plan.stages):
+        for device in stage.devices:
+            if device not in known:
+                fail(f"stage {k} uses device {device!r}, which cluster {plan.cluster.name!r} "
+                     f"does not have (it has {', '.join(plan.cluster.device_names()[:4])}...).")
+            if device in used:
+                fail(f"device {device!r} is used by stage {used[device]} and again by stage "
+                     f"{k}; each device holds one stage of one replica.")
+            used[device] = k
+
+
+def _check_prediction(plan: Plan, fail) -> None:
+    p = plan.predicted
+    named = [d for d, _ in p.peak_memory_bytes_per_device]
+    if named != list(plan.devices):
+        fail(f"the predicted memory names devices {named}, expected the plan's devices "
+             f"{list(plan.devices)} in order.")
+    total = p.breakdown.total_s
+    if abs(total - p.step_time_s) > 1e-9 * max(abs(p.step_time_s), 1e-30) + 1e-15:
+        fail(f"its step-time breakdown sums to {total!r} s but step_time_s is "
+             f"{p.step_time_s!r} s.")
+    if p.memory_capacity_bytes != plan.cluster.device.memory_bytes:
+        fail(f"it predicts against {p.memory_capacity_bytes} bytes per device, but the "
+             f"cluster's devices have {plan.cluster.device.memory_bytes}.")

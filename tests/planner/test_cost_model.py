@@ -1,0 +1,65 @@
+"""planner.cost_model: each formula against a hand computation."""
+from __future__ import annotations
+
+import pytest
+
+from planner import cost_model as cm
+from planner.cluster import DeviceSpec, LinkSpec
+from planner.presets import parse_cluster
+from profiler.model_profile import LayerProfile
+
+DEVICE = DeviceSpec(kind="Test", device_type="GPU", memory_bytes=2**30,
+                    peak_flops_per_s=(("float16", 200e12), ("float32", 20e12)),
+                    memory_bandwidth_bytes_per_s=1e12, matmul_efficiency=0.5)
+LINK = LinkSpec(bandwidth_bytes_per_s=100e9, latency_s=1e-5)
+LAYER = LayerProfile(name="d", type="Dense", params=1000, trainable_params=1000,
+                     param_bytes=4000, grad_bytes=4000, optimizer_bytes=8000,
+                     activation_bytes=2048, flops_fwd=6_000_000, flops_bwd=12_000_000)
+
+
+def test_compute_time_is_flops_over_achieved_peak():
+    assert cm.compute_time_s(1e12, DEVICE, "float32") == pytest.approx(1e12 / (20e12 * 0.5))
+    assert cm.compute_time_s(1e12, DEVICE, "mixed_float16") == pytest.approx(1e12 / 100e12)
+    a100 = parse_cluster("8xA100-80GB").device
+    assert cm.compute_time_s(312e12, a100, "mixed_bfloat16") == pytest.approx(2.0)
+
+
+def test_layer_pass_scales_with_samples_and_adds_the_fixed_overhead():
+    # profile batch 8, 32 samples: (6e6 + 12e6) * 32/8 = 72e6 FLOPs at 10 TFLOP/s achieved
+    t = cm.layer_pass_time_s(LAYER, 32, 8, DEVICE, "float32")
+    assert t == pytest.approx(72e6 / 10e12 + 10e-6)
+    assert cm.LAYER_OVERHEAD_S == 10e-6
+    # four micro-batches of 8 cost more than one batch of 32: the overhead is per pass
+    assert 4 * cm.layer_pass_time_s(LAYER, 8, 8, DEVICE, "float32") > t
+
+
+def test_ring_allreduce():
+    assert cm.ring_allreduce_time_s(1e9, 1, LINK) == 0.0
+    # 2 (n-1)/n N / beta + 2 (n-1) alpha, n = 4
+    assert cm.ring_allreduce_time_s(1e9, 4, LINK) == pytest.approx(1.5 * 1e9 / 100e9 + 6e-5)
+    assert cm.ring_allreduce_time_s(0, 2, LINK) == pytest.approx(2e-5)
+
+
+def test_p2p_is_latency_plus_bytes_over_bandwidth():
+    assert cm.p2p_time_s(1e6, LINK) == pytest.approx(1e-5 + 1e-5)
+    assert cm.p2p_time_s(0, LINK) == 1e-5
+
+
+def test_optimizer_moves_weights_grads_and_state_over_hbm():
+    # read+write W, read G, read+write S
+    assert cm.optimizer_time_s(4000, 4000, 8000, DEVICE) == pytest.approx(
+        (8000 + 4000 + 16000) / 1e12)
+
+
+def test_layer_memory_counts_state_and_activations_of_samples_in_flight():
+    assert cm.MEMORY_MARGIN == 1.10
+    # state 16000 + (2048 activation + 512 input) * 32/8, times the margin
+    assert cm.layer_memory_bytes(LAYER, 32, 8, input_bytes=512) == pytest.approx(
+        (16000 + 2560 * 4) * 1.10)
+    assert cm.with_margin_bytes(1000) == pytest.approx(1100)
+    assert cm.scaled(2048, 4, 8) == 1024
+
+
+def test_gpipe_step_and_model_tflops():
+    assert cm.gpipe_step_time_s(8, 4, 0.01, 0.002) == pytest.approx(11 * 0.01 + 0.002)
+    assert cm.model_tflops_per_device(3e12, 64, 2.0, 8) == pytest.approx(3e12 * 64 / 2 / 8 / 1e12)

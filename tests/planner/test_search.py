@@ -1,0 +1,218 @@
+"""planner.search on hand-made profiles: the three memory regimes, fixed strategies, ranking."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner import cost_model as cm
+from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from planner.errors import InfeasiblePlanError, PlannerError
+from planner.plan import Plan
+from planner.presets import parse_cluster
+from planner.search import SearchResult, search
+from planner.validate import validate_plan
+from profiler.model_profile import Edge, LayerProfile, ModelProfile
+
+MB = 10**6
+
+
+def chain_profile(n_layers: int = 8, params: int = 1_000_000, flops_fwd: int = 10**10,
+                  activation_bytes: int = 32_768, batch_size: int = 8,
+                  residual: bool = False) -> ModelProfile:
+    """n Dense-like layers, Adam (2 slots): state 16 bytes per parameter per layer.
+
+    Per-layer numbers are for ``batch_size`` samples. With ``residual`` every other
+    layer also reads the output of the layer two back (a skip connection).
+    """
+    layers, edges = [], [Edge("input_1", "d0", 4096)]
+    for i in range(n_layers):
+        layers.append(LayerProfile(
+            name=f"d{i}", type="Dense", params=params, trainable_params=params,
+            param_bytes=4 * params, grad_bytes=4 * params, optimizer_bytes=8 * params,
+            activation_bytes=activation_bytes, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
+            inputs=(f"d{i - 1}",) if i else ("input_1",)))
+        if i:
+            edges.append(Edge(f"d{i - 1}", f"d{i}", activation_bytes))
+        if residual and i >= 2 and i % 2 == 0:
+            edges.append(Edge(f"d{i - 2}", f"d{i}", activation_bytes))
+    return ModelProfile(model_name="chain", batch_size=batch_size, precision="float32",
+                        optimizer="adam", optimizer_slots_per_param=2, layers=tuple(layers),
+                        edges=tuple(edges))
+
+
+def make_cluster(num_devices: int = 4, memory_bytes: int = 10**9,
+                 bandwidth_bytes_per_s: float = 100e9) -> ClusterSpec:
+    device = DeviceSpec(kind="TestGPU", device_type="GPU", memory_bytes=memory_bytes,
+                        peak_flops_per_s=(("float32", 10e12),),
+                        memory_bandwidth_bytes_per_s=1e12, matmul_efficiency=0.5)
+    return ClusterSpec(name="test", num_nodes=1, devices_per_node=num_devices, device=device,
+                       intra_node_link=LinkSpec(bandwidth_bytes_per_s, 5e-6))
+
+
+
+def _check_result(result: SearchResult, profile: ModelProfile) -> None:
+    for plan in result.candidates:
+        validate_plan(plan, profile)
+        b = plan.predicted.breakdown
+        assert b.total_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12)
+        assert plan.predicted.samples_per_s == pytest.approx(
+            plan.global_batch / plan.predicted.step_time_s)
+    fits = [p.predicted.fits for p in result.candidates]
+    assert fits == sorted(fits, reverse=True)  # fitting ones first
+    times = [p.predicted.step_time_s for p in result.candidates if p.predicted.fits]
+    assert times == sorted(times)
+    assert result.chosen == result.candidates[0] and result.chosen.predicted.fits
+
+
+def test_ample_memory_chooses_data_parallel_and_explains_why():
+    profile = chain_profile()
+    result = search(profile, make_cluster(), 32)
+    _check_result(result, profile)
+    chosen = result.chosen
+    assert chosen.name == "data parallel dp=4"
+    assert (chosen.strategy.dp, chosen.strategy.pp, chosen.strategy.microbatch_size) == (4, 1, 8)
+    assert chosen.stages[0].devices == tuple(f"/device:GPU:{i}" for i in range(4))
+    runner = result.candidates[1]
+    assert f"faster than the runner-up {runner.name}" in chosen.reason
+    assert "fits in" in chosen.reason and "per device" in chosen.reason
+    names = {p.name for p in result.candidates}
+    assert {"single device", "data parallel dp=2"} <= names
+    assert any(name.startswith("pipeline pp=2 m=") for name in names)
+    assert all(p.predicted.fits for p in result.candidates)
+
+
+def test_data_parallel_prediction_by_hand():
+    profile, cluster = chain_profile(), make_cluster()
+    plan = next(p for p in search(profile, cluster, 32).candidates
+                if p.name == "data parallel dp=4")
+    layer = profile.layers[0]
+    compute = 8 * cm.layer_pass_time_s(layer, 8, 8, cluster.device, "float32")
+    allreduce = cm.ring_allreduce_time_s(8 * 4 * MB, 4, cluster.intra_node_link)
+    optimizer = cm.optimizer_time_s(8 * 4 * MB, 8 * 4 * MB, 8 * 8 * MB, cluster.device)
+    b = plan.predicted.breakdown
+    assert (b.compute_s, b.communication_s, b.optimizer_s) == pytest.approx(
+        (compute, allreduce, optimizer))
+    assert b.bubble_s == 0 and b.recompute_s == 0
+    # state 16 MB per layer + (activations + the first layer's input) of 8 local samples
+    memory = (8 * 16 * MB + 8 * 32_768 + 4096) * cm.MEMORY_MARGIN
+    assert plan.predicted.max_memory_bytes == pytest.approx(memory, abs=1)
+    flops = 8 * 3 * 10**10 / 8  # per sample, forward + backward
+    assert plan.predicted.model_tflops_per_device == pytest.approx(
+        flops * 32 / plan.predicted.step_time_s / 4 / 1e12)
+
+
+def test_tight_memory_chooses_a_pipeline():
+    profile = chain_profile()  # 8 layers x 16 MB of state: ~141 MB with the margin
+    result = search(profile, make_cluster(memory_bytes=100 * MB), 32)
+    _check_result(result, profile)
+    chosen = result.chosen
+    assert chosen.strategy.pp > 1 and chosen.strategy.dp == 1
+    assert chosen.strategy.schedule == "gpipe"
+    assert "HiGHS" in chosen.solver
+    assert len(chosen.stages) == chosen.strategy.pp
+    assert [len(s.devices) for s in chosen.stages] == [1] * chosen.strategy.pp
+    assert chosen.predicted.max_memory_bytes <= 100 * MB
+    single = next(p for p in result.candidates if p.name == "single device")
+    assert not single.predicted.fits  # listed, at the end
+    assert not result.candidates[-1].predicted.fits
+
+
+def test_pipeline_prediction_follows_gpipe():
+    profile = chain_profile()
+    result = search(profile, make_cluster(memory_bytes=100 * MB), 32)
+    for plan in result.candidates:
+        s = plan.strategy
+        if s.pp == 1:
+            continue
+        b = plan.predicted.breakdown
+        slowest = b.bubble_s / (s.pp - 1)
+        assert b.compute_s + b.communication_s == pytest.approx(s.num_microbatches * slowest)
+        assert plan.predicted.step_time_s == pytest.approx(
+            cm.gpipe_step_time_s(s.num_microbatches, s.pp, slowest, b.optimizer_s))
+        assert s.pp <= s.num_microbatches <= 8 * s.pp and 32 % s.num_microbatches == 0
+
+
+def test_impossible_memory_names_the_limit_and_the_fix():
+    profile = chain_profile()
+    with pytest.raises(InfeasiblePlanError) as e:
+        search(profile, make_cluster(memory_bytes=10 * MB), 32)
+    msg = str(e.value)
+    assert "Memory binds" in msg and "state" in msg
+    assert "'d0' alone holds 16 MB" in msg or "'d0' alone holds 15.3 MiB" in msg
+    assert "tensor parallelism" in msg  # one 16 MB layer cannot fit in 10 MB
+    assert "devices with at least" in msg
+
+    with pytest.raises(InfeasiblePlanError) as e:  # 2 layers per device fit: 4 stages
+        search(profile, make_cluster(num_devices=2, memory_bytes=40 * MB), 32)
+    assert "at least 4 devices" in str(e.value)
+
+
+def test_smaller_batch_is_suggested_when_activations_bind():
+    profile = chain_profile(n_layers=2, params=1000, activation_bytes=10 * MB, batch_size=1)
+    with pytest.raises(InfeasiblePlanError) as e:
+        # 2 devices, 16 samples of 2 x 10 MB: nothing fits 30 MB; one sample per device does
+        search(profile, make_cluster(num_devices=2, memory_bytes=30 * MB), 16)
+    assert "a global batch of at most 2 " in str(e.value)
+    assert "at least 16 devices (data parallel dp=16)" in str(e.value)
+    assert "cannot help" not in str(e.value)
+
+
+def test_residual_profile_and_every_candidate_validates():
+    profile = chain_profile(residual=True)
+    result = search(profile, make_cluster(num_devices=8, memory_bytes=60 * MB), 64)
+    _check_result(result, profile)
+    assert result.chosen.strategy.pp >= 3
+
+
+def test_same_input_same_output():
+    profile = chain_profile(residual=True)
+    cluster = make_cluster(memory_bytes=100 * MB)
+    assert search(profile, cluster, 32) == search(profile, cluster, 32)
+
+
+def test_searched_plan_round_trips_through_json():
+    profile = chain_profile()
+    for memory in (10**9, 100 * MB):
+        plan = search(profile, make_cluster(memory_bytes=memory), 32).chosen
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_fixed_strategy_is_returned_even_when_it_does_not_fit():
+    profile = chain_profile()
+    cluster = make_cluster(memory_bytes=100 * MB)
+    result = search(profile, cluster, 32, fix={"dp": 4})
+    assert result.candidates == (result.chosen,)
+    assert result.chosen.name == "data parallel dp=4"
+    assert not result.chosen.predicted.fits and "does NOT fit" in result.chosen.reason
+    pipe = search(profile, cluster, 32, fix={"pp": 2, "num_microbatches": 4}).chosen
+    assert (pipe.strategy.pp, pipe.strategy.num_microbatches) == (2, 4)
+    tight = search(profile, make_cluster(memory_bytes=50 * MB), 32, fix={"pp": 2}).chosen
+    assert not tight.predicted.fits and "no split fits memory" in tight.solver
+    validate_plan(tight, profile)
+
+
+@pytest.mark.parametrize("fix,match", [
+    ({"tp": 2}, "tensor parallelism"), ({"dp": 2, "pp": 2}, "hybrid"),
+    ({"dp": 3}, "does not divide"), ({"dp": 8}, "has 4"), ({"zz": 1}, "unknown key"),
+    ({"dp": "two"}, "whole number"), ({"pp": 2, "num_microbatches": 5}, "does not divide"),
+])
+def test_bad_fix_is_refused_clearly(fix, match):
+    with pytest.raises(PlannerError, match=match):
+        search(chain_profile(), make_cluster(), 32, fix=fix)
+
+
+def test_batch_that_does_not_divide_skips_candidates_and_bad_batch_is_refused():
+    names = {p.name for p in search(chain_profile(), make_cluster(), 6).candidates}
+    assert "data parallel dp=2" in names and "data parallel dp=4" not in names
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(PlannerError, match="Global batch"):
+            search(chain_profile(), make_cluster(), bad)
+
+
+def test_cpu_preset_offers_every_kind_of_candidate():
+    profile = chain_profile(n_layers=3, params=1000, flops_fwd=10**6)
+    result = search(profile, parse_cluster("cpu:4"), 32)
+    _check_result(result, profile)
+    text = " ".join(p.name for p in result.candidates)
+    assert "single device" in text and "data parallel" in text and "pipeline" in text
