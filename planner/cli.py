@@ -112,7 +112,8 @@ def parse_fix(text: str | None) -> dict[str, int] | None:
 # --- commands -------------------------------------------------------------------
 
 def _quiet_tensorflow() -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from profiler.tf_runtime import import_tensorflow
+    import_tensorflow()
 
 
 def _profile(args: argparse.Namespace, batch_size: int, status):
@@ -160,6 +161,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
 
     from planner.plan import save_plan
     from reports.tensorboard import write_analysis
+    _quiet_tensorflow()
 
     os.makedirs(out_dir, exist_ok=True)
     plan_path = os.path.join(out_dir, "plan.json")
