@@ -1,0 +1,93 @@
+"""Re-creating the user's model layer by layer, with each layer built where the plan says.
+
+Pipeline position: inside ``apply.wrap``, after the plan has been checked
+against the model and its devices exist; ``apply.data_parallel`` and
+``apply.pipeline`` turn the graph cloned here into the model they return.
+
+Keras 3 creates a layer's variables where the layer is *built* (DESIGN.md), so
+placement happens at clone time: ``keras.models.clone_model`` re-creates each
+layer (``clone_function``) and calls it on new symbolic inputs
+(``call_function``), which builds it; both run under ``tf.device`` of the
+layer's device (the creation covers variables made in ``__init__``, such as a
+Dropout's seed state). Under a ``tf.distribute`` scope the same clone builds
+distributed variables instead. Weights are then copied layer by layer, by name.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping
+
+from planner.errors import PlannerError
+
+
+def to_functional(model: Any) -> Any:
+    """A new, uncompiled Functional model over ``model``'s own layers (no copies).
+
+    Sequential models become Functional here; Functional ones get an uncompiled
+    twin so that ``clone_model`` does not compile (and build optimizer slots for)
+    a throw-away clone. Subclassed models cannot be re-wired and are refused.
+    """
+    import keras
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, (Functional, keras.Sequential)):
+        raise PlannerError(
+            f"apply.wrap received a {type(model).__name__}, a subclassed keras.Model; it "
+            "needs a Functional or Sequential model, whose layer graph it can re-create on "
+            "the plan's devices. Rewrite build_model() with keras.Input and layer calls "
+            "(the Functional API), or as a keras.Sequential.")
+    try:
+        inputs, outputs = model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        inputs = outputs = None
+    if not inputs or not outputs:
+        raise PlannerError(
+            f"Model {model.name!r} has no defined inputs (it was never built on an input "
+            "shape). Start it with keras.Input(shape=...) or build it before apply.wrap.")
+    return Functional(inputs, outputs, name=model.name)
+
+
+def _default_clone(layer: Any) -> Any:
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as e:
+        raise PlannerError(
+            f"apply.wrap re-creates every layer from its config to build it on the plan's "
+            f"device, and layer {layer.name!r} ({type(layer).__name__}) could not be: "
+            f"{type(e).__name__}: {e}. Give that layer class a get_config() that returns "
+            "its constructor arguments (and a from_config() if they are not plain values)."
+        ) from e
+
+
+def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None) -> Any:
+    """Clone ``model`` (Functional) with fresh layers; ``device_of_layer`` places each build.
+
+    Layers missing from ``device_of_layer`` (or all of them when it is None) are
+    built in the current device/strategy scope.
+    """
+    import keras
+    import tensorflow as tf
+
+    def where(layer: Any) -> Any:
+        dev = (device_of_layer or {}).get(layer.name)
+        return tf.device(dev) if dev else contextlib.nullcontext()
+
+    def clone_function(layer: Any) -> Any:
+        with where(layer):
+            return _default_clone(layer)
+
+    def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        with where(layer):
+            return layer(*args, **kwargs)
+
+    return keras.models.clone_model(model, clone_function=clone_function,
+                                    call_function=call_function)
+
+
+def copy_weights(source: Any, target: Any) -> None:
+    """Copy every layer's weights from ``source`` to the same-named layer of ``target``."""
+    for layer in source.layers:
+        weights = layer.get_weights()
+        if weights:
+            target.get_layer(layer.name).set_weights(weights)
+

@@ -1,0 +1,149 @@
+"""Data-parallel plans: one stage replicated on ``dp`` devices with MirroredStrategy.
+
+Pipeline position: ``apply.wrap`` calls ``wrap_data_parallel`` for a plan with
+one stage on several devices. Everything is TensorFlow's own machinery:
+
+* variables: the model is re-created (``apply.cloning``) inside
+  ``strategy.scope()``, so every variable is a ``MirroredVariable`` with one
+  component on each replica's device; the weights are then copied in;
+* the model remembers its strategy (Keras' TF trainer records the strategy
+  that is current when a model is created, and ``fit``/``evaluate``/``predict``
+  run every step with ``strategy.run`` and split each global batch across the
+  replicas); optimizer slots are mirrored alongside their variables;
+* gradients: each replica's loss is scaled by ``1/dp`` (Keras) and the
+  optimizer all-reduces (sums) the gradients before one identical update on
+  every replica, so a step equals one single-device step on the global batch.
+  On CPU devices the reduction is ``ReductionToOneDevice``; on GPUs it is
+  MirroredStrategy's default (NCCL);
+* ``compile()`` after ``wrap``: Keras refuses an optimizer created outside the
+  model's strategy ("Mixing different tf.distribute.Strategy objects"), so
+  ``compile`` runs inside ``strategy.scope()`` and an optimizer object made
+  outside it is re-created from its config inside (its settings carry over;
+  the object you passed is not the one that trains: use ``model.optimizer``).
+  An optimizer that already holds state for other variables is refused;
+* ``train_on_batch``/``test_on_batch``/``predict_on_batch``: Keras' versions
+  hand the whole batch to every replica (a train step is then correct but not
+  data parallel); here the batch is split into one slice per replica
+  (``experimental_distribute_values_from_function``) and handed to the same
+  step functions ``fit`` uses. A test batch that does not split evenly is
+  evaluated whole by every replica (Keras' own ``test_on_batch``; Keras'
+  ``evaluate`` fails under MirroredStrategy when its first batch leaves a
+  replica empty), a predict batch goes through ``predict``;
+* ``num_microbatches > 1``: each replica accumulates gradients over its
+  micro-batches before the all-reduce (``apply.planned_model``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.utils.python_utils import pythonify_logs
+
+from apply.cloning import clone_graph, copy_weights
+from apply.planned_model import PlannedModel, _leading_dim
+from planner.errors import PlannerError
+
+
+@keras.saving.register_keras_serializable(package="apply")
+class DataParallelModel(PlannedModel):
+    """A PlannedModel made inside a MirroredStrategy scope (see the module docstring)."""
+
+    def _compile_scope(self) -> Any:
+        return self.distribute_strategy.scope()
+
+    def _prepare_optimizer(self, optimizer: Any) -> Any:
+        if optimizer is None:
+            return optimizer
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if getattr(inner, "_distribution_strategy", None) is self.distribute_strategy:
+            return optimizer
+        if optimizer.built:
+            raise PlannerError(
+                f"compile() received optimizer {optimizer.name!r}, which was created outside "
+                "this data-parallel model's tf.distribute strategy and already holds state "
+                "for other variables. Pass a new optimizer (or its name, e.g. 'adam') to "
+                "compile().")
+        return type(optimizer).from_config(optimizer.get_config())  # inside the scope
+
+    def _after_compile(self) -> None:
+        if self.optimizer is not None and not self.optimizer.built:
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
+
+    # --- one-batch methods that split the batch across the replicas -----------------------
+    def _splits_evenly(self, x: Any) -> bool:
+        n = _leading_dim(x)
+        return n is not None and n % self.num_replicas == 0
+
+    def _per_replica(self, data: Any) -> Any:
+        """``data`` (a batch that splits evenly) as PerReplica values, one slice per replica."""
+        n = _leading_dim(data)
+        data = keras.tree.map_structure(tf.convert_to_tensor, data)
+        per = n // self.num_replicas
+
+        def replica_slice(ctx: Any) -> Any:
+            i = ctx.replica_id_in_sync_group
+            return keras.tree.map_structure(lambda t: t[i * per:(i + 1) * per], data)
+
+        return self.distribute_strategy.experimental_distribute_values_from_function(
+            replica_slice)
+
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        self._assert_compile_called("train_on_batch")
+        self._check_batch(_leading_dim(x), "The batch given to train_on_batch")
+        if class_weight is not None:
+            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+        data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+        self.make_train_function()
+        self.reset_metrics()
+        logs = self.train_function([self._per_replica(data)])
+        return self._one_batch_logs(logs, return_dict)
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                      return_dict: bool = False) -> Any:
+        self._assert_compile_called("test_on_batch")
+        if not self._splits_evenly(x):  # Keras' way: every replica evaluates the whole batch
+            return super().test_on_batch(x, y, sample_weight, return_dict)
+        data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+        self.make_test_function()
+        self.reset_metrics()
+        logs = self.test_function([self._per_replica(data)])
+        return self._one_batch_logs(logs, return_dict)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        if not self._splits_evenly(x):  # prediction has no batch rule: let Keras split it
+            return self.predict(x, batch_size=_leading_dim(x), verbose=0)
+        self.make_predict_function()
+        outputs = self.predict_function([(self._per_replica(x),)])
+        return keras.tree.map_structure(lambda t: t.numpy(), outputs)
+
+    def _one_batch_logs(self, logs: Any, return_dict: bool) -> Any:
+        logs = pythonify_logs(logs)
+        return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+
+def make_strategy(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over ``devices``; ReductionToOneDevice when they are CPUs."""
+    if all(":CPU:" in d.upper() for d in devices):
+        return tf.distribute.MirroredStrategy(
+            devices=list(devices),
+            cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0]))
+    return tf.distribute.MirroredStrategy(devices=list(devices))
+
+
+def wrap_data_parallel(view: Any, devices: tuple[str, ...], *, plan_name: str,
+                       num_microbatches: int) -> DataParallelModel:
+    """Clone ``view`` (an uncompiled Functional) inside a MirroredStrategy; copy its weights."""
+    strategy = make_strategy(devices)
+    with strategy.scope():
+        clone = clone_graph(view)
+        model = DataParallelModel(clone.inputs, clone.outputs, name=view.name,
+                                  plan_name=plan_name, num_microbatches=num_microbatches,
+                                  num_replicas=len(devices))
+    copy_weights(view, model)
+    return model

@@ -1,0 +1,134 @@
+"""Single-device and pipeline plans: every layer, its ops and its optimizer state on one device.
+
+Pipeline position: ``apply.wrap`` calls ``wrap_placed`` for a plan with one
+data-parallel replica (``dp == 1``): one stage on one device (single device),
+or ``pp`` stages with one device each (pipeline). Placement is by hand with
+``tf.device``, TensorFlow's own placer doing the rest:
+
+* variables: each layer is re-created and built under ``tf.device`` of its
+  stage's device (``apply.cloning``), so its weights live there;
+* forward ops: ``PlacedModel._run_through_graph`` runs each operation of the
+  functional graph under its device (``apply.placement.operation_devices``);
+  the loss, the metrics and the micro-batch split run on the device of the
+  stage that makes the model's output;
+* backward ops: in a traced train step the gradients come from
+  ``tf.gradients``, which colocates every gradient op with its forward op
+  (``tf.GradientTape`` would leave them on the default device); a model run
+  with ``run_eagerly=True`` falls back to the tape;
+* gradient accumulation and optimizer updates: each variable's sum of
+  micro-batch gradients and its ``optimizer.update_step`` run on its device;
+* optimizer slots: built eagerly at ``compile()`` (or, failing that, on the
+  first step, lifted out of the graph), each under its variable's device;
+* micro-batches: ``strategy.num_microbatches`` equal parts per step, gradients
+  averaged before one update (GPipe; ``apply.planned_model``). TensorFlow's
+  executor overlaps micro-batch ``i`` on stage ``s+1`` with micro-batch
+  ``i+1`` on stage ``s``, since they do not depend on each other; there is no
+  explicit 1F1B schedule yet.
+
+Placed models are not compiled with XLA (``jit_compile``) when they span more
+than one device: one XLA cluster runs on one device.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import keras
+import tensorflow as tf
+
+from apply.cloning import clone_graph, copy_weights
+from apply.placement import (build_optimizer_on_devices, operation_devices,
+                             updates_on_variable_devices)
+from apply.planned_model import PlannedModel
+
+
+@keras.saving.register_keras_serializable(package="apply")
+class PlacedModel(PlannedModel):
+    """A PlannedModel whose layers, ops and optimizer state sit on the plan's devices."""
+
+    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
+                 device_of_layer: Mapping[str, str] | None = None,
+                 default_device: str = "", **kwargs: Any) -> None:
+        super().__init__(inputs, outputs, name=name, **kwargs)
+        device_of_layer = dict(device_of_layer or {})
+        self._op_device = operation_devices(self, device_of_layer, default_device)
+        self.stage_devices = tuple(dict.fromkeys(device_of_layer.values()))
+        outputs_ops = [t._keras_history.operation for t in self.outputs]
+        self.output_device = self._op_device.get(id(outputs_ops[0]), default_device)
+
+    # --- forward --------------------------------------------------------------------------
+    def _run_through_graph(self, inputs: Any, operation_fn: Any = lambda op: op,
+                           call_fn: Any = None) -> Any:
+        if call_fn is not None:  # clone_model(wrapped, call_function=...): not a forward pass
+            return super()._run_through_graph(inputs, operation_fn=operation_fn,
+                                              call_fn=call_fn)
+        devices = self._op_device
+
+        def placed(op: Any) -> Any:
+            fn = operation_fn(op)
+            device = devices.get(id(op))
+            if device is None:
+                return fn
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with tf.device(device):
+                    return fn(*args, **kwargs)
+            return run
+
+        return super()._run_through_graph(inputs, operation_fn=placed)
+
+    # --- compile --------------------------------------------------------------------------
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        if len(self.stage_devices) > 1 and kwargs.get("jit_compile") is True:
+            warnings.warn("apply: a pipeline model spans several devices and one XLA "
+                          "cluster runs on one device; compiling without jit_compile.",
+                          stacklevel=2)
+        if len(self.stage_devices) > 1:
+            kwargs["jit_compile"] = False
+        super().compile(optimizer, *args, **kwargs)
+
+    def _after_compile(self) -> None:
+        build_optimizer_on_devices(self.optimizer, list(self.trainable_variables))
+
+    # --- train step -----------------------------------------------------------------------
+    def _uses_microbatch_step(self) -> bool:
+        return True  # always: it is the step that places gradients and updates
+
+    def train_step(self, data: Any) -> Any:
+        with tf.device(self.output_device):  # loss, metrics: where the output is
+            return super().train_step(data)
+
+    def test_step(self, data: Any) -> Any:
+        with tf.device(self.output_device):
+            return super().test_step(data)
+
+    def _forward_loss(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        with tf.device(self.output_device):
+            return super()._forward_loss(x, y, sample_weight)
+
+    def _loss_and_gradients(self, x: Any, y: Any, sample_weight: Any,
+                            variables: list[Any]) -> tuple[Any, Any, list[Any]]:
+        if tf.executing_eagerly():  # run_eagerly=True: no graph for tf.gradients
+            return super()._loss_and_gradients(x, y, sample_weight, variables)
+        y_pred, loss, scaled = self._forward_loss(x, y, sample_weight)
+        grads = tf.gradients(scaled, [v.value for v in variables],
+                             unconnected_gradients=tf.UnconnectedGradients.NONE)
+        return y_pred, loss, grads
+
+    def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
+        build_optimizer_on_devices(self.optimizer, variables)  # no-op once built
+        with updates_on_variable_devices(self.optimizer):
+            super()._apply_gradients(gradients, variables)
+
+
+def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
+                num_microbatches: int) -> PlacedModel:
+    """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights."""
+    stages = tuple(dict.fromkeys(device_of_layer.values()))
+    clone = clone_graph(view, device_of_layer)
+    model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
+                        device_of_layer=device_of_layer, default_device=stages[0],
+                        plan_name=plan_name, num_microbatches=num_microbatches,
+                        num_replicas=1)
+    copy_weights(view, model)
+    return model

@@ -1,0 +1,138 @@
+"""Device placement for ops and optimizer state, and a report of where variables live.
+
+Pipeline position: used by ``apply.pipeline`` (single-device and pipeline
+plans, which place by hand with ``tf.device``) and by anyone who wants to see
+where a wrapped model's state ended up (``variable_devices``: examples/train.py
+``--json``, the tests).
+
+What TensorFlow/Keras do by themselves, and what is done here (verified on
+TF 2.21 / Keras 3.15):
+
+* Variables live where their layer was built (``apply.cloning`` handles that).
+* Ops run where the op was *created* under ``tf.device``; an op created with no
+  device goes to the default device (CPU:0 / GPU:0) when the graph is placed,
+  not next to its inputs. So every operation of the functional graph gets a
+  device here (``operation_devices``): a planned layer its stage's device, any
+  other operation (``keras.ops`` calls, ``InputLayer``) the device of the
+  operation that produced its first input.
+* ``tf.GradientTape`` creates backward ops with no device (TensorFlow's
+  ``backprop._gradient_function`` does not colocate); ``tf.gradients`` in a
+  graph colocates every gradient op with its forward op. Placed models use
+  ``tf.gradients`` inside ``tf.function`` (see ``apply.pipeline``).
+* Keras builds optimizer slots inside the first traced train step when no
+  ``tf.distribute`` strategy is set, and ``tf.init_scope`` puts them on the
+  default device. ``build_optimizer_on_devices`` builds them eagerly instead,
+  each under ``tf.device`` of its variable.
+* The optimizer's update math (``optimizer.update_step(grad, var, lr)``, called
+  once per variable by the TF backend optimizer) has no device either;
+  ``updates_on_variable_devices`` runs each call under its variable's device.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+from apply.devices import short_name
+
+
+def operation_devices(functional: Any, device_of_layer: Mapping[str, str],
+                      default: str) -> dict[int, str]:
+    """``{id(operation): device}`` for every operation in ``functional``'s graph."""
+    devices: dict[int, str] = {}
+    for depth in sorted(functional._nodes_by_depth, reverse=True):  # inputs first
+        for node in functional._nodes_by_depth[depth]:
+            op = node.operation
+            if op is None or id(op) in devices:
+                continue
+            if getattr(op, "name", None) in device_of_layer:
+                devices[id(op)] = device_of_layer[op.name]
+                continue
+            producers = [t._keras_history.operation for t in node.input_tensors
+                         if getattr(t, "_keras_history", None) is not None]
+            placed = [devices[id(p)] for p in producers if id(p) in devices]
+            devices[id(op)] = placed[0] if placed else default
+    return devices
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer that owns the slots (a LossScaleOptimizer wraps another one)."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def tf_variable(variable: Any) -> Any:
+    """The tf.Variable (or distributed variable) behind a keras.Variable."""
+    import keras
+
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _device(variable: Any) -> str:
+    return tf_variable(variable).device
+
+
+def build_optimizer_on_devices(optimizer: Any, variables: list[Any]) -> None:
+    """Build ``optimizer`` for ``variables`` now, each slot on its variable's device.
+
+    Runs eagerly (``tf.init_scope``) even when called while a tf.function traces.
+    """
+    import tensorflow as tf
+
+    if optimizer is None or optimizer.built:
+        return
+    target = _inner(optimizer)
+    original = target.add_variable_from_reference
+
+    def placed(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
+        with tf.device(_device(reference_variable)):
+            return original(reference_variable, *args, **kwargs)
+
+    with tf.init_scope():
+        target.add_variable_from_reference = placed
+        try:
+            optimizer.build(variables)
+        finally:
+            del target.add_variable_from_reference  # back to the class's method
+
+
+@contextlib.contextmanager
+def updates_on_variable_devices(optimizer: Any) -> Iterator[None]:
+    """While tracing ``apply_gradients``: run each variable's update on its device."""
+    import tensorflow as tf
+
+    target = _inner(optimizer)
+    original = target.update_step
+
+    def placed(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        with tf.device(_device(variable)):
+            return original(gradient, variable, learning_rate)
+
+    target.update_step = placed
+    try:
+        yield
+    finally:
+        del target.update_step
+
+
+def devices_of(variable: Any) -> list[str]:
+    """Where a variable lives: one device (``/device:CPU:1``) per copy, in replica order.
+
+    A list even for a plain variable (one entry), like ``Stage.devices`` in a plan.
+    """
+    import tensorflow as tf
+
+    value = tf_variable(variable)
+    if isinstance(value, tf.distribute.DistributedValues):  # MirroredVariable, SyncOnRead...
+        return [short_name(v.device) for v in value.values]
+    return [short_name(value.device)]
+
+
+def variable_devices(model: Any) -> dict[str, list[str]]:
+    """``{variable path: [device, ...]}`` for the model's variables and its optimizer's."""
+    out: dict[str, list[str]] = {}
+    for v in model.variables:
+        out[v.path] = devices_of(v)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        for v in optimizer.variables:
+            out[v.path] = devices_of(v)
+    return out

@@ -1,0 +1,260 @@
+"""``PlannedModel``: the Keras model ``apply.wrap`` returns, and what every mode shares.
+
+Pipeline position: the last step of ``apply.wrap``; ``apply.data_parallel`` and
+``apply.pipeline`` subclass it. A PlannedModel is a ``keras.Model`` (a
+Functional over the re-created layers, with the same layer names and weight
+order as the user's model, so weight files load either way) that adds:
+
+* batch checks: every training batch must split evenly into
+  ``dp * num_microbatches`` parts; ``fit``/``train_on_batch`` check array and
+  ``tf.data`` inputs before training starts, and the train step checks again
+  when it is traced (a PlanMismatchError either way, before any update);
+* GPipe-style gradient accumulation (``num_microbatches > 1``, and always in
+  placed models): the batch is split into equal micro-batches, each one's mean
+  loss and gradients are computed, the gradients are averaged and applied in one
+  optimizer update. Averaging equal-size micro-batch means gives the full-batch
+  mean, so the loss and the update equal one step on the whole batch (for
+  models without batch statistics such as BatchNormalization). All micro-batches
+  live in one ``tf.function`` graph, so TensorFlow's executor overlaps stages
+  that do not depend on each other;
+* ``model.save(...)`` files that ``keras.models.load_model`` reads back as a
+  plain Functional model once ``apply`` is imported (the subclasses are
+  registered with Keras under the package name ``apply``);
+* ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
+  strategy scope, place optimizer slots), so calling ``compile()`` on the
+  wrapped model after ``wrap`` works as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.losses import loss as loss_module
+from keras.src.models.functional import Functional
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from apply.placement import tf_variable
+from planner.errors import PlanMismatchError
+
+KERAS_DEFAULT_BATCH_SIZE = 32  # what fit() uses for arrays when batch_size is None
+RUNTIME_BATCH_CHECK = "apply: batch size not a multiple of the micro-batch count:"
+
+
+class PlannedModel(Functional):
+    """A Functional model trained according to a plan (see the module docstring)."""
+
+    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
+                 plan_name: str = "", num_microbatches: int = 1, num_replicas: int = 1,
+                 **kwargs: Any) -> None:
+        super().__init__(inputs, outputs, name=name, **kwargs)
+        self.plan_name = plan_name
+        self.num_microbatches = int(num_microbatches)
+        self.num_replicas = int(num_replicas)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        """A saved wrapped model (``model.save``) loads as a plain Functional model.
+
+        Placement belongs to a process, not to a file: wrap the loaded model again.
+        """
+        from keras.src.models.functional import functional_from_config
+
+        return functional_from_config(Functional, config, custom_objects)
+
+    # --- hooks for the modes ----------------------------------------------------------
+    def _compile_scope(self) -> Any:
+        """Context that compile() and the optimizer's creation run in."""
+        return contextlib.nullcontext()
+
+    def _prepare_optimizer(self, optimizer: Any) -> Any:
+        return optimizer
+
+    def _after_compile(self) -> None:
+        pass
+
+    def _loss_and_gradients(self, x: Any, y: Any, sample_weight: Any,
+                            variables: list[Any]) -> tuple[Any, Any, list[Any]]:
+        """(y_pred, loss, gradients) for one micro-batch, with the trainer's own loss rules."""
+        with tf.GradientTape() as tape:
+            y_pred, loss, scaled = self._forward_loss(x, y, sample_weight)
+        return y_pred, loss, tape.gradient(scaled, variables)
+
+    def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
+        self.optimizer.apply_gradients(zip(gradients, variables))
+
+    def _uses_microbatch_step(self) -> bool:
+        return self.num_microbatches > 1
+
+    # --- compile ------------------------------------------------------------------------
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        with self._compile_scope():
+            optimizer = self._prepare_optimizer(keras.optimizers.get(optimizer))
+            super().compile(optimizer, *args, **kwargs)
+        self._after_compile()
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        with self._compile_scope():
+            config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+
+    # --- batch checks -------------------------------------------------------------------
+    @property
+    def batch_multiple(self) -> int:
+        """Every training batch must be a multiple of this (``dp * num_microbatches``)."""
+        return self.num_replicas * self.num_microbatches
+
+    def _batch_error(self, size: int, what: str) -> PlanMismatchError:
+        m = self.batch_multiple
+        lower, upper = (size // m) * m, (size // m + 1) * m
+        options = f"{lower} or {upper}" if lower else f"{upper}"
+        return PlanMismatchError(
+            f"{what} has {size} samples, but plan {self.plan_name!r} splits every training "
+            f"batch into {self.num_replicas} data-parallel replica(s) x "
+            f"{self.num_microbatches} micro-batch(es), so the batch size must be a multiple "
+            f"of {m}. Use a batch size of {options} (the plan was made for its global "
+            "batch), or make a plan for this batch size.")
+
+    def _check_batch(self, size: int | None, what: str) -> None:
+        if size is not None and size % self.batch_multiple:
+            raise self._batch_error(size, what)
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+            *args: Any, **kwargs: Any) -> Any:
+        self._check_fit_input(x, batch_size, kwargs.get("validation_split", 0.0),
+                              kwargs.get("steps_per_epoch"))
+        try:
+            return super().fit(x, y, batch_size, *args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)
+            if RUNTIME_BATCH_CHECK not in str(e):
+                raise
+            raise PlanMismatchError(
+                f"A training batch from {type(x).__name__} input could not be split into "
+                f"{self.num_microbatches} equal micro-batches per replica; no update was "
+                f"applied for it. Plan {self.plan_name!r} needs batch sizes that are a "
+                f"multiple of {self.batch_multiple}. TensorFlow said: "
+                f"{str(e).splitlines()[0][:300]}") from None
+
+    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_batch(_leading_dim(x), "The batch given to train_on_batch")
+        return super().train_on_batch(x, y, *args, **kwargs)
+
+    def _check_fit_input(self, x: Any, batch_size: int | None, validation_split: float,
+                         steps_per_epoch: int | None) -> None:
+        if isinstance(x, tf.data.Dataset):
+            self._check_batch(_leading_dim(x.element_spec), "Each batch of the dataset")
+            return
+        n = _leading_dim(x)
+        if n is None:  # a generator or PyDataset: checked when the train step is traced
+            return
+        if validation_split:
+            n = int(math.ceil(n * (1.0 - validation_split)))
+        b = batch_size or KERAS_DEFAULT_BATCH_SIZE
+        if b > n:
+            b = n
+        self._check_batch(b, f"fit(batch_size={batch_size})'s batch")
+        if n % b and steps_per_epoch is None:
+            self._check_batch(n % b, f"The last batch of fit() ({n} samples in batches of "
+                                     f"{b})")
+
+    # --- the micro-batched train step ---------------------------------------------------
+    def _forward_loss(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
+        loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                  training=True)
+        scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+        return y_pred, loss, scaled
+
+    def train_step(self, data: Any) -> Any:
+        if not self._uses_microbatch_step():
+            return super().train_step(data)
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        m = self.num_microbatches
+        variables = list(self.trainable_variables)
+        parts = split_microbatches((x, y, sample_weight), m, self._batch_error)
+        total: list[Any] | None = None
+        predictions = []
+        for xi, yi, swi in parts:
+            y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
+            self._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
+            total = grads if total is None else [
+                _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
+            predictions.append(y_pred)
+        if variables:
+            averaged = [_scale(g, 1.0 / m, v) for g, v in zip(total, variables)]
+            self._apply_gradients(averaged, variables)
+        y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _leading_dim(x: Any) -> int | None:
+    """The batch size of an array structure or a TensorSpec structure (None if unknown)."""
+    if x is None:
+        return None
+    try:
+        leaves = keras.tree.flatten(x)
+    except (TypeError, ValueError):
+        return None
+    for leaf in leaves:
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0:
+            dim = shape[0]
+            return None if dim is None else int(dim)
+    return None
+
+
+def split_microbatches(data: tuple[Any, Any, Any], m: int,
+                       error: Any) -> list[tuple[Any, Any, Any]]:
+    """Split (x, y, sample_weight) along the batch axis into ``m`` equal parts."""
+    if m == 1:
+        return [data]
+    first = keras.tree.flatten(data[0])[0]
+    static = first.shape[0]
+    if static is not None:
+        if static % m:
+            raise error(int(static), "A training batch (per replica)")
+        checks = []
+    else:
+        n = tf.shape(first)[0]
+        checks = [tf.debugging.Assert(tf.equal(n % m, 0), [RUNTIME_BATCH_CHECK, n])]
+    with tf.control_dependencies(checks):
+        columns = [_split_structure(part, m) for part in data]
+    return [tuple(column[i] for column in columns) for i in range(m)]
+
+
+def _split_structure(part: Any, m: int) -> list[Any]:
+    if part is None:
+        return [None] * m
+    pieces = [tf.split(t, m, axis=0) for t in keras.tree.flatten(part)]
+    return [keras.tree.pack_sequence_as(part, [p[i] for p in pieces]) for i in range(m)]
+
+
+def _device_scope(variable: Any) -> Any:
+    value = tf_variable(variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return contextlib.nullcontext()  # tf.distribute places per replica
+    return tf.device(value.device)
+
+
+def _accumulate(a: Any, g: Any, variable: Any) -> Any:
+    if a is None or g is None:
+        return g if a is None else a
+    with _device_scope(variable):
+        if isinstance(a, tf.IndexedSlices) and isinstance(g, tf.IndexedSlices):
+            indices = tf.concat([a.indices, tf.cast(g.indices, a.indices.dtype)], 0)
+            return tf.IndexedSlices(tf.concat([a.values, g.values], 0), indices, a.dense_shape)
+        return tf.convert_to_tensor(a) + tf.convert_to_tensor(g)
+
+
+def _scale(g: Any, factor: float, variable: Any) -> Any:
+    if g is None:
+        return None
+    with _device_scope(variable):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
+                                    g.dense_shape)
+        return g * tf.cast(factor, g.dtype)

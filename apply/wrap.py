@@ -1,0 +1,146 @@
+"""``wrap(model, plan)``: the one line in a training script that applies a plan.
+
+Pipeline position: after ``planner.load_plan`` (a plan.json from ``plan
+analyze``) and the user's own model; returns a ``keras.Model`` that trains
+with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
+``save_weights``/``load_weights``. Steps:
+
+1. the plan is checked against the model (``Plan.check_model`` on
+   ``profiler.signature.model_signature``: PlanMismatchError naming the first
+   differing layer), against itself (stages cover each layer once; ``dp``/``pp``
+   agree with the stages), and against this process's devices
+   (``apply.ensure_devices``);
+2. the plan's shape picks the mode (new modes such as tensor parallel, hybrid
+   or multi-worker plug in here):
+
+   * one stage, one device: single device (``apply.pipeline``, one stage);
+   * one stage, ``dp`` devices: data parallel (``apply.data_parallel``);
+   * ``pp`` stages of one device each: pipeline (``apply.pipeline``);
+
+3. the model is re-created with the plan's placement and the user's current
+   weights; if the user's model was compiled, the wrapped one is compiled from
+   its compile config (a fresh optimizer; optimizer state is not carried over).
+   Compiling the wrapped model again later works as usual.
+
+Every training batch must split into ``dp * num_microbatches`` equal parts
+(checked before training starts; ``apply.planned_model``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+from apply.cloning import to_functional
+from apply.devices import ensure_devices
+from apply.placement import variable_devices
+from planner.errors import PlanMismatchError, PlannerError
+from planner.plan import Plan, load_plan, save_plan
+from profiler.signature import model_signature, profiled_layers
+
+
+def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLike | None = None
+         ) -> Any:
+    """Return a keras.Model that trains ``model`` as ``plan`` says (see the module docstring).
+
+    ``plan``: a Plan or the path of a plan.json. ``logdir``: if given, the plan and
+    where each model variable was placed are written there (plan.json,
+    placement.json); optimizer slots exist only after ``compile()``, see
+    ``apply.variable_devices(model)`` for them.
+    """
+    if not isinstance(plan, Plan):
+        plan = load_plan(plan)
+    view = to_functional(model)
+    plan.check_model(model_signature(view))
+    mode = plan_mode(plan)
+    _check_stages(plan, [layer.name for layer in profiled_layers(view)])
+    ensure_devices(plan)
+    m = plan.strategy.num_microbatches
+    if mode == "data_parallel":
+        from apply.data_parallel import wrap_data_parallel
+
+        wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
+                                     num_microbatches=m)
+    else:  # single device or pipeline
+        from apply.pipeline import wrap_placed
+
+        wrapped = wrap_placed(view, plan.device_of_layer(), plan_name=plan.name,
+                              num_microbatches=m)
+    wrapped.plan = plan
+    if getattr(model, "compiled", False):
+        _compile_like(model, wrapped)
+    if logdir is not None:
+        _write_logdir(plan, wrapped, logdir)
+    return wrapped
+
+
+def plan_mode(plan: Plan) -> str:
+    """``single_device``, ``data_parallel`` or ``pipeline``; PlannerError for modes to come."""
+    s = plan.strategy
+    replicas = {len(stage.devices) for stage in plan.stages}
+    if s.tp > 1:
+        raise PlannerError(
+            f"Plan {plan.name!r} uses tensor parallelism (tp={s.tp}); apply.wrap does not "
+            "apply tensor-parallel plans yet (a later release). Make a plan without it, "
+            "or wait for that release.")
+    if not plan.stages or replicas == {0}:
+        raise PlanMismatchError(f"Plan {plan.name!r} has no stages or no devices. "
+                                "Regenerate the plan.")
+    if len(replicas) != 1:
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} has stages with different numbers of replicas "
+            f"({sorted(replicas)}); every stage needs one device per data-parallel replica. "
+            "Regenerate the plan.")
+    dp, pp = replicas.pop(), len(plan.stages)
+    if (s.dp, s.pp) != (dp, pp):
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
+            f"dp={dp} (devices per stage) and pp={pp} (stages). Regenerate the plan.")
+    if dp > 1 and pp > 1:
+        raise PlannerError(
+            f"Plan {plan.name!r} combines data parallelism (dp={dp}) with a pipeline "
+            f"(pp={pp}); apply.wrap does not apply hybrid plans yet (a later release). "
+            "Make a plan without it, or wait for that release.")
+    devices = plan.devices
+    if len(set(devices)) != len(devices):
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} uses a device twice ({list(devices)}); each stage replica "
+            "needs its own device. Regenerate the plan.")
+    if dp > 1:
+        return "data_parallel"
+    return "pipeline" if pp > 1 else "single_device"
+
+
+def _check_stages(plan: Plan, layers: list[str]) -> None:
+    placed = [name for stage in plan.stages for name in stage.layers]
+    twice = sorted({n for n in placed if placed.count(n) > 1})
+    if twice:
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} puts layers {twice} in more than one stage; each layer "
+            "belongs to exactly one stage. Regenerate the plan.")
+    missing = [n for n in layers if n not in placed]
+    unknown = [n for n in placed if n not in layers]
+    if missing or unknown:
+        raise PlanMismatchError(
+            f"Plan {plan.name!r}'s stages do not match the model's layers: missing "
+            f"{missing}, unknown {unknown}. Expected every layer of the model in one stage. "
+            "Regenerate the plan for this model.")
+
+
+def _compile_like(model: Any, wrapped: Any) -> None:
+    try:
+        config = model.get_compile_config()
+        wrapped.compile_from_config(config)
+    except Exception as e:  # a loss or metric Keras cannot serialize (e.g. a lambda)
+        warnings.warn(
+            f"apply.wrap could not compile the wrapped model like the original ({e}); call "
+            "compile() on the model wrap returns before training it.", stacklevel=3)
+
+
+def _write_logdir(plan: Plan, wrapped: Any, logdir: str | os.PathLike) -> None:
+    os.makedirs(logdir, exist_ok=True)
+    save_plan(plan, os.path.join(logdir, "plan.json"))
+    with open(os.path.join(logdir, "placement.json"), "w", encoding="utf-8") as f:
+        json.dump(variable_devices(wrapped), f, indent=2)
+        f.write("\n")

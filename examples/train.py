@@ -1,0 +1,138 @@
+"""Train a model file with a plan: the one-line ``apply.wrap`` in a real script.
+
+Pipeline position: the end of the pipeline, after ``plan analyze`` wrote a
+plan.json. It loads the plan, makes its devices exist (``apply.ensure_devices``,
+before any model is built), builds the model from a model file (``build_model``,
+``loss``, ``optimizer``, ``sample_batch``), wraps it, and trains ``--steps``
+steps on batches of the plan's global batch, printing each step's loss.
+Without ``--plan`` it trains on one device: the single-device reference whose
+losses a plan must reproduce.
+
+    python examples/train.py --plan out/plan.json [--model examples/mlp.py]
+                             [--steps 5] [--seed 0] [--global-batch N] [--json]
+
+``--json`` prints one JSON object: ``losses`` (one per step), ``plan`` (its
+name, or null), ``global_batch`` and ``devices`` ({variable path: [device, ...]}
+for every model variable and optimizer slot: one device per copy, so a
+mirrored variable lists one per replica). Exit codes: 0 success, 2 bad input (model, plan, devices).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from planner.errors import ModelLoadError, PlannerError  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(ROOT, "examples", "mlp.py")
+DEFAULT_GLOBAL_BATCH = 32  # without a plan and without --global-batch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a model file as a plan says "
+                                            "(or on one device without --plan).")
+    p.add_argument("--plan", help="plan.json from `plan analyze` (omit: one device)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model file defining build_model(), loss, optimizer, "
+                        "sample_batch(batch_size) (default: examples/mlp.py)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="keras.utils.set_random_seed (default 0)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help=f"batch size per step (default: the plan's; {DEFAULT_GLOBAL_BATCH} "
+                        "without a plan)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _load_source(path: str) -> Any:
+    """The model file as (build_model, loss, optimizer, sample_batch)."""
+    try:
+        from profiler.loader import build, load_model_source
+    except ImportError:  # an older checkout without the profiler's loader
+        return _import_file(path)
+    source = load_model_source(path)
+    return source, (lambda: build(source))
+
+
+def _import_file(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("_train_model_file", os.path.abspath(path))
+    if spec is None or spec.loader is None or not os.path.isfile(path):
+        raise ModelLoadError(f"Model file {path!r} does not exist or is not a Python file.")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, module.build_model
+
+
+def _optimizer(spec: Any) -> Any:
+    import keras
+
+    if spec is None:
+        return "adam"
+    if isinstance(spec, (str, keras.optimizers.Optimizer)):
+        return spec
+    if callable(spec):  # a no-argument factory
+        return spec()
+    return spec
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import apply
+    from planner.plan import load_plan
+
+    plan = load_plan(args.plan) if args.plan else None
+    if plan is not None:
+        apply.ensure_devices(plan)  # before TensorFlow's runtime starts
+
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    source, build_model = _load_source(args.model)
+    if getattr(source, "loss", None) is None:
+        raise ModelLoadError(f"Model file {args.model} defines no `loss`; add e.g. "
+                             "loss = 'mse' next to build_model().")
+    if getattr(source, "sample_batch", None) is None:
+        raise ModelLoadError(f"Model file {args.model} defines no sample_batch(batch_size); "
+                             "add one returning a deterministic (x, y) numpy batch.")
+    model = build_model()
+    if plan is not None:
+        model = apply.wrap(model, plan)
+    model.compile(optimizer=_optimizer(source.optimizer), loss=source.loss)
+
+    batch = args.global_batch or (plan.global_batch if plan else DEFAULT_GLOBAL_BATCH)
+    if args.steps < 1 or batch < 1:
+        raise PlannerError(f"--steps and --global-batch must be at least 1; received "
+                           f"{args.steps} and {batch}.")
+    x, y = source.sample_batch(batch * args.steps)
+    losses = []
+    for step in range(args.steps):
+        part = slice(step * batch, (step + 1) * batch)
+        logs = model.train_on_batch(x[part], y[part], return_dict=True)
+        losses.append(float(logs["loss"]))
+        if not args.json:
+            print(f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f}", flush=True)
+    return {"losses": losses, "plan": plan.name if plan else None, "global_batch": batch,
+            "devices": apply.variable_devices(model)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        result = train(args)
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

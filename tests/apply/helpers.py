@@ -1,0 +1,119 @@
+"""Hand-made plans and training loops for the apply tests (no planner search involved)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from profiler.signature import model_signature
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_cluster(n: int) -> ClusterSpec:
+    device = DeviceSpec(kind="CPU", device_type="CPU", memory_bytes=8 << 30,
+                        peak_flops_per_s=(("float32", 1e11),),
+                        memory_bandwidth_bytes_per_s=1e10, matmul_efficiency=0.5,
+                        source="test")
+    return ClusterSpec(name=f"cpu:{n}", num_nodes=1, devices_per_node=n, device=device,
+                       intra_node_link=LinkSpec(bandwidth_bytes_per_s=1e10, latency_s=1e-6))
+
+
+def make_plan(model: Any, stage_devices: Sequence[Sequence[str]], *, global_batch: int = 16,
+              num_microbatches: int = 1, stage_layers: Sequence[Sequence[str]] | None = None,
+              cluster_size: int = 8, name: str | None = None,
+              signature: tuple[tuple[str, str, int], ...] | None = None) -> Plan:
+    """A Plan for ``model``: stage ``s`` on devices ``stage_devices[s]`` (one per replica).
+
+    Layers are split into contiguous, nearly equal stages unless ``stage_layers`` says.
+    """
+    signature = signature or model_signature(model)
+    layers = [row[0] for row in signature]
+    pp, dp = len(stage_devices), len(stage_devices[0])
+    if stage_layers is None:
+        bounds = np.linspace(0, len(layers), pp + 1).round().astype(int)
+        stage_layers = [layers[bounds[i]:bounds[i + 1]] for i in range(pp)]
+    strategy = Strategy(dp=dp, tp=1, pp=pp, num_microbatches=num_microbatches,
+                        microbatch_size=global_batch // (dp * num_microbatches),
+                        schedule="gpipe" if pp > 1 else "none")
+    stages = tuple(Stage(layers=tuple(ls), devices=tuple(ds))
+                   for ls, ds in zip(stage_layers, stage_devices))
+    devices = [d for ds in stage_devices for d in ds]
+    predicted = Prediction(step_time_s=0.01, breakdown=Breakdown(0.01, 0.0, 0.0, 0.0, 0.0),
+                           peak_memory_bytes_per_device=tuple((d, 1 << 20) for d in devices),
+                           memory_capacity_bytes=8 << 30, samples_per_s=1600.0,
+                           model_tflops_per_device=0.001)
+    return Plan(name=name or f"test dp={dp} pp={pp} m={num_microbatches}",
+                model_name=getattr(model, "name", "model"), model_fingerprint="test",
+                model_signature=signature, cluster=cpu_cluster(cluster_size),
+                global_batch=global_batch, precision="float32", optimizer="adam",
+                strategy=strategy, stages=stages, predicted=predicted, reason="hand-made",
+                solver="test")
+
+
+def cpus(*indices: int) -> list[str]:
+    return [f"/device:CPU:{i}" for i in indices]
+
+
+def load_model_file(name: str) -> Any:
+    """Import tests/apply/<name>.py as a module (build_model, loss, optimizer, sample_batch)."""
+    path = os.path.join(HERE, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_apply_test_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fresh_optimizer(module: Any) -> Any:
+    opt = module.optimizer
+    return type(opt).from_config(opt.get_config())
+
+
+def step_losses(model: Any, batches: Sequence[tuple[Any, Any]]) -> list[float]:
+    """Per-step training losses (train_on_batch resets the loss mean every call)."""
+    return [float(model.train_on_batch(x, y, return_dict=True)["loss"]) for x, y in batches]
+
+
+def batches_of(module: Any, steps: int, batch: int) -> list[tuple[Any, Any]]:
+    x, y = module.sample_batch(steps * batch)
+    return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
+
+
+STEPS = 5
+GLOBAL_BATCH = 16
+_CACHE: dict[str, Any] = {}
+
+
+def base_model(name: str) -> tuple[Any, Any]:
+    """(module, model) for tests/apply/<name>.py, built once with seed 0 (never trained)."""
+    if name not in _CACHE:
+        import keras
+
+        module = load_model_file(name)
+        keras.utils.set_random_seed(0)
+        _CACHE[name] = (module, module.build_model())
+    return _CACHE[name]
+
+
+def reference_losses(name: str) -> list[float]:
+    """Single-device per-step losses of a copy of ``base_model(name)`` (the ground truth)."""
+    key = f"{name}/reference"
+    if key not in _CACHE:
+        import keras
+
+        module, model = base_model(name)
+        copy = keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        _CACHE[key] = step_losses(copy, batches_of(module, STEPS, GLOBAL_BATCH))
+    return _CACHE[key]
+
+
+def assert_losses_match(losses: Sequence[float], reference: Sequence[float],
+                        rtol: float = 1e-4) -> None:
+    assert len(losses) == len(reference)
+    np.testing.assert_allclose(losses, reference, rtol=rtol)

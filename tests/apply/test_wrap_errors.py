@@ -1,0 +1,161 @@
+"""apply.wrap refuses what it cannot do, with typed errors that say what to fix."""
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import apply
+from planner.errors import PlanMismatchError, PlannerError
+from planner.plan import Stage, Strategy
+from tests.apply.helpers import base_model, cpus, fresh_optimizer, make_plan
+
+
+def test_plan_for_another_model_names_the_first_differing_layer():
+    _, mlp = base_model("tiny_mlp")
+    _, cnn = base_model("tiny_cnn")
+    with pytest.raises(PlanMismatchError) as err:
+        apply.wrap(mlp, make_plan(cnn, [cpus(1), cpus(2)]))
+    message = str(err.value)
+    assert "layer 0" in message and "'stem'" in message and "'dense_in'" in message
+
+
+def test_plan_whose_stages_miss_a_layer():
+    _, mlp = base_model("tiny_mlp")
+    plan = make_plan(mlp, [cpus(1), cpus(2)],
+                     stage_layers=[["dense_in", "hidden"], ["head"]])
+    with pytest.raises(PlanMismatchError, match=r"missing \['narrow'\]"):
+        apply.wrap(mlp, plan)
+
+
+def test_plan_naming_a_device_that_does_not_exist_lists_the_devices():
+    _, mlp = base_model("tiny_mlp")
+    with pytest.raises(PlanMismatchError) as err:
+        apply.wrap(mlp, make_plan(mlp, [["/device:CPU:0", "/device:CPU:63"]], cluster_size=64))
+    message = str(err.value)
+    assert "/device:CPU:63" in message
+    assert all(f"/device:CPU:{i}" in message for i in range(8))
+
+
+@pytest.mark.parametrize("kind", ["tensor parallel", "hybrid"])
+def test_modes_still_to_come_are_planner_errors(kind):
+    _, mlp = base_model("tiny_mlp")
+    if kind == "hybrid":
+        plan = make_plan(mlp, [cpus(0, 1), cpus(2, 3)])
+    else:
+        plan = make_plan(mlp, [cpus(0)])
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, tp=2))
+    with pytest.raises(PlannerError, match="does not apply") as err:
+        apply.wrap(mlp, plan)
+    assert not isinstance(err.value, PlanMismatchError)
+
+
+def test_inconsistent_strategy_and_stages():
+    _, mlp = base_model("tiny_mlp")
+    plan = make_plan(mlp, [cpus(1), cpus(2)])
+    bad = dataclasses.replace(plan, strategy=Strategy(dp=1, tp=1, pp=3, microbatch_size=16,
+                                                      num_microbatches=1))
+    with pytest.raises(PlanMismatchError, match="pp=3"):
+        apply.wrap(mlp, bad)
+    twice = dataclasses.replace(plan, stages=(plan.stages[0],
+                                              Stage(plan.stages[1].layers, ("/device:CPU:1",))))
+    with pytest.raises(PlanMismatchError, match="twice"):
+        apply.wrap(mlp, twice)
+
+
+def test_subclassed_model_is_refused():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+
+    model = Sub()
+    model(np.zeros((1, 3), "float32"))
+    plan = make_plan(model, [cpus(1)])
+    with pytest.raises(PlannerError, match="Functional or Sequential"):
+        apply.wrap(model, plan)
+
+
+@pytest.fixture(scope="module")
+def dp4():
+    module, mlp = base_model("tiny_mlp")
+    wrapped = apply.wrap(mlp, make_plan(mlp, [cpus(0, 1, 2, 3)]))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return module, wrapped
+
+
+@pytest.fixture(scope="module")
+def pp2_m4():
+    module, mlp = base_model("tiny_mlp")
+    wrapped = apply.wrap(mlp, make_plan(mlp, [cpus(1), cpus(2)], num_microbatches=4))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return module, wrapped
+
+
+def _unchanged(model, before) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+@pytest.mark.parametrize("fixture", ["dp4", "pp2_m4"])
+def test_batch_not_divisible_is_refused_before_training(fixture, request):
+    module, wrapped = request.getfixturevalue(fixture)
+    x, y = module.sample_batch(20)
+    before = wrapped.get_weights()
+    with pytest.raises(PlanMismatchError, match="multiple of 4"):
+        wrapped.train_on_batch(x[:10], y[:10])
+    with pytest.raises(PlanMismatchError, match="multiple of 4"):
+        wrapped.fit(x[:18], y[:18], batch_size=6, verbose=0)
+    with pytest.raises(PlanMismatchError, match="last batch"):
+        wrapped.fit(x[:18], y[:18], batch_size=8, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10, drop_remainder=True)
+    with pytest.raises(PlanMismatchError, match="multiple of 4"):
+        wrapped.fit(dataset, verbose=0)
+    assert _unchanged(wrapped, before)
+
+
+@pytest.mark.parametrize("fixture", ["dp4", "pp2_m4"])
+def test_inference_has_no_batch_rule(fixture, request):
+    module, wrapped = request.getfixturevalue(fixture)
+    _, model = base_model("tiny_mlp")
+    x, y = module.sample_batch(6)
+    expected = model.predict_on_batch(x)
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), expected, rtol=1e-5, atol=1e-6)
+    loss = wrapped.test_on_batch(x, y, return_dict=True)["loss"]
+    np.testing.assert_allclose(loss, np.mean((expected - y) ** 2), rtol=1e-5)
+
+
+def test_batch_not_divisible_from_a_generator_fails_when_the_step_is_traced(pp2_m4):
+    module, wrapped = pp2_m4
+    x, y = module.sample_batch(6)
+    before = wrapped.get_weights()
+
+    def batches():
+        yield x, y
+
+    with pytest.raises(PlanMismatchError, match="multiple of 4"):
+        wrapped.fit(batches(), steps_per_epoch=1, shuffle=False, verbose=0)
+    assert _unchanged(wrapped, before)
+
+
+def test_layer_that_cannot_be_recreated_is_named():
+    class Box:  # not serializable, so Keras cannot record Scale's config by itself
+        value = 2.0
+
+    class Scale(keras.layers.Layer):
+        def __init__(self, factor, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = factor
+
+        def call(self, x):
+            return x * self.factor.value
+
+    inputs = keras.Input(shape=(3,))
+    model = keras.Model(inputs, Scale(Box(), name="scale")(keras.layers.Dense(3)(inputs)))
+    with pytest.raises(PlannerError, match="layer 'scale' \\(Scale\\)"):
+        apply.wrap(model, make_plan(model, [cpus(1)]))
