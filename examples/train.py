@@ -19,7 +19,6 @@ mirrored variable lists one per replica). Exit codes: 0 success, 2 bad input (mo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -52,22 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_source(path: str) -> Any:
-    """The model file as (build_model, loss, optimizer, sample_batch)."""
-    try:
-        from profiler.loader import build, load_model_source
-    except ImportError:  # an older checkout without the profiler's loader
-        return _import_file(path)
+    """The model file (build_model, loss, optimizer, sample_batch) and a builder for it."""
+    from profiler.loader import build, load_model_source
+
     source = load_model_source(path)
     return source, (lambda: build(source))
-
-
-def _import_file(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("_train_model_file", os.path.abspath(path))
-    if spec is None or spec.loader is None or not os.path.isfile(path):
-        raise ModelLoadError(f"Model file {path!r} does not exist or is not a Python file.")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, module.build_model
 
 
 def _optimizer(spec: Any) -> Any:
@@ -123,7 +111,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from profiler.tf_runtime import import_tensorflow
+
+    import_tensorflow()  # without TensorFlow's start-up noise on stderr
     try:
         result = train(args)
     except PlannerError as e:
