@@ -37,7 +37,8 @@ from apply.devices import ensure_devices
 from apply.placement import variable_devices
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan, load_plan, save_plan
-from profiler.signature import model_signature, profiled_layers
+from planner.validate import validate_plan
+from profiler.signature import model_signature
 
 
 def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLike | None = None
@@ -52,9 +53,10 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
     view = to_functional(model)
-    plan.check_model(model_signature(view))
+    signature = model_signature(view)
+    plan.check_model(signature)
     mode = plan_mode(plan)
-    _check_stages(plan, [layer.name for layer in profiled_layers(view)])
+    validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan)
     m = plan.strategy.num_microbatches
     if mode == "data_parallel":
@@ -102,30 +104,9 @@ def plan_mode(plan: Plan) -> str:
             f"Plan {plan.name!r} combines data parallelism (dp={dp}) with a pipeline "
             f"(pp={pp}); apply.wrap does not apply hybrid plans yet (a later release). "
             "Make a plan without it, or wait for that release.")
-    devices = plan.devices
-    if len(set(devices)) != len(devices):
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} uses a device twice ({list(devices)}); each stage replica "
-            "needs its own device. Regenerate the plan.")
     if dp > 1:
         return "data_parallel"
     return "pipeline" if pp > 1 else "single_device"
-
-
-def _check_stages(plan: Plan, layers: list[str]) -> None:
-    placed = [name for stage in plan.stages for name in stage.layers]
-    twice = sorted({n for n in placed if placed.count(n) > 1})
-    if twice:
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} puts layers {twice} in more than one stage; each layer "
-            "belongs to exactly one stage. Regenerate the plan.")
-    missing = [n for n in layers if n not in placed]
-    unknown = [n for n in placed if n not in layers]
-    if missing or unknown:
-        raise PlanMismatchError(
-            f"Plan {plan.name!r}'s stages do not match the model's layers: missing "
-            f"{missing}, unknown {unknown}. Expected every layer of the model in one stage. "
-            "Regenerate the plan for this model.")
 
 
 def _compile_like(model: Any, wrapped: Any) -> None:

@@ -7,14 +7,23 @@ does not match: PlanMismatchError).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan
 from profiler.model_profile import ModelProfile
 
 
-def validate_plan(plan: Plan, profile: ModelProfile, *,
+Signature = Sequence[tuple[str, str, int]]
+
+
+def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
                   error_type: type[PlannerError] = PlanMismatchError) -> None:
-    """Raise ``error_type`` naming the first way ``plan`` is not a valid plan for ``profile``.
+    """Raise ``error_type`` naming the first way ``plan`` is not a valid plan for ``model``.
+
+    ``model`` is the ModelProfile the plan was searched for, or the signature of a
+    live model (``profiler.signature.model_signature``: (layer, type, params) in
+    the model's order), as ``apply.wrap`` passes it.
 
     Checks: the model signature; strategy numbers (dp*tp*pp <= devices,
     microbatch_size * num_microbatches * dp == global_batch, schedule); every
@@ -26,12 +35,13 @@ def validate_plan(plan: Plan, profile: ModelProfile, *,
     def fail(what: str) -> None:
         raise error_type(f"Plan {plan.name!r} for model {plan.model_name!r}: {what}")
 
+    signature = tuple(model.signature() if isinstance(model, ModelProfile) else model)
     if error_type is PlanMismatchError:
-        plan.check_model(profile.signature())
-    elif plan.model_signature != profile.signature():
+        plan.check_model(signature)
+    elif plan.model_signature != signature:
         fail("its model signature differs from the profile's.")
     _check_strategy(plan, fail)
-    _check_stages(plan, profile, fail)
+    _check_stages(plan, [name for name, _, _ in signature], fail)
     _check_devices(plan, fail)
     _check_prediction(plan, fail)
 
@@ -56,11 +66,10 @@ def _check_strategy(plan: Plan, fail) -> None:
              "is not supported yet, expected 1.")
 
 
-def _check_stages(plan: Plan, profile: ModelProfile, fail) -> None:
+def _check_stages(plan: Plan, order: list[str], fail) -> None:
     s = plan.strategy
     if len(plan.stages) != s.pp:
         fail(f"it has {len(plan.stages)} stages; expected pp = {s.pp}.")
-    order = [layer.name for layer in profile.layers]
     position = {name: i for i, name in enumerate(order)}
     seen: dict[str, int] = {}
     for k, stage in enumerate(plan.stages):
