@@ -18,7 +18,9 @@ NUM_LOGICAL_CPUS = 8
 
 
 def pytest_configure(config):
-    import tensorflow as tf
+    from profiler.tf_runtime import import_tensorflow
+
+    tf = import_tensorflow()  # without the start-up noise of a machine with no GPU
 
     cpus = tf.config.list_physical_devices("CPU")
     try:
