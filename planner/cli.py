@@ -131,7 +131,12 @@ def _profile(args: argparse.Namespace, batch_size: int, status):
 def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     profile = _profile(args, args.batch_size, ui.status)
     if args.json:
-        ui.print_json(profile.to_dict())
+        from profiler.comm import profile_comm
+
+        doc = profile.to_dict()
+        for layer_doc, comm in zip(doc["layers"], profile_comm(profile)):
+            layer_doc["comm"] = comm.to_dict()
+        ui.print_json(doc)
         return 0
     from reports.tables import PROFILE_HEADER, profile_rows
     ui.table(f"{profile.model_name}: per-layer profile at batch size {profile.batch_size} "

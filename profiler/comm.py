@@ -1,0 +1,91 @@
+"""Bytes each parallel strategy would move for each layer, per training step.
+
+Pipeline position: profiler stage, derived from a ``ModelProfile`` (pure: no
+TensorFlow). The planner prices these payloads with its alpha-beta link model
+(``planner.cost_model``); ``plan profile --json`` shows them per layer under
+``comm``. All sizes are for the profile's ``batch_size`` samples, like the rest
+of the profile, and are the payload handed to one collective (what one device
+contributes), not the bytes on the wire.
+
+- Data parallel: every trainable weight's gradient is all-reduced once per
+  step, so the payload is the layer's ``grad_bytes`` (Goyal et al. 2017,
+  "Accurate, Large Minibatch SGD", sec. 3; Keras keeps gradients in the
+  variables' float32 under mixed precision).
+- Tensor parallel, Megatron-style (Shoeybi et al. 2019, "Megatron-LM", sec. 3,
+  the conjugate operators f and g): a *column* split of a Dense/EinsumDense
+  needs no forward collective and all-reduces the gradient of its input in the
+  backward pass (operator f); a *row* split all-reduces its output in the
+  forward pass and needs nothing backward (operator g). A column layer feeding a
+  row layer (the MLP pair) therefore costs one all-reduce each way. An attention
+  layer split by heads is column for Q/K/V and row for the output projection:
+  one all-reduce of its output forward, one of its input gradient backward. An
+  Embedding split over the vocabulary all-reduces its output forward (sec. 3,
+  "input embedding"). Every other layer is replicated and moves nothing.
+- Pipeline parallel: if a stage boundary follows the layer, its output
+  activation goes forward to the next stage and a gradient of the same size
+  comes back (Huang et al. 2019, "GPipe"), point to point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from profiler.model_profile import LayerProfile, ModelProfile
+
+COLUMN_ROW_TYPES = ("Dense", "EinsumDense")
+HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
+VOCAB_SPLIT_TYPES = ("Embedding",)
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """One way to split a layer across a tensor-parallel group, and its collectives."""
+
+    split: str  # "column", "row", "heads", "vocab"
+    fwd_allreduce_bytes: int
+    bwd_allreduce_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"split": self.split, "fwd_allreduce_bytes": self.fwd_allreduce_bytes,
+                "bwd_allreduce_bytes": self.bwd_allreduce_bytes}
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    name: str
+    dp_allreduce_bytes: int  # gradient all-reduce payload under data parallelism
+    tp_splits: tuple[TensorSplit, ...]  # empty: the layer is replicated under tensor parallelism
+    pp_send_bytes: int  # output activation sent forward (its gradient comes back, same size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dp_allreduce_bytes": self.dp_allreduce_bytes,
+                "tp_splits": [s.to_dict() for s in self.tp_splits],
+                "pp_send_bytes": self.pp_send_bytes, "pp_recv_grad_bytes": self.pp_send_bytes}
+
+
+def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
+    """The communication ``layer`` implies under each strategy (see the module docstring)."""
+    out = layer.activation_bytes
+    if layer.type in COLUMN_ROW_TYPES:
+        splits = (TensorSplit("column", 0, input_bytes), TensorSplit("row", out, 0))
+    elif layer.type in HEAD_SPLIT_TYPES:
+        splits = (TensorSplit("heads", out, input_bytes),)
+    elif layer.type in VOCAB_SPLIT_TYPES:
+        splits = (TensorSplit("vocab", out, 0),)
+    else:
+        splits = ()
+    return LayerComm(name=layer.name, dp_allreduce_bytes=layer.grad_bytes, tp_splits=splits,
+                     pp_send_bytes=out)
+
+
+def input_bytes_of(layer: LayerProfile, profile: ModelProfile) -> int:
+    """Bytes flowing into ``layer``: its recorded input bytes, else the sum of its in-edges."""
+    recorded = getattr(layer, "input_bytes", 0)
+    if recorded:
+        return recorded
+    return sum(e.bytes for e in profile.edges if e.dst == layer.name)
+
+
+def profile_comm(profile: ModelProfile) -> tuple[LayerComm, ...]:
+    """``layer_comm`` for every layer of ``profile``, in its order."""
+    return tuple(layer_comm(layer, input_bytes_of(layer, profile)) for layer in profile.layers)
