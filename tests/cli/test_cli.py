@@ -51,7 +51,9 @@ def test_profile_json_totals_match_the_example(tmp_path):
         assert key in doc["totals"]
     for layer in doc["layers"]:
         assert {"name", "type", "params", "param_bytes", "activation_bytes", "flops_fwd",
-                "flops_bwd"} <= set(layer)
+                "flops_bwd", "comm"} <= set(layer)
+        assert layer["comm"]["dp_allreduce_bytes"] == layer["grad_bytes"]
+        assert layer["comm"]["pp_send_bytes"] == layer["activation_bytes"]
 
 
 def test_profile_table_prints(tmp_path):
