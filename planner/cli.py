@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=1,
                    help="samples the activation bytes and FLOPs are counted for (default 1)")
     _add_model_options(p)
+    p.add_argument("--measure", action="store_true",
+                   help="also run real training steps here, captured with the TensorFlow "
+                        "profiler and read back with XProf: measured time per layer, step "
+                        "time and peak memory (needs sample_batch in the model file)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="profiled training steps with --measure (default 5)")
+    p.add_argument("--logdir", default=os.path.join("out", "profile"), metavar="DIR",
+                   help="where --measure writes its capture (TensorBoard's Profile tab "
+                        "opens it; default out/profile)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_profile)
 
@@ -129,13 +138,20 @@ def _profile(args: argparse.Namespace, batch_size: int, status):
 
 
 def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
+    if args.measure:
+        # TensorFlow's default CPU allocator keeps no memory counter; its BFC allocator
+        # does, and must be chosen before the runtime starts (profiler.peak_memory).
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     profile = _profile(args, args.batch_size, ui.status)
+    measured = _measure(args, ui) if args.measure else None
     if args.json:
         from profiler.comm import profile_comm
 
         doc = profile.to_dict()
         for layer_doc, comm in zip(doc["layers"], profile_comm(profile)):
             layer_doc["comm"] = comm.to_dict()
+        if measured is not None:
+            doc["measured"] = measured.to_dict()
         ui.print_json(doc)
         return 0
     from reports.tables import PROFILE_HEADER, profile_rows
@@ -146,7 +162,24 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         ui.note(f"warning: {w}")
     if profile.not_counted:
         ui.note("* not counted (no FLOP formula): " + "; ".join(profile.not_counted))
+    if measured is not None:
+        from reports.tables import MEASURED_HEADER, measured_rows, measured_summary
+        ui.table(f"{measured.model_name}: measured on {measured.device}, batch size "
+                 f"{measured.batch_size}, mean of {measured.steps} profiled steps",
+                 MEASURED_HEADER, measured_rows(measured), left_columns=1)
+        for line in measured_summary(measured):
+            ui.note(line)
     return 0
+
+
+def _measure(args: argparse.Namespace, ui: "UI"):
+    from profiler.loader import load_model_source
+    from profiler.measure import measure_source
+
+    source = load_model_source(args.model)
+    with ui.status(f"Measuring {args.steps} training steps of {source.name}"):
+        return measure_source(source, args.batch_size, logdir=os.path.abspath(args.logdir),
+                              steps=args.steps, optimizer=args.optimizer)
 
 
 def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from planner.plan import Plan
+from profiler.measured_profile import MeasuredProfile
 from profiler.model_profile import ModelProfile
 
 PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
@@ -52,6 +53,34 @@ def profile_rows(profile: ModelProfile) -> list[tuple[str, ...]]:
                  fmt_bytes(profile.activation_bytes), fmt_count(profile.flops_fwd),
                  fmt_count(profile.flops_bwd)))
     return rows
+
+
+MEASURED_HEADER = ("layer", "forward", "backward", "share of step")
+
+
+def measured_rows(measured: MeasuredProfile) -> list[tuple[str, ...]]:
+    """Measured time per layer and per step, then what ran outside the layers."""
+    step = measured.step_time_s
+    share = lambda t: f"{100 * t / step:.1f}%" if step > 0 else "-"  # noqa: E731
+    rows = [(l.name, fmt_seconds(l.time_fwd_s), fmt_seconds(l.time_bwd_s), share(l.time_s))
+            for l in measured.layers]
+    rows.append(("outside layers (loss, optimizer, ...)", "", "",
+                 share(measured.unattributed_time_s)))
+    rows.append(("idle (no op running)", "", "", share(measured.idle_time_s)))
+    rows.append(("STEP", "", "", fmt_seconds(step)))
+    return rows
+
+
+def measured_summary(measured: MeasuredProfile) -> list[str]:
+    """The lines under the measured table: step time, memory and where the capture is."""
+    return [
+        f"Step time {fmt_seconds(measured.step_time_s)} while profiled "
+        f"({fmt_seconds(measured.step_time_unprofiled_s)} unprofiled); layers account for "
+        f"{100 * measured.attributed_fraction:.0f}% of it, all ops for "
+        f"{100 * measured.op_fraction:.0f}%.",
+        f"Peak memory {fmt_bytes(measured.peak_memory_bytes)} ({measured.peak_memory_source}).",
+        f"Capture: tensorboard --logdir {measured.logdir} (Profile tab).",
+    ] + [f"warning: {w}" for w in measured.warnings]
 
 
 def candidate_rows(candidates: Sequence[Plan], chosen: Plan) -> list[tuple[str, ...]]:

@@ -182,3 +182,16 @@ def test_train_with_a_plan_for_another_model_fails_clearly(tmp_path):
     assert t.returncode != 0
     assert "plan" in t.stderr.lower() and "layer" in t.stderr
     assert "Traceback" not in t.stderr
+
+
+def test_profile_measure_writes_a_capture_and_times_every_layer(tmp_path):
+    logdir = tmp_path / "capture"
+    r = run_plan("profile", "examples/mlp.py", "--batch-size", "512", "--measure", "--steps",
+                 "2", "--logdir", str(logdir), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    measured = doc["measured"]
+    assert [l["name"] for l in measured["layers"]] == [l["name"] for l in doc["layers"]]
+    assert measured["step_time_s"] > 0 and measured["peak_memory_source"]
+    assert all(l["time_fwd_s"] + l["time_bwd_s"] > 0 for l in measured["layers"])
+    assert list(logdir.glob("plugins/profile/*/*.xplane.pb")), "no XProf capture written"
