@@ -78,6 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_analyze)
 
+    h = sub.add_parser("profile-hardware", help="measure this host's devices; write a cluster",
+                       description="Measure achieved matmul FLOP/s per precision, memory "
+                                   "bandwidth, point-to-point and all-reduce time (TensorFlow's "
+                                   "own collectives, fitted to latency + bytes/bandwidth) on "
+                                   "this host's devices, and turn them into a cluster file "
+                                   "`plan analyze --cluster FILE` can use instead of a preset.")
+    h.add_argument("--devices", metavar="LIST",
+                   help="cpu:N (N logical CPU devices) or a comma-separated list such as "
+                        "GPU:0,GPU:1 (default: every GPU, else every logical CPU)")
+    h.add_argument("--quick", action="store_true",
+                   help="small sizes, a few seconds (less accurate)")
+    h.add_argument("--out", metavar="FILE",
+                   help="write the measured cluster here (JSON, for --cluster FILE)")
+    h.add_argument("--json", action="store_true", help="print one JSON object")
+    h.set_defaults(func=cmd_profile_hardware)
+
     c = sub.add_parser("clusters", help="list the cluster presets",
                        description="List the named cluster presets and their datasheet figures.")
     c.add_argument("--json", action="store_true", help="print one JSON object")
@@ -232,6 +248,31 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     return 0
 
 
+def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:
+    _quiet_tensorflow()
+    from profiler.hardware import devices_from_arg, run_profile_hardware
+    from profiler.hw_cluster import summary_rows
+
+    devices = devices_from_arg(args.devices)
+    with ui.progress("Measuring hardware") as progress:
+        hw, cluster = run_profile_hardware(devices, args.quick, progress)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(cluster.to_dict(), f, indent=2)
+            f.write("\n")
+    if args.json:
+        ui.print_json({"hardware": hw.to_dict(), "cluster": cluster.to_dict()})
+        return 0
+    ui.table(f"Measured hardware: {cluster.name}", ("what", "measured", "detail"),
+             summary_rows(hw, cluster), left_columns=2, wrap_last=True)
+    for note in hw.notes:
+        ui.note(f"note: {note}")
+    if args.out:
+        ui.note(f"Wrote {os.path.abspath(args.out)}: use it with plan analyze --cluster "
+                f"{args.out}")
+    return 0
+
+
 def cmd_clusters(args: argparse.Namespace, ui: "UI") -> int:
     from planner.presets import known_presets, parse_cluster
 
@@ -281,16 +322,41 @@ class UI:
             return contextlib.nullcontext()
         return err.status(text + " ...")
 
+    def progress(self, title: str):
+        """A context manager yielding ``callback(stage, done, total)`` that draws a progress
+        bar on stderr (a no-op when stderr is not a terminal)."""
+        import contextlib
+
+        _, err = self._consoles()
+
+        @contextlib.contextmanager
+        def bar():
+            if not err.is_terminal:
+                yield lambda stage, done, total: None
+                return
+            from rich.progress import Progress
+            with Progress(console=err, transient=True) as prog:
+                tasks: dict[str, Any] = {}
+
+                def update(stage: str, done: int, total: int) -> None:
+                    if stage not in tasks:
+                        tasks[stage] = prog.add_task(f"{title}: {stage}", total=total)
+                    prog.update(tasks[stage], completed=done, total=total)
+                yield update
+        return bar()
+
     def print_json(self, obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
     def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
-              left_columns: int = 2) -> None:
+              left_columns: int = 2, wrap_last: bool = False) -> None:
         from rich.table import Table
         out, _ = self._consoles()
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i < left_columns else "right", no_wrap=True)
+            last = i == len(header) - 1
+            table.add_column(h, justify="left" if i < left_columns or (last and wrap_last)
+                             else "right", no_wrap=not (last and wrap_last))
         for row in rows:
             style = "bold" if row and row[0] in ("*", "TOTAL") else None
             table.add_row(*row, style=style)

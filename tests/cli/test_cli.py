@@ -195,3 +195,18 @@ def test_profile_measure_writes_a_capture_and_times_every_layer(tmp_path):
     assert measured["step_time_s"] > 0 and measured["peak_memory_source"]
     assert all(l["time_fwd_s"] + l["time_bwd_s"] > 0 for l in measured["layers"])
     assert list(logdir.glob("plugins/profile/*/*.xplane.pb")), "no XProf capture written"
+
+
+def test_profile_hardware_writes_a_cluster_that_analyze_uses(tmp_path):
+    cluster_file = tmp_path / "cluster.json"
+    r = run_plan("profile-hardware", "--devices", "cpu:2", "--quick", "--json", "--out",
+                 str(cluster_file))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["cluster"]["devices_per_node"] == 2
+    assert all(v > 0 for v in doc["cluster"]["device"]["peak_flops_per_s"].values())
+    assert json.loads(cluster_file.read_text()) == doc["cluster"]
+    a = run_plan("analyze", "examples/mlp.py", "--cluster", str(cluster_file), "--global-batch",
+                 "16", "--out", str(tmp_path / "out"), "--json")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["plan"]["cluster"]["name"] == doc["cluster"]["name"]
