@@ -6,6 +6,26 @@ no TensorFlow, so the planner can load a saved profile on any machine.
 
 All sizes are bytes and all work is FLOPs (2 per multiply-add), measured for
 ``ModelProfile.batch_size`` samples; ``per_sample`` helpers divide by it.
+
+Per layer (JSON keys are the field names):
+
+* ``params``, ``trainable_params`` (and ``non_trainable_params`` = the difference,
+  written to JSON only); ``param_bytes``: every variable in its own dtype -- the
+  float32 master weights under mixed precision -- of which
+  ``trainable_param_bytes`` are trainable;
+* ``compute_weight_bytes``: the low-precision copies of the weights the layer
+  casts for compute under mixed precision (0 in float32);
+* ``grad_bytes`` (one gradient per trainable variable, in its dtype) and
+  ``optimizer_bytes`` (``profiler.optimizer_slots``);
+* ``activation_bytes``: the layer's output tensors; ``activation_saved_bytes``:
+  the forward tensors the layer produces that its own or later gradient ops
+  read (kept alive until the backward pass); ``input_bytes``: the tensors its
+  calls receive. All in the dtype the layer computes in;
+* ``flops_fwd``/``flops_bwd`` from the ops the layer creates and the gradient
+  ops of those (``profiler.op_flops``); ``not_counted`` names each op with no
+  formula as "op name (OpType)";
+* ``calls``: how many times the model calls the layer (a shared layer's numbers
+  are the sum over its calls); ``inputs``: the layers that feed it.
 """
 from __future__ import annotations
 
@@ -32,11 +52,21 @@ class LayerProfile:
     flops_bwd: int
     inputs: tuple[str, ...] = ()  # names of the layers that feed this one
     not_counted: tuple[str, ...] = ()  # what has no FLOP formula (never silently zero)
+    trainable_param_bytes: int = 0  # the trainable share of param_bytes
+    compute_weight_bytes: int = 0  # low-precision weight copies made for compute
+    activation_saved_bytes: int = 0  # forward tensors kept for the backward pass
+    input_bytes: int = 0  # tensors the layer's calls receive
+    calls: int = 1  # times the model calls this layer (numbers are summed over calls)
+
+    @property
+    def non_trainable_params(self) -> int:
+        return self.params - self.trainable_params
 
     @property
     def state_bytes(self) -> int:
-        """Weights + gradients + optimizer state: what a replica of this layer holds."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        """Weights (and compute copies) + gradients + optimizer state: what a replica holds."""
+        return self.param_bytes + self.compute_weight_bytes + self.grad_bytes + \
+            self.optimizer_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +76,11 @@ class LayerProfile:
             "activation_bytes": self.activation_bytes, "flops_fwd": self.flops_fwd,
             "flops_bwd": self.flops_bwd, "inputs": list(self.inputs),
             "not_counted": list(self.not_counted),
+            "non_trainable_params": self.non_trainable_params,
+            "trainable_param_bytes": self.trainable_param_bytes,
+            "compute_weight_bytes": self.compute_weight_bytes,
+            "activation_saved_bytes": self.activation_saved_bytes,
+            "input_bytes": self.input_bytes, "calls": self.calls,
         }
 
     @classmethod
@@ -54,6 +89,11 @@ class LayerProfile:
         ints = {n: field(d, n, k, int, where=where, minimum=0) for n in (
             "params", "trainable_params", "param_bytes", "grad_bytes", "optimizer_bytes",
             "activation_bytes", "flops_fwd", "flops_bwd")}
+        for n, default in (("trainable_param_bytes", ints["grad_bytes"]),
+                           ("compute_weight_bytes", 0), ("activation_saved_bytes", 0),
+                           ("input_bytes", 0), ("calls", 1)):
+            ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
+                            default=default)
         return cls(
             name=field(d, "name", k, str, where=where), type=field(d, "type", k, str, where=where),
             inputs=tuple(field(d, "inputs", k, list, where=where, optional=True, default=[])),
@@ -118,14 +158,25 @@ class ModelProfile:
     def activation_bytes(self) -> int:
         return sum(l.activation_bytes for l in self.layers)
 
+    @property
+    def activation_saved_bytes(self) -> int:
+        return sum(l.activation_saved_bytes for l in self.layers)
+
     def totals(self) -> dict[str, int]:
-        """The totals block of ``plan profile --json``."""
+        """The totals block of ``plan profile --json`` (sums over layers)."""
+        def total(name: str) -> int:
+            return sum(getattr(l, name) for l in self.layers)
+
         return {
             "params": self.params, "trainable_params": self.trainable_params,
+            "non_trainable_params": self.params - self.trainable_params,
             "param_bytes": self.param_bytes,
-            "grad_bytes": sum(l.grad_bytes for l in self.layers),
-            "optimizer_bytes": sum(l.optimizer_bytes for l in self.layers),
+            "trainable_param_bytes": total("trainable_param_bytes"),
+            "compute_weight_bytes": total("compute_weight_bytes"),
+            "grad_bytes": total("grad_bytes"), "optimizer_bytes": total("optimizer_bytes"),
             "activation_bytes": self.activation_bytes,
+            "activation_saved_bytes": self.activation_saved_bytes,
+            "input_bytes": total("input_bytes"),
             "flops_fwd": self.flops_fwd, "flops_bwd": self.flops_bwd,
         }
 

@@ -1,33 +1,63 @@
-"""How many state slots an optimizer keeps per trainable parameter.
+"""The optimizer state Keras keeps for each trainable variable.
 
 Pipeline position: used by ``profiler.static`` to fill ``LayerProfile.optimizer_bytes``
 and ``ModelProfile.optimizer_slots_per_param``, which the planner's memory model
 reads. Works on an optimizer name (``"adam"``), a Keras optimizer object
 (``LossScaleOptimizer`` is unwrapped) or a no-argument factory returning one.
 
-Slots per parameter (from each Keras 3 optimizer's ``build``): SGD 0 (1 with
-momentum), Adam/AdamW 2 (3 with amsgrad), Adamax 2, Nadam 2, RMSprop 1 (+1 with
-momentum, +1 if centered), Adagrad 1, Adadelta 2, Ftrl 2, Lion 1. Anything else
-counts as 2 with a warning.
+State per trainable variable of shape S (from each Keras 3.15 optimizer's
+``build``; every slot has the variable's dtype unless said otherwise):
+
+* full-size slots (prod(S) elements each): SGD 0 (1 with momentum), Adam/AdamW
+  2 (3 with amsgrad), Adamax 2, Nadam 2, Lamb 2, RMSprop 1 (+1 with momentum,
+  +1 if centered), Adagrad 1, Adadelta 2, Ftrl 2, Lion 1; Muon 1 (momentum)
+  for 2-D variables and 2 (AdamW's) for the others -- Muon's
+  ``exclude_layers``/``exclude_embeddings`` options, which send some 2-D
+  variables to AdamW too, are not modelled;
+* Adafactor: 1 full-size slot (``velocity``) plus, for variables of rank >= 2,
+  the factored second moments ``r`` of shape S[:-1] and ``c`` of shape
+  S[:-2] + S[-1:]; a variable of rank < 2 gets two int32 scalar placeholders
+  instead (4 bytes each).
+
+Not counted per layer: the optimizer-wide scalars every Keras optimizer keeps
+(``iteration`` int64, ``learning_rate`` float32; Nadam's ``u_product``) --
+16-20 bytes per model. Any other optimizer counts 2 full-size slots, with a
+warning.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
-_BASE_SLOTS = {"sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "rmsprop": 1,
-               "adagrad": 1, "adadelta": 2, "ftrl": 2, "lion": 1}
+_BASE_SLOTS = {"sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "lamb": 2,
+               "rmsprop": 1, "adagrad": 1, "adadelta": 2, "ftrl": 2, "lion": 1, "muon": 1,
+               "adafactor": 1}
 UNKNOWN_SLOTS = 2
 DEFAULT_OPTIMIZER = "adam"
+INT32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class OptimizerSlots:
-    """An optimizer's canonical name, its slots per parameter, and a warning if guessed."""
+    """An optimizer's canonical name, full-size slots per parameter, a warning if guessed."""
 
     name: str
     slots_per_param: int
     warning: str | None = None
+
+    def state_bytes(self, shape: Sequence[int], dtype_bytes: int) -> int:
+        """Bytes of the state kept for one trainable variable of ``shape``."""
+        n = math.prod(int(d) for d in shape)
+        if self.name == "adafactor":
+            if len(shape) < 2:
+                return n * dtype_bytes + 2 * INT32_BYTES
+            rows = math.prod(int(d) for d in shape[:-1])
+            cols = math.prod(int(d) for d in shape[:-2]) * int(shape[-1])
+            return (n + rows + cols) * dtype_bytes
+        if self.name == "muon" and len(shape) != 2:
+            return 2 * n * dtype_bytes
+        return self.slots_per_param * n * dtype_bytes
 
 
 def _canonical(name: str) -> str:
@@ -35,7 +65,7 @@ def _canonical(name: str) -> str:
 
 
 def optimizer_slots(optimizer: Any) -> OptimizerSlots:
-    """Slots per parameter for ``optimizer`` (a name, a Keras optimizer, or a factory)."""
+    """The state rule for ``optimizer`` (a name, a Keras optimizer, or a factory)."""
     if isinstance(optimizer, str):
         name = _canonical(optimizer)
         if name in _BASE_SLOTS:  # names use Keras defaults: no momentum, not centered

@@ -3,22 +3,52 @@
 Pipeline position: shared by the profiler (``ModelProfile.signature()`` is built
 from the same rule) and by ``apply`` (which checks a plan against the model it
 is asked to wrap). Works on any Keras 3 model object; imports nothing heavy.
+
+The rule: the layers of ``model.layers`` in order, without ``InputLayer``s,
+with every nested ``keras.Model`` replaced by its own layers (recursively),
+named ``outer/inner`` (``/`` joins the nested model's name and the layer's).
+A layer reachable twice (shared between models) is listed once, where it is
+first met. A shared layer called several times is one entry.
 """
 from __future__ import annotations
 
 from typing import Any
 
+SEPARATOR = "/"
 
-def profiled_layers(model: Any) -> list[Any]:
-    """The layers a profile and a plan talk about, in the model's own order.
+
+def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
+    """(qualified name, layer) for each layer a profile and a plan talk about, in order.
 
     Keras 3 ``model.layers`` is a topological order for Functional models and the
-    call order for Sequential ones; ``InputLayer`` holds no work and is skipped.
+    call order for Sequential ones (attribute order for subclassed models); a
+    nested model's layers take its place in that order.
     """
-    return [layer for layer in model.layers if type(layer).__name__ != "InputLayer"]
+    import keras
+
+    paths: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(container: Any, prefix: str) -> None:
+        for layer in container.layers:
+            if id(layer) in seen or type(layer).__name__ == "InputLayer":
+                continue
+            seen.add(id(layer))
+            if isinstance(layer, keras.Model):
+                visit(layer, f"{prefix}{layer.name}{SEPARATOR}")
+            else:
+                paths.append((prefix + layer.name, layer))
+
+    visit(model, "")
+    return paths
+
+
+def profiled_layers(model: Any) -> list[Any]:
+    """The layer objects of ``profiled_layer_paths``, in the same order."""
+    return [layer for _, layer in profiled_layer_paths(model)]
 
 
 def model_signature(model: Any) -> tuple[tuple[str, str, int], ...]:
-    """(name, class name, count_params()) for each profiled layer, in order."""
-    return tuple((layer.name, type(layer).__name__, int(layer.count_params()))
-                 for layer in profiled_layers(model))
+    """(qualified name, class name, count_params()) for each profiled layer, in order."""
+    return tuple((name, type(layer).__name__, int(layer.count_params()))
+                 for name, layer in profiled_layer_paths(model))

@@ -6,29 +6,48 @@ where Keras allocates no weights, so models larger than this machine's memory
 can be profiled -- and ``profile_model`` turns a built model into the
 ``ModelProfile`` the planner reads. Nothing here runs the model.
 
-Per layer, for ``batch_size`` samples: variable bytes come from each variable's
-own dtype (float32 under mixed precision); activation bytes are the layer's
-output tensors in the layer's compute dtype (or the ``precision`` asked for);
-FLOPs come from ``profiler.layer_flops``. Layers are walked along the
-Functional graph (Sequential models use their inner Functional graph), which
-gives the edges and each layer's inputs. A nested keras.Model is one layer
-whose FLOPs and activation bytes are the sums over its own inner layers.
+The layers are ``profiler.signature.profiled_layer_paths`` (nested models
+flattened to ``outer/inner``). Per layer, for ``batch_size`` samples:
+
+* parameters and variable bytes come from the layer's variables, each in its
+  own dtype (float32 master weights under mixed precision); gradients are one
+  per trainable variable; optimizer state follows ``profiler.optimizer_slots``;
+* everything else comes from one traced training step (``profiler.op_graph``):
+  FLOPs of the forward ops the layer creates and of their gradient ops
+  (``profiler.op_flops``), output/input/saved activation bytes, the weight
+  copies cast for compute, and the edges between layers;
+* a ``precision`` other than the model's own policy: ``profile_source`` builds
+  the model under that policy (exact); ``profile_model`` on a model built
+  otherwise prices float tensors in the policy's compute dtype and estimates
+  the compute weight copies as Keras' autocast rule would make them (float
+  variables with ``autocast`` on, of layers with ``autocast`` on), with a warning.
+
+Big models: with ``repeat_blocks`` (default: automatically from
+``REPEAT_BLOCKS_MIN_LAYERS`` profiled layers up) identical repeated blocks are
+traced once per role and their numbers copied (``profiler.repeats``).
+``progress(stage, done, total)`` is called with stages ``build``, ``trace``,
+``gradients`` and ``count``; nothing here prints.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings as _warnings
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 from planner.errors import ModelLoadError, PlannerError
-from profiler.layer_flops import layer_flops, prod
 from profiler.loader import ModelSource, build
 from profiler.model_profile import Edge, LayerProfile, ModelProfile
-from profiler.optimizer_slots import DEFAULT_OPTIMIZER, optimizer_slots
-from profiler.signature import profiled_layers
+from profiler.op_attribution import Trace
+from profiler.op_flops import prod
+from profiler.op_graph import InputSpec, model_input_specs, trace_training_step
+from profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
+from profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
+from profiler.signature import profiled_layer_paths
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "float64")
+REPEAT_BLOCKS_MIN_LAYERS = 200
+Progress = Callable[[str, int, int], None]
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -44,164 +63,8 @@ def _is_float(dtype: Any) -> bool:
     return tf.as_dtype(getattr(dtype, "name", dtype)).is_floating
 
 
-# --- graph walk ---------------------------------------------------------------------------
-@dataclass
-class _Acc:
-    """What the walk accumulates for one layer (over all its calls in the graph)."""
-
-    flops_fwd: int = 0
-    flops_bwd: int = 0
-    activation_bytes: int = 0
-    inputs: list[str] = field(default_factory=list)
-    not_counted: list[str] = field(default_factory=list)
-    seen: bool = False
-
-    def note(self, what: str) -> None:
-        if what not in self.not_counted:
-            self.not_counted.append(what)
-
-
-@dataclass(frozen=True)
-class _Source:
-    """A profiled layer's output tensor as it reaches a consumer."""
-
-    layer: str
-    tensor_id: int
-    bytes: int
-
-
-@dataclass
-class _Walk:
-    accs: dict[str, _Acc]
-    edges: list[Edge]
-    warnings: list[str]
-
-
-def _graph(model: Any) -> Any | None:
-    """The Functional graph of ``model`` (Sequential keeps one inside), or None if subclassed."""
-    if hasattr(model, "_nodes_by_depth"):
-        return model
-    inner = getattr(model, "_functional", None)
-    return inner if inner is not None and hasattr(inner, "_nodes_by_depth") else None
-
-
-def _concrete(shape: Any, batch_size: int) -> tuple[int, ...] | None:
-    """``shape`` with axis 0 set to ``batch_size``; None if another axis is unknown."""
-    dims = list(shape)
-    if dims:
-        dims[0] = batch_size
-    return None if any(d is None for d in dims) else tuple(int(d) for d in dims)
-
-
-def _tensor_bytes(t: Any, batch_size: int, compute_dtype: str | None) -> int | None:
-    shape = _concrete(t.shape, batch_size)
-    if shape is None:
-        return None
-    dtype = compute_dtype if compute_dtype is not None and _is_float(t.dtype) else t.dtype
-    return prod(shape) * dtype_bytes(dtype)
-
-
-def _walk(model: Any, batch_size: int, compute_dtype: str | None,
-          input_needs_grad: list[bool] | None = None) -> _Walk:
-    """Walk ``model``'s layer graph in topological order, accumulating per-layer numbers.
-
-    ``input_needs_grad``: for a nested model, whether each of its inputs depends on a
-    trainable weight of the outer model (model inputs of the outer model do not).
-    """
-    layers = profiled_layers(model)
-    ids = {id(layer) for layer in layers}
-    walk = _Walk({layer.name: _Acc() for layer in layers}, [], [])
-    graph = _graph(model)
-    if graph is None:
-        for layer in layers:
-            walk.accs[layer.name].note(
-                "no layer graph (subclassed model): output shapes, activation bytes, FLOPs "
-                "and inputs unknown")
-        walk.warnings.append(
-            f"model {model.name} is a subclassed keras.Model: only parameters and variable "
-            "bytes are profiled; rewrite it as a Functional model for FLOPs and the layer graph")
-        return walk
-    # tensor id -> (profiled layers it comes from, whether it needs a gradient)
-    info: dict[int, tuple[tuple[_Source, ...], bool]] = {}
-    for i, t in enumerate(graph.inputs):
-        info[id(t)] = ((), bool(input_needs_grad[i]) if input_needs_grad else False)
-    outside_ops: list[str] = []
-    edge_keys: set[tuple[int, str]] = set()
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
-            op = node.operation
-            if op is None or node.is_input:
-                continue
-            ins = list(node.input_tensors)
-            sources = tuple(s for t in ins for s in info.get(id(t), ((), False))[0])
-            needs = any(info.get(id(t), ((), False))[1] for t in ins)
-            out_needs = needs or bool(getattr(op, "trainable_weights", None))
-            outs = list(node.outputs)
-            if id(op) not in ids:  # a keras.ops call in the graph, not a layer
-                outside_ops.append(getattr(op, "name", type(op).__name__))
-                for t in outs:
-                    info[id(t)] = (sources, needs)
-                continue
-            acc = walk.accs[op.name]
-            acc.seen = True
-            for s in sources:
-                if s.layer not in acc.inputs:
-                    acc.inputs.append(s.layer)
-                if (s.tensor_id, op.name) not in edge_keys:
-                    edge_keys.add((s.tensor_id, op.name))
-                    walk.edges.append(Edge(s.layer, op.name, s.bytes))
-            for t in outs:
-                b = _tensor_bytes(t, batch_size, compute_dtype)
-                info[id(t)] = ((_Source(op.name, id(t), b or 0),), out_needs)
-            _count_call(op, ins, outs, batch_size, compute_dtype, needs, acc,
-                        [info.get(id(t), ((), False))[1] for t in ins], walk.warnings)
-    if outside_ops:
-        walk.warnings.append(
-            f"{len(outside_ops)} operation(s) called on tensors outside any layer are not "
-            f"counted (FLOPs, activations): {', '.join(sorted(set(outside_ops)))}. Wrap them "
-            "in a layer (e.g. keras.layers.Lambda or a custom Layer) to see them per layer.")
-    return walk
-
-
-def _count_call(layer: Any, ins: list[Any], outs: list[Any], batch_size: int,
-                compute_dtype: str | None, needs: bool, acc: _Acc,
-                per_input_needs: list[bool], warnings: list[str]) -> None:
-    """Add one call of ``layer`` (one graph node) to ``acc``."""
-    import keras
-
-    out_bytes = [_tensor_bytes(t, batch_size, compute_dtype) for t in outs]
-    if isinstance(layer, keras.Model):  # nested model: the sum over its own layers
-        inner = _walk(layer, batch_size, compute_dtype, per_input_needs)
-        warnings.extend(f"in nested model {layer.name}: {w}" for w in inner.warnings)
-        for name, sub in inner.accs.items():
-            acc.flops_fwd += sub.flops_fwd
-            acc.flops_bwd += sub.flops_bwd
-            acc.activation_bytes += sub.activation_bytes
-            for what in sub.not_counted:
-                acc.note(f"{name}: {what}")
-        return
-    if any(b is None for b in out_bytes):
-        acc.note("an output shape has unknown dimensions besides the batch: activation "
-                 "bytes not counted")
-    acc.activation_bytes += sum(b for b in out_bytes if b is not None)
-    in_shapes = [_concrete(t.shape, batch_size) for t in ins]
-    out_shapes = [_concrete(t.shape, batch_size) for t in outs]
-    if any(s is None for s in in_shapes + out_shapes):
-        acc.note("shapes with unknown dimensions besides the batch: FLOPs not counted")
-        return
-    flops = layer_flops(layer, in_shapes, out_shapes, input_needs_grad=needs)
-    acc.flops_fwd += flops.fwd
-    acc.flops_bwd += flops.bwd
-    for what in flops.not_counted:
-        acc.note(what)
-
-
-# --- profile ------------------------------------------------------------------------------
-def _weights_bytes(weights: list[Any], per_element_factor: int = 1) -> int:
-    return sum(prod(w.shape) * dtype_bytes(w.dtype) * per_element_factor for w in weights)
-
-
-def _resolve_optimizer(optimizer: Any, model: Any, warnings: list[str]) -> tuple[str, int]:
+# --- options ------------------------------------------------------------------------------
+def _resolve_optimizer(optimizer: Any, model: Any, warnings: list[str]) -> OptimizerSlots:
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -211,33 +74,70 @@ def _resolve_optimizer(optimizer: Any, model: Any, warnings: list[str]) -> tuple
     slots = optimizer_slots(optimizer)
     if slots.warning:
         warnings.append(slots.warning)
-    return slots.name, slots.slots_per_param
+    return slots
+
+
+def _check_precision(precision: str | None) -> None:
+    if precision is not None and precision not in PRECISIONS:
+        raise PlannerError(
+            f"precision {precision!r} is not a dtype policy the profiler knows; expected one "
+            f"of {', '.join(PRECISIONS)} (or omit it to use the model's own policy).")
 
 
 def _resolve_precision(model: Any, precision: str | None) -> tuple[str, str | None]:
-    """(policy name for the profile, compute dtype to impose on float outputs or None)."""
+    """(policy name for the profile, compute dtype to impose on float tensors, or None)."""
+    _check_precision(precision)
     model_policy = getattr(getattr(model, "dtype_policy", None), "name", None) or "float32"
     if precision is None or precision == model_policy:
         return model_policy, None
-    if precision not in PRECISIONS:
-        raise PlannerError(
-            f"precision {precision!r} is not a dtype policy the profiler knows; expected one "
-            f"of {', '.join(PRECISIONS)} (or omit it to use the model's own policy, "
-            f"{model_policy}).")
     import keras
 
     return precision, keras.DTypePolicy(precision).compute_dtype
 
 
+def _input_specs(model: Any, batch_size: int, given: Any) -> tuple[Any, list[InputSpec]]:
+    if given is None:
+        return model_input_specs(model, batch_size)
+    import keras
+    import numpy as np
+
+    specs = []
+    for i, x in enumerate(keras.tree.flatten(given)):
+        shape = (batch_size,) + tuple(int(d) for d in np.shape(x)[1:])
+        specs.append(InputSpec(f"input_{i}" if i else "input", shape,
+                               keras.backend.standardize_dtype(getattr(x, "dtype", "float32"))))
+    return given, specs
+
+
+# --- profile ------------------------------------------------------------------------------
 def profile_model(model: Any, batch_size: int = 1, *, precision: str | None = None,
-                  optimizer: Any = None, name: str | None = None) -> ModelProfile:
-    """Profile a built keras.Model for ``batch_size`` samples.
+                  optimizer: Any = None, name: str | None = None,
+                  progress: Progress | None = None, input_example: Any = None,
+                  repeat_blocks: bool | None = None) -> ModelProfile:
+    """Profile a built keras.Model for ``batch_size`` samples (see the module docstring).
 
     ``precision``: a dtype policy name (float32, mixed_float16, mixed_bfloat16);
-    it changes activation bytes (compute dtype) but not variable bytes. Default:
-    the model's own policy. ``optimizer``: a name or Keras optimizer; default the
+    default the model's own. ``optimizer``: a name or Keras optimizer; default the
     compiled optimizer, else adam (with a warning). ``name``: the profile's
-    model_name (default ``model.name``).
+    model_name (default ``model.name``). ``input_example``: a batch of inputs (any
+    batch size) giving the input structure, shapes and dtypes of a model that
+    has no symbolic inputs (a subclassed model). ``repeat_blocks``: trace
+    identical repeated blocks once (None: only for models of at least
+    ``REPEAT_BLOCKS_MIN_LAYERS`` layers).
+    """
+    return profile_and_trace(model, batch_size, precision=precision, optimizer=optimizer,
+                             name=name, progress=progress, input_example=input_example,
+                             repeat_blocks=repeat_blocks)[0]
+
+
+def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None = None,
+                      optimizer: Any = None, name: str | None = None,
+                      progress: Progress | None = None, input_example: Any = None,
+                      repeat_blocks: bool | None = None) -> tuple[ModelProfile, Trace]:
+    """``profile_model``, plus the ``Trace`` it was made from (every op, its layer and count).
+
+    For tests and tools that compare op by op (e.g. with TensorFlow's own profiler on
+    ``trace.graph``).
     """
     import keras
 
@@ -251,58 +151,195 @@ def profile_model(model: Any, batch_size: int = 1, *, precision: str | None = No
             f"Model {model.name} is not built, so its sizes are unknown. Give it a "
             "keras.Input, call it once on data, or use profile_source with a sample_batch.")
     warnings: list[str] = []
-    policy, compute_dtype = _resolve_precision(model, precision)
-    opt_name, slots = _resolve_optimizer(optimizer, model, warnings)
-    walk = _walk(model, batch_size, compute_dtype)
-    warnings.extend(walk.warnings)
+    policy, override = _resolve_precision(model, precision)
+    slots = _resolve_optimizer(optimizer, model, warnings)
+    paths = profiled_layer_paths(model)
+    layer_of = {key: layer for key, layer in paths}
+    functional = _has_graph(model)
+    if not functional:
+        warnings.append(
+            f"model {model.name} is a subclassed keras.Model with no layer graph: its layers "
+            "are its tracked sub-layers in attribute order, each op is charged to the "
+            "sub-layer whose call created it, and ops its own call() makes between them are "
+            "counted nowhere (see the next warnings); edges that point backwards in that "
+            "order are left out. Write it as a Functional model for a plannable graph.")
+    runs = []
+    if repeat_blocks or (repeat_blocks is None and len(paths) >= REPEAT_BLOCKS_MIN_LAYERS):
+        runs = find_repeats(model)
+    structure, specs = _input_specs(model, batch_size, input_example)
+    total_calls = sum(max(1, len(getattr(layer, "_inbound_nodes", ()) or ())) for _, layer in paths)
+    trace = trace_training_step(
+        model, {id(layer): key for key, layer in paths}, structure, specs,
+        compute_dtype=override, skip=skip_map(runs, layer_of), progress=progress,
+        total_calls=total_calls)
+    if runs:
+        warnings.append(
+            "repeated blocks traced once: " + "; ".join(
+                f"{len(r.blocks)} identical blocks of {len(r.blocks[0])} layers "
+                f"({r.blocks[0][0]}..{r.blocks[-1][-1]}): the first 3 traced, the other "
+                f"{len(r.blocks) - 3} take the numbers of the 2nd (middle blocks) and the 3rd "
+                "(the last block)" for r in runs))
+    warnings.extend(_trace_warnings(trace))
+    if override is not None:
+        warnings.append(
+            f"precision {precision} differs from the policy model {model.name} was built with "
+            f"({getattr(model.dtype_policy, 'name', '?')}): activations are priced in "
+            f"{override} and the compute weight copies estimated; build the model under that "
+            "policy (profile_source does) for exact numbers.")
+    sources = source_of(runs)
     layers = []
-    for layer in profiled_layers(model):
-        acc = walk.accs[layer.name]
-        if not acc.seen and _graph(model) is not None:
-            acc.note("not called in the model's graph: no activations or FLOPs")
-        trainable = list(layer.trainable_weights)
-        layers.append(LayerProfile(
-            name=layer.name, type=type(layer).__name__, params=int(layer.count_params()),
-            trainable_params=sum(prod(w.shape) for w in trainable),
-            param_bytes=_weights_bytes(list(layer.weights)),
-            grad_bytes=_weights_bytes(trainable),
-            optimizer_bytes=_weights_bytes(trainable, slots),
-            activation_bytes=acc.activation_bytes, flops_fwd=acc.flops_fwd,
-            flops_bwd=acc.flops_bwd, inputs=tuple(acc.inputs),
-            not_counted=tuple(acc.not_counted)))
+    for key, layer in paths:
+        src = sources.get(key, key)
+        got = trace.layers[src]
+        not_counted = [f"(as {src}) {w}" if src != key else w for w in got.not_counted]
+        if got.calls == 0:
+            not_counted.append("not called in the model's training step: no activations or "
+                               "FLOPs")
+        layers.append(_layer_profile(key, layer, got, not_counted, slots, override))
+    names = [key for key, _ in paths]
+    edges = _edges(replicate_edges(runs, trace.edges), names, functional)
+    inputs = {key: [] for key in names}
+    for e in edges:
+        if e.src in inputs and e.src not in inputs[e.dst]:
+            inputs[e.dst].append(e.src)
+    layers = [dataclasses.replace(l, inputs=tuple(inputs[l.name])) for l in layers]
     return ModelProfile(
         model_name=name or model.name, batch_size=batch_size, precision=policy,
-        optimizer=opt_name, optimizer_slots_per_param=slots, layers=tuple(layers),
-        edges=tuple(walk.edges), warnings=tuple(warnings))
+        optimizer=slots.name, optimizer_slots_per_param=slots.slots_per_param,
+        layers=tuple(layers), edges=tuple(edges), warnings=tuple(warnings)), trace
+
+
+def _has_graph(model: Any) -> bool:
+    return hasattr(model, "_nodes_by_depth") or hasattr(getattr(model, "_functional", None),
+                                                        "_nodes_by_depth")
+
+
+def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
+                   slots: OptimizerSlots, override: str | None) -> LayerProfile:
+    trainable = list(layer.trainable_weights)
+    weights = list(layer.weights)
+    compute = got.compute_weight_bytes
+    if override is not None:  # Keras' autocast rule, as if the model had been built so
+        compute = 0
+        if getattr(layer, "autocast", True):
+            compute = sum(prod(w.shape) * dtype_bytes(override) for w in weights
+                          if _is_float(w.dtype) and getattr(w, "autocast", True)
+                          and dtype_bytes(w.dtype) != dtype_bytes(override))
+    return LayerProfile(
+        name=key, type=type(layer).__name__, params=int(layer.count_params()),
+        trainable_params=sum(prod(w.shape) for w in trainable),
+        param_bytes=sum(prod(w.shape) * dtype_bytes(w.dtype) for w in weights),
+        trainable_param_bytes=sum(prod(w.shape) * dtype_bytes(w.dtype) for w in trainable),
+        grad_bytes=sum(prod(w.shape) * dtype_bytes(w.dtype) for w in trainable),
+        optimizer_bytes=sum(slots.state_bytes(w.shape, dtype_bytes(w.dtype)) for w in trainable),
+        compute_weight_bytes=compute, activation_bytes=got.output_bytes,
+        activation_saved_bytes=got.saved_bytes, input_bytes=got.input_bytes,
+        flops_fwd=got.flops_fwd, flops_bwd=got.flops_bwd, not_counted=tuple(not_counted),
+        calls=got.calls)
+
+
+def _edges(raw: Sequence[tuple[str, str, int]], names: list[str], functional: bool
+           ) -> list[Edge]:
+    position = {n: i for i, n in enumerate(names)}
+    edges = [Edge(src, dst, nbytes) for src, dst, nbytes in raw
+             if functional or src not in position or position[src] < position[dst]]
+    return sorted(edges, key=lambda e: (position[e.dst], position.get(e.src, -1)))
+
+
+def _trace_warnings(trace: Trace) -> list[str]:
+    out = []
+    if trace.outside:
+        parts = [f"{label}: " + ", ".join(what[:3]) + (f" and {len(what) - 3} more"
+                                                       if len(what) > 3 else "")
+                 for label, what in sorted(trace.outside.items())]
+        out.append(
+            f"{sum(len(w) for w in trace.outside.values())} op(s) created outside any layer "
+            "(by keras.ops calls between layers or a model's own call) are not counted in any "
+            "layer: " + "; ".join(parts) + ". Wrap them in a layer (e.g. a custom Layer) to "
+            "see them per layer.")
+    if not trace.has_backward:
+        out.append("the model has no float output or no trainable weight: no backward pass "
+                   "was traced (flops_bwd and saved activations are 0)")
+    return out
+
+
+# --- from a model source ------------------------------------------------------------------
+@contextlib.contextmanager
+def _global_policy(precision: str | None) -> Iterator[None]:
+    if precision is None:
+        yield
+        return
+    import keras
+
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)
 
 
 def profile_source(source: ModelSource, batch_size: int = 1, *, precision: str | None = None,
-                   optimizer: Any = None) -> ModelProfile:
+                   optimizer: Any = None, progress: Progress | None = None,
+                   repeat_blocks: bool | None = None) -> ModelProfile:
     """Build ``source`` in a fresh ``tf.Graph`` (no weights allocated) and profile it.
 
-    ``optimizer`` defaults to the source's module-level ``optimizer``. If the
-    model cannot be built in graph mode (some user code needs eager tensors),
-    it is built eagerly instead and the profile carries a warning saying so.
+    ``precision``: the model is built under that Keras dtype policy, so its
+    casts and activation dtypes are the real ones. ``optimizer`` defaults to the
+    source's module-level ``optimizer``. If the model cannot be built in graph
+    mode (some user code needs eager tensors), it is built eagerly instead and
+    the profile carries a warning saying so.
     """
     import tensorflow as tf
 
+    _check_precision(precision)
     if optimizer is None:
         optimizer = source.optimizer
-    try:
-        with tf.Graph().as_default():
+
+    def example() -> Any:
+        if source.sample_batch is None:
+            return None
+        batch = source.sample_batch(1)
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+    def built() -> Any:
+        if progress is not None:
+            progress("build", 0, 1)
+        with _global_policy(precision):
             model = build(source)
-            return profile_model(model, batch_size, precision=precision, optimizer=optimizer,
-                                 name=source.name)
-    except PlannerError as graph_error:
-        if graph_error.__cause__ is None:  # our own check (not built, bad precision...)
-            raise
-        reason = str(graph_error).split("\n", 1)[0]
-    except Exception as graph_error:  # graph mode itself broke something: try eagerly
-        reason = f"{type(graph_error).__name__}: {graph_error}"
-    model = build(source)  # raises the eager error, if there is one
-    profile = profile_model(model, batch_size, precision=precision, optimizer=optimizer,
-                            name=source.name)
+        if progress is not None:
+            progress("build", 1, 1)
+        return model
+
+    def profiled(model: Any) -> ModelProfile:
+        given = None if _has_inputs(model) else example()
+        return profile_model(model, batch_size, precision=precision, optimizer=optimizer,
+                             name=source.name, progress=progress, input_example=given,
+                             repeat_blocks=repeat_blocks)
+
+    with tf.Graph().as_default():
+        try:
+            model = built()
+        except PlannerError as graph_error:
+            if graph_error.__cause__ is None:  # our own check (not built...)
+                raise
+            reason = str(graph_error).split("\n", 1)[0]
+        except Exception as graph_error:  # graph mode itself broke something: try eagerly
+            reason = f"{type(graph_error).__name__}: {graph_error}"
+        else:  # built without weights: profile it here (errors from now on are real)
+            return profiled(model)
+    profile = profiled(built())  # eagerly; raises the eager error, if there is one
     note = (f"built eagerly (weights allocated) because building in graph mode failed: "
             f"{reason}")
     _warnings.warn(note, RuntimeWarning, stacklevel=2)
     return dataclasses.replace(profile, warnings=profile.warnings + (note,))
+
+
+def _has_inputs(model: Any) -> bool:
+    for holder in (getattr(model, "_functional", None), model):
+        try:
+            if holder is not None and holder.input is not None:
+                return True
+        except (AttributeError, ValueError):
+            continue
+    return False
