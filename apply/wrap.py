@@ -67,7 +67,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     else:  # single device or pipeline
         from apply.pipeline import wrap_placed
 
-        wrapped = wrap_placed(view, plan.device_of_layer(), plan_name=plan.name,
+        wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
                               num_microbatches=m)
     wrapped.plan = plan
     if getattr(model, "compiled", False):
@@ -107,6 +107,28 @@ def plan_mode(plan: Plan) -> str:
     if dp > 1:
         return "data_parallel"
     return "pipeline" if pp > 1 else "single_device"
+
+
+def top_level_devices(plan: Plan) -> dict[str, str]:
+    """Device of each top-level layer of the model (replica 0).
+
+    Plans name a nested model's layers ``outer/inner`` (``profiler.signature``);
+    ``apply`` places whole top-level operations, so a nested model goes where all
+    its layers are planned. A stage boundary inside a nested model cannot be
+    applied yet and is refused rather than silently placed elsewhere.
+    """
+    devices: dict[str, set[str]] = {}
+    for name, device in plan.device_of_layer().items():
+        devices.setdefault(name.split("/", 1)[0], set()).add(device)
+    split = {top: sorted(d) for top, d in devices.items() if len(d) > 1}
+    if split:
+        top, where = next(iter(split.items()))
+        raise PlannerError(
+            f"Plan {plan.name!r} splits nested model {top!r} across devices {where}; apply "
+            "places a nested model as a whole, so a stage boundary inside it cannot be "
+            "applied yet. Re-plan with the pipeline cut outside it (e.g. --fix with fewer "
+            "stages) or flatten the model.")
+    return {top: d.pop() for top, d in devices.items()}
 
 
 def _compile_like(model: Any, wrapped: Any) -> None:

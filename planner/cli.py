@@ -141,16 +141,16 @@ def _quiet_tensorflow() -> None:
     import_tensorflow()
 
 
-def _profile(args: argparse.Namespace, batch_size: int, status):
+def _profile(args: argparse.Namespace, batch_size: int, status, progress):
     _quiet_tensorflow()
     from profiler.loader import load_model_source
     from profiler.static import profile_source
 
     with status(f"Loading {args.model}"):
         source = load_model_source(args.model)
-    with status(f"Profiling {source.name} (batch {batch_size})"):
+    with progress(f"Profiling {source.name} (batch {batch_size})") as report:
         return profile_source(source, batch_size=batch_size, precision=args.precision,
-                              optimizer=args.optimizer)
+                              optimizer=args.optimizer, progress=report)
 
 
 def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
@@ -158,7 +158,7 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         # TensorFlow's default CPU allocator keeps no memory counter; its BFC allocator
         # does, and must be chosen before the runtime starts (profiler.peak_memory).
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    profile = _profile(args, args.batch_size, ui.status)
+    profile = _profile(args, args.batch_size, ui.status, ui.progress)
     measured = _measure(args, ui) if args.measure else None
     if args.json:
         from profiler.comm import profile_comm
@@ -208,7 +208,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise PlannerError(f"--out {args.out!r} exists and is not a directory; pass a "
                            "directory path.")
-    profile = _profile(args, 1, ui.status)
+    profile = _profile(args, 1, ui.status, ui.progress)
     with ui.status(f"Planning for {cluster.name} ({cluster.num_devices} devices)"):
         result = search(profile, cluster, args.global_batch, fix=fix,
                         time_limit_s=args.time_limit)
