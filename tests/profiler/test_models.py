@@ -129,7 +129,6 @@ def test_vgg16_matches_tensorflow():
     assert m.profile.layer("fc1").flops_fwd == 2 * 25088 * 4096 + 4096 + 4096  # + bias, relu
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["DenseNet121", "EfficientNetB0"])
 def test_more_applications_match_tensorflow(name):
     check_against_tensorflow(application(name)())
