@@ -33,6 +33,7 @@ from planner.errors import InfeasiblePlanError, PlannerError, SolverError
 from planner.graph import input_edges, layer_graph, topological_layers
 from planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                   min_max_stage_memory, min_stages_to_fit)
+from planner.units import fmt_bytes, fmt_seconds
 from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
 from planner.validate import validate_plan
 from profiler.model_profile import ModelProfile
@@ -300,8 +301,8 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
     validate_plan(plan, ctx.profile, error_type=SolverError)
     pred = plan.predicted
     reason = (f"{plan.name} was fixed by the request ({dict(fix)}); it is predicted to take "
-              f"{_fmt_s(pred.step_time_s)} per step and needs {_fmt_bytes(pred.max_memory_bytes)} "
-              f"of {_fmt_bytes(pred.memory_capacity_bytes)} per device")
+              f"{fmt_seconds(pred.step_time_s)} per step and needs {fmt_bytes(pred.max_memory_bytes)} "
+              f"of {fmt_bytes(pred.memory_capacity_bytes)} per device")
     reason += "." if pred.fits else "; it does NOT fit in memory."
     plan = plan.with_reason(reason)
     return SearchResult(chosen=plan, candidates=(plan,))
@@ -312,8 +313,8 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
 def _reason(ranked: list[Plan]) -> str:
     chosen = ranked[0]
     pred = chosen.predicted
-    fits_text = (f"fits in {_fmt_bytes(pred.max_memory_bytes)} of "
-                 f"{_fmt_bytes(pred.memory_capacity_bytes)} per device")
+    fits_text = (f"fits in {fmt_bytes(pred.max_memory_bytes)} of "
+                 f"{fmt_bytes(pred.memory_capacity_bytes)} per device")
     fitting = [p for p in ranked if p.predicted.fits]
     if len(fitting) == 1:
         text = f"{chosen.name} is the only candidate that {fits_text}"
@@ -321,14 +322,14 @@ def _reason(ranked: list[Plan]) -> str:
         runner = fitting[1]
         ratio = runner.predicted.step_time_s / pred.step_time_s
         text = (f"{chosen.name} is predicted {ratio:.{1 if ratio >= 1.1 else 2}f}x faster than "
-                f"the runner-up {runner.name} ({_fmt_s(pred.step_time_s)} vs "
-                f"{_fmt_s(runner.predicted.step_time_s)} per step) and {fits_text}")
+                f"the runner-up {runner.name} ({fmt_seconds(pred.step_time_s)} vs "
+                f"{fmt_seconds(runner.predicted.step_time_s)} per step) and {fits_text}")
     faster = [p for p in ranked if not p.predicted.fits
               and p.predicted.step_time_s < pred.step_time_s]
     if faster:
         f = faster[0]
-        text += (f"; the faster {f.name} ({_fmt_s(f.predicted.step_time_s)}) would need "
-                 f"{_fmt_bytes(f.predicted.max_memory_bytes)} per device and does not fit")
+        text += (f"; the faster {f.name} ({fmt_seconds(f.predicted.step_time_s)}) would need "
+                 f"{fmt_bytes(f.predicted.max_memory_bytes)} per device and does not fit")
     return text + "."
 
 
@@ -337,23 +338,23 @@ def _nothing_fits(ctx: _Context, ranked: list[Plan]) -> str:
     cap = cluster.device.memory_bytes
     least = min(ranked, key=lambda x: (x.predicted.max_memory_bytes, x.name))
     activations = cm.scaled(p.activation_bytes + sum(ctx.input_bytes), b, p.batch_size)
-    text = (f"No strategy fits in {_fmt_bytes(cap)} per device on {cluster.name} "
+    text = (f"No strategy fits in {fmt_bytes(cap)} per device on {cluster.name} "
             f"({cluster.num_devices} devices, global batch {b}). Memory binds: the model's state "
-            f"(weights + gradients + optimizer state) is {_fmt_bytes(p.state_bytes)} and the "
-            f"activations of the global batch are {_fmt_bytes(activations)}; the candidate that "
-            f"needs least, {least.name}, needs {_fmt_bytes(least.predicted.max_memory_bytes)} "
+            f"(weights + gradients + optimizer state) is {fmt_bytes(p.state_bytes)} and the "
+            f"activations of the global batch are {fmt_bytes(activations)}; the candidate that "
+            f"needs least, {least.name}, needs {fmt_bytes(least.predicted.max_memory_bytes)} "
             "per device.")
     need = least.predicted.max_memory_bytes
     max_pp = min(cluster.num_devices, len(ctx.names))
     if max_pp > 1:  # the most even split of memory over the most stages
         need = min(need, math.ceil(min_max_stage_memory(_split_problem(ctx, max_pp, b, b, cap))[0]))
-    fixes = [f"devices with at least {_fmt_bytes(need)} each"]
+    fixes = [f"devices with at least {fmt_bytes(need)} each"]
     more = _devices_that_would_fit(ctx)
     if more:
         fixes.append(more)
     worst = max(p.layers, key=lambda l: l.state_bytes)
     if cm.with_margin_bytes(worst.state_bytes) > cap:
-        text += (f" Layer {worst.name!r} alone holds {_fmt_bytes(worst.state_bytes)} of weights, "
+        text += (f" Layer {worst.name!r} alone holds {fmt_bytes(worst.state_bytes)} of weights, "
                  "gradients and optimizer state (before the allocator margin), so more devices "
                  "cannot help until tensor parallelism is supported.")
     largest = _largest_batch_that_fits(ctx, b - 1)
@@ -394,19 +395,4 @@ def _largest_batch_that_fits(ctx: _Context, upper: int) -> int | None:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo or None
-
-
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} us"
-
-
-def _fmt_bytes(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from planner.plan import Plan
+from planner.units import fmt_bytes, fmt_count, fmt_seconds  # noqa: F401  (re-exported)
 from profiler.measured_profile import MeasuredProfile
 from profiler.model_profile import ModelProfile
 
@@ -18,30 +19,6 @@ PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
 CANDIDATE_HEADER = ("", "#", "strategy", "dp", "tp", "pp", "micro-batches", "step time",
                     "compute", "comm", "bubble", "optimizer", "peak mem / device",
                     "capacity", "fits", "samples/s")
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary units: 1536 -> '1.50 KiB'."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_count(n: float) -> str:
-    """SI units for parameter and FLOP counts: 7.76e9 -> '7.76 G'."""
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)}"
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
 
 
 def profile_rows(profile: ModelProfile) -> list[tuple[str, ...]]:
