@@ -68,9 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--global-batch", type=_positive_int, required=True,
                    help="samples per training step, over all devices")
     _add_model_options(a)
-    a.add_argument("--fix", metavar="dp=D,pp=P",
+    a.add_argument("--fix", metavar="dp=D,tp=T,pp=P",
                    help="evaluate this one strategy instead of searching (reported even if it "
-                        "does not fit)")
+                        "does not fit); unnamed degrees are 1")
+    a.add_argument("--microbatch-size", type=_positive_int, metavar="M",
+                   help="what-if: samples per micro-batch (default: searched)")
+    a.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="what-if: activation recomputation (default: searched)")
+    a.add_argument("--schedule", choices=("gpipe", "1f1b"),
+                   help="what-if: pipeline schedule (default: searched)")
+    a.add_argument("--optimizer-sharding", action="store_true", default=None,
+                   help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
     a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
                    help="time limit for each ILP solve (default 10)")
     a.add_argument("--out", default="out", metavar="DIR",
@@ -203,6 +211,11 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     from planner.search import search
 
     fix = parse_fix(args.fix)
+    knobs = {"microbatch_size": args.microbatch_size, "recompute": args.recompute,
+             "schedule": args.schedule, "optimizer_sharding": args.optimizer_sharding}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if knobs:  # with --fix: evaluate that strategy; without: search under these settings
+        fix = {**(fix or {}), **knobs}
     cluster = parse_cluster(args.cluster)  # before the slow profile: fail fast on a typo
     out_dir = os.path.abspath(args.out)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

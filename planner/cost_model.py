@@ -94,18 +94,27 @@ def with_margin_bytes(raw_bytes: float) -> float:
     return raw_bytes * MEMORY_MARGIN
 
 
+def saved_activation_bytes(layer: LayerProfile) -> int:
+    """Bytes a layer keeps alive from its forward to its backward pass, for the profile
+    batch: max(activation_saved_bytes, activation_bytes). The profiler's saved bytes
+    (tensors the gradient ops read, e.g. attention scores) where it recorded them; at
+    least the layer's output, which the next layer's backward reads."""
+    return max(layer.activation_saved_bytes, layer.activation_bytes)
+
+
 def layer_memory_bytes(layer: LayerProfile, samples_in_flight: float, profile_batch_size: int,
                        input_bytes: float = 0.0) -> float:
     """What holding one layer costs a device, margin included.
 
     M = (W + G + S + (A + I) * k / b) * MEMORY_MARGIN, with W, G, S the layer's
-    weight, gradient and optimizer-state bytes, A its output activation bytes and
+    weight, gradient and optimizer-state bytes, A its saved activation bytes
+    (``saved_activation_bytes``) and
     I the bytes of model inputs it reads (for the profile batch b), and k the
     samples whose activations are alive at the peak. GPipe keeps every
     micro-batch's activations until its backward pass (Huang et al., "GPipe",
     NeurIPS 2019, Sec. 2.3), so k = the device's whole local batch.
     """
-    activations = scaled(layer.activation_bytes + input_bytes, samples_in_flight,
+    activations = scaled(saved_activation_bytes(layer) + input_bytes, samples_in_flight,
                          profile_batch_size)
     return with_margin_bytes(layer.state_bytes + activations)
 
@@ -128,3 +137,78 @@ def model_tflops_per_device(flops_per_sample: float, global_batch: int, step_tim
     (the "model FLOPs" of Chowdhery et al., PaLM, 2022, App. B: recomputation
     not counted)."""
     return flops_per_sample * global_batch / step_time_s / devices_used / 1e12
+
+
+# --- collectives beyond the ring all-reduce (alpha-beta per link level) ---------------------
+
+def ring_allgather_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring all-gather of an ``nbytes`` result over ``n`` devices (each holds N/n).
+
+    t = (n-1)/n * N / beta + (n-1) * alpha; 0 for n == 1 (Thakur, Rabenseifner &
+    Gropp, "Optimization of collective communication operations in MPICH", IJHPCA
+    2005, ring algorithm).
+    """
+    if n < 1:
+        raise ValueError(f"all-gather over {n} devices; expected n >= 1")
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def ring_reduce_scatter_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring reduce-scatter of ``nbytes`` over ``n`` devices: the mirror of the all-gather,
+    same cost t = (n-1)/n * N / beta + (n-1) * alpha (Thakur et al., IJHPCA 2005)."""
+    return ring_allgather_time_s(nbytes, n, link)
+
+
+def hierarchical_allreduce_time_s(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
+                                  inter: LinkSpec) -> float:
+    """All-reduce of ``nbytes`` over ``per_node`` devices in each of ``nodes`` nodes.
+
+    t = RS_intra(N, k) + AR_inter(N / k, nodes) + AG_intra(N, k), k = per_node:
+    reduce-scatter inside the node over NVLink, then each of the k devices
+    all-reduces its N/k shard with its peers in the other nodes (ring, over its
+    own NIC), then an all-gather inside the node (NCCL's tree/ring hierarchy;
+    Jia et al., "Highly scalable deep learning training system with mixed-precision",
+    2018, hierarchical all-reduce; Sergeev & Del Balso, "Horovod", 2018).
+    """
+    if nodes <= 1:
+        return ring_allreduce_time_s(nbytes, per_node, intra)
+    return (ring_reduce_scatter_time_s(nbytes, per_node, intra)
+            + ring_allreduce_time_s(nbytes / per_node, nodes, inter)
+            + ring_allgather_time_s(nbytes, per_node, intra))
+
+
+def exposed_allreduce_s(allreduce_s: float, overlappable_backward_s: float) -> float:
+    """Exposed gradient all-reduce: max(0, t_allreduce - t_backward_overlappable).
+
+    Assumption: gradients are all-reduced in buckets as they are produced during
+    the backward pass (PyTorch DDP, Li et al., VLDB 2020, Sec. 3.2.3; TensorFlow's
+    collective all-reduce of gradients as they are computed), so the all-reduce
+    hides behind the backward compute of every layer but the first one.
+    """
+    return max(0.0, allreduce_s - overlappable_backward_s)
+
+
+def pipeline_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """Bubble share of the pipeline time, GPipe and 1F1B alike: (p-1)/(m+p-1)
+    (Narayanan et al., SC'21, Sec. 2.2.1; p stages, m micro-batches)."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations the first stage holds at its peak.
+
+    GPipe: all m (Huang et al., NeurIPS 2019); 1F1B (PipeDream-Flush): min(p, m)
+    (Narayanan et al., SC'21, Sec. 2.2.1); no pipeline: m (one at a time, m = 1).
+    """
+    if schedule == "1f1b":
+        return min(num_stages, num_microbatches)
+    return num_microbatches
+
+
+def hardware_tflops_per_device(hardware_flops_per_step: float, step_time_s: float,
+                               devices_used: int) -> float:
+    """Hardware FLOP/s per device in TFLOP/s, recomputation included (Chowdhery et al.,
+    PaLM, 2022, App. B; Narayanan et al., SC'21, Eq. 3 counts it the same way)."""
+    return hardware_flops_per_step / step_time_s / devices_used / 1e12

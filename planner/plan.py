@@ -6,7 +6,9 @@ ClusterSpec, checked by ``planner.validate``, written as plan.json, read back by
 
 Placement: ``stages[s].devices[r]`` is the device that holds stage ``s`` of
 data-parallel replica ``r``. A data-parallel plan has one stage on ``dp``
-devices; a pipeline plan has ``pp`` stages of one device each.
+devices; a pipeline plan has ``pp`` stages of one device each. With tensor
+parallelism a stage lists ``dp * tp`` devices, replica-major: ``devices[r * tp + t]``
+is tensor rank t of replica r (``apply`` does not run tp > 1 yet).
 """
 from __future__ import annotations
 
@@ -100,6 +102,12 @@ class Prediction:
     memory_capacity_bytes: int
     samples_per_s: float
     model_tflops_per_device: float
+    hardware_tflops_per_device: float = 0.0  # recomputation FLOPs included
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity minus the largest per-device peak (negative: does not fit)."""
+        return self.memory_capacity_bytes - self.max_memory_bytes
 
     @property
     def max_memory_bytes(self) -> int:
@@ -114,7 +122,9 @@ class Prediction:
                 "peak_memory_bytes_per_device": dict(self.peak_memory_bytes_per_device),
                 "memory_capacity_bytes": self.memory_capacity_bytes, "fits": self.fits,
                 "samples_per_s": self.samples_per_s,
-                "model_tflops_per_device": self.model_tflops_per_device}
+                "model_tflops_per_device": self.model_tflops_per_device,
+                "hardware_tflops_per_device": self.hardware_tflops_per_device,
+                "headroom_bytes": self.headroom_bytes}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Prediction":
@@ -131,6 +141,8 @@ class Prediction:
             samples_per_s=field(d, "samples_per_s", k, float, where=w, minimum=0),
             model_tflops_per_device=field(d, "model_tflops_per_device", k, float, where=w,
                                           minimum=0),
+            hardware_tflops_per_device=field(d, "hardware_tflops_per_device", k, float, where=w,
+                                             minimum=0, optional=True, default=0.0),
         )
 
 

@@ -9,9 +9,10 @@ Candidates in this first cut:
 
 - single device (dp = tp = pp = 1);
 - data parallel over all devices, and over every smaller power of two, when dp
-  divides the global batch. Step = compute of the local batch + the gradient
-  ring all-reduce, fully exposed (no overlap with the backward pass yet) + the
-  optimizer update;
+  divides the global batch. Step = compute of the local batch + the exposed part
+  of the gradient all-reduce (ring in a node, hierarchical across nodes; it
+  overlaps the backward pass of every layer but the first:
+  ``cost_model.exposed_allreduce_s``) + the optimizer update;
 - GPipe pipelines of pp = 2..min(devices, layers) stages, one device each (when
   there are more than 16 such degrees: the powers of two and the largest), the
   split chosen by ``pipeline_ilp.best_split`` (the ILP, bounded by an exact DP;
@@ -19,7 +20,12 @@ Candidates in this first cut:
   divisors of the global batch in [pp, 8 pp] by predicted step time.
   Step = (m + pp - 1) x slowest stage per micro-batch + optimizer. GPipe keeps
   every micro-batch's activations until its backward pass, so memory does not
-  depend on m.
+  depend on m;
+- hybrids (``planner.strategies``): every dp x tp x pp factorization of all the
+  devices (tp dividing devices_per_node, pp <= layers), micro-batch sizes (powers of
+  two up to MAX_MICROBATCH_SIZE), GPipe or 1F1B, recomputation none/selective/full,
+  ZeRO-1 on/off, priced in closed form; the KEEP_PER_SHAPE fastest that fit per
+  (dp, tp, pp) are kept and the MAX_RANKED fastest fitting candidates listed.
 """
 from __future__ import annotations
 
@@ -34,19 +40,27 @@ from planner.graph import input_edges, layer_graph, topological_layers
 from planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                   min_max_stage_memory, min_stages_to_fit)
 from planner.units import fmt_bytes, fmt_seconds
-from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from planner.plan import RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage, Strategy
+from planner.strategies import Estimate, Pricer, best_per_shape, hybrid_choices
 from planner.validate import validate_plan
 from profiler.model_profile import ModelProfile
 
 MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
-FIX_KEYS = ("dp", "tp", "pp", "num_microbatches")
+SHAPE_KEYS = ("dp", "tp", "pp", "num_microbatches")
+KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "optimizer_sharding")
+FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
+MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
+# A simple plan (``_is_simple``) within 3% of the fastest is chosen over it: the cost
+# model's error is larger than that, and simple plans are the ones ``apply`` runs.
+SIMPLICITY_TOLERANCE = 0.03
 
 
 @dataclass(frozen=True)
 class SearchResult:
     chosen: Plan  # candidates[0] when it fits; carries the ``reason``
     candidates: tuple[Plan, ...]  # fitting ones by step time, then the ones that do not fit
+    evaluated: int = 0  # strategies priced to find them
 
 
 @dataclass(frozen=True)
@@ -81,23 +95,58 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     Same input, same output. Raises InfeasiblePlanError when nothing fits.
     """
     ctx = _context(profile, cluster, global_batch)
-    if fix is not None:
-        return _fixed(ctx, fix, time_limit_s)
+    knobs = _check_fix(fix) if fix is not None else {}
+    if any(k in knobs for k in SHAPE_KEYS):
+        return _fixed(ctx, knobs, time_limit_s)
     n, b = cluster.num_devices, global_batch
-    plans = [_data_parallel(ctx, 1)]
-    plans += [_data_parallel(ctx, dp) for dp in _data_parallel_degrees(n) if b % dp == 0]
-    pipelines = [(pp, _microbatch_choices(b, pp)) for pp in _pipeline_degrees(n, len(ctx.names))]
-    pipelines = [(pp, ms) for pp, ms in pipelines if ms]
-    per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
-    plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
+    plans: list[Plan] = []
+    if not knobs:  # the classic candidates; knobs restrict the search to hybrid pricing
+        plans = [_data_parallel(ctx, 1)]
+        plans += [_data_parallel(ctx, dp) for dp in _data_parallel_degrees(n) if b % dp == 0]
+        # plain pipelines (one device per stage, no dp) within one node; across nodes the
+        # hybrids cover pipelines, with every device busy
+        pipelines = [(pp, _microbatch_choices(b, pp))
+                     for pp in _pipeline_degrees(n if cluster.num_nodes == 1
+                                                 else cluster.devices_per_node, len(ctx.names))]
+        pipelines = [(pp, ms) for pp, ms in pipelines if ms]
+        per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
+        plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
+    evaluated = len(plans)
+    pricer = Pricer(ctx)
+    estimates = [pricer.estimate(c) for c in hybrid_choices(ctx, knobs, skip_classic=not knobs)]
+    evaluated += len(estimates)
+    plans += [pricer.to_plan(e) for e in best_per_shape(estimates, cluster.device.memory_bytes)]
     for plan in plans:
         validate_plan(plan, profile, error_type=SolverError)
-    ranked = sorted(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s,
-                                          p.strategy.num_devices, p.name))
-    if not ranked[0].predicted.fits:
-        raise InfeasiblePlanError(_nothing_fits(ctx, ranked))
-    chosen = ranked[0].with_reason(_reason(ranked))
-    return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]))
+    ranked = sorted(plans, key=_rank_key)
+    if not ranked or not ranked[0].predicted.fits:
+        raise InfeasiblePlanError(_nothing_fits(ctx, ranked, estimates))
+    fitting = [p for p in ranked if p.predicted.fits][:MAX_RANKED]
+    not_fitting = [p for p in ranked if not p.predicted.fits]
+    not_fitting = [p for p in not_fitting if p.strategy.tp == 1 and p.strategy.recompute == "none"
+                   and not p.strategy.optimizer_sharding and "hybrid" not in p.name] \
+        + [p for p in not_fitting if "hybrid" in p.name][:5]
+    simple = [p for p in fitting if _is_simple(p)]
+    if simple and simple[0] is not fitting[0] and \
+            simple[0].predicted.step_time_s <= (1 + SIMPLICITY_TOLERANCE) * fitting[0].predicted.step_time_s:
+        fitting.remove(simple[0])
+        fitting.insert(0, simple[0])
+    ranked = fitting + sorted(not_fitting, key=_rank_key)
+    chosen = ranked[0].with_reason(_reason(ranked) + f" {evaluated} strategies were priced; "
+                                   f"the {len(fitting)} fastest that fit are listed.")
+    return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]), evaluated=evaluated)
+
+
+def _is_simple(p: Plan) -> bool:
+    """No tensor parallelism, no dp x pp hybrid, no recomputation, no ZeRO-1: what
+    ``apply.wrap`` runs today."""
+    s = p.strategy
+    return s.tp == 1 and (s.dp == 1 or s.pp == 1) and s.recompute == "none" \
+        and not s.optimizer_sharding
+
+
+def _rank_key(p: Plan):
+    return (not p.predicted.fits, p.predicted.step_time_s, p.strategy.num_devices, p.name)
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -156,9 +205,13 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
     p, cluster, device = ctx.profile, ctx.cluster, ctx.cluster.device
     local = ctx.global_batch // dp
     grad_bytes = sum(l.grad_bytes for l in p.layers)
+    first = ctx.names[0]
+    overlappable_s = sum(cm.compute_time_s(cm.scaled(l.flops_bwd, local, p.batch_size), device,
+                                           p.precision) for l in p.layers if l.name != first)
     breakdown = Breakdown(
         compute_s=sum(ctx.layer_times_s(local)),
-        communication_s=cm.ring_allreduce_time_s(grad_bytes, dp, cluster.link_between(dp)),
+        communication_s=cm.exposed_allreduce_s(_dp_allreduce_s(cluster, grad_bytes, dp),
+                                               overlappable_s),
         bubble_s=0.0, recompute_s=0.0,
         optimizer_s=cm.optimizer_time_s(p.param_bytes, grad_bytes,
                                         sum(l.optimizer_bytes for l in p.layers), device))
@@ -169,6 +222,19 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
                  (Stage(layers=ctx.names, devices=devices),), breakdown,
                  tuple((d, memory) for d in devices),
                  "closed form (one stage; every layer on each data-parallel device)")
+
+
+def _dp_allreduce_s(cluster: ClusterSpec, nbytes: float, dp: int) -> float:
+    """Gradient all-reduce over the first ``dp`` devices: a ring inside one node; across
+    nodes the hierarchical all-reduce (``cost_model.hierarchical_allreduce_time_s``) when
+    whole nodes take part, else a ring on the slowest link."""
+    per_node = cluster.devices_per_node
+    if dp <= per_node or cluster.inter_node_link is None:
+        return cm.ring_allreduce_time_s(nbytes, dp, cluster.intra_node_link)
+    if dp % per_node == 0:
+        return cm.hierarchical_allreduce_time_s(nbytes, per_node, dp // per_node,
+                                                cluster.intra_node_link, cluster.inter_node_link)
+    return cm.ring_allreduce_time_s(nbytes, dp, cluster.inter_node_link)
 
 
 def _boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
@@ -253,13 +319,15 @@ def _plan(ctx: _Context, name: str, strategy: Strategy, stages: tuple[Stage, ...
             memory_capacity_bytes=ctx.cluster.device.memory_bytes,
             samples_per_s=ctx.global_batch / step_s,
             model_tflops_per_device=cm.model_tflops_per_device(
+                flops_per_sample, ctx.global_batch, step_s, strategy.num_devices),
+            hardware_tflops_per_device=cm.model_tflops_per_device(  # no recomputation here
                 flops_per_sample, ctx.global_batch, step_s, strategy.num_devices)),
         solver=solver)
 
 
 # --- a strategy fixed by the caller ------------------------------------------------------------
 
-def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
+def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(fix, Mapping):
         raise PlannerError(f"fix is {fix!r}; expected a mapping such as {{'dp': 4}} or "
                            "{'pp': 2, 'num_microbatches': 4}.")
@@ -267,37 +335,76 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
     if unknown:
         raise PlannerError(f"fix has unknown key(s) {unknown}; expected some of {FIX_KEYS}.")
     for key, value in fix.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if key == "recompute":
+            if value not in RECOMPUTE:
+                raise PlannerError(f"fix recompute={value!r}; expected one of {RECOMPUTE}.")
+        elif key == "schedule":
+            if value not in ("gpipe", "1f1b"):
+                raise PlannerError(f"fix schedule={value!r}; expected gpipe or 1f1b.")
+        elif key == "optimizer_sharding":
+            if not isinstance(value, bool):
+                raise PlannerError(f"fix optimizer_sharding={value!r}; expected true or false.")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlannerError(f"fix {key}={value!r}; expected a whole number >= 1.")
+    return dict(fix)
+
+
+def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
     dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
     m = fix.get("num_microbatches")
-    n, b = ctx.cluster.num_devices, ctx.global_batch
-    if tp != 1:
-        raise PlannerError(f"fix asks for tp={tp}; tensor parallelism is not implemented in this "
-                           "version, so tp must be 1. Use dp or pp.")
-    if dp > 1 and pp > 1:
-        raise PlannerError(f"fix asks for dp={dp} and pp={pp}; hybrid data x pipeline "
-                           "parallelism is not implemented yet. Fix dp or pp, not both.")
-    if dp * pp > n:
-        raise InfeasiblePlanError(f"fix asks for dp*pp = {dp * pp} devices; cluster "
+    n, b, per_node = ctx.cluster.num_devices, ctx.global_batch, ctx.cluster.devices_per_node
+    if tp > per_node or per_node % tp:
+        raise PlannerError(f"fix asks for tp={tp}; tensor parallelism stays inside a node, so tp "
+                           f"must divide devices_per_node = {per_node} of cluster "
+                           f"{ctx.cluster.name!r}. Use one of {_divisors(per_node)}.")
+    if dp * tp * pp > n:
+        raise InfeasiblePlanError(f"fix asks for dp*tp*pp = {dp * tp * pp} devices; cluster "
                                   f"{ctx.cluster.name!r} has {n}. Use a bigger cluster.")
     if b % dp:
         raise PlannerError(f"fix asks for dp={dp}, which does not divide the global batch {b}; "
                            "choose a dp that divides it (or change the batch).")
-    if pp == 1:
-        if m not in (None, 1):
-            raise PlannerError(f"fix asks for num_microbatches={m} with pp=1; micro-batching "
-                               "without a pipeline (gradient accumulation) is not supported yet.")
+    if pp > len(ctx.names):
+        raise PlannerError(f"fix asks for pp={pp}, but the model has {len(ctx.names)} layers; "
+                           "use at most one stage per layer.")
+    if m is not None and b % m:
+        raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
+                           f"global batch {b}.")
+    if pp == 1 and m not in (None, 1):
+        raise PlannerError(f"fix asks for num_microbatches={m} with pp=1; micro-batching "
+                           "without a pipeline (gradient accumulation) is not supported yet.")
+    knobs = {k: v for k, v in fix.items() if k in KNOB_KEYS}
+    classic = tp == 1 and not knobs and (dp == 1 or pp == 1)
+    evaluated = 1
+    if classic and pp == 1:
         plan = _data_parallel(ctx, dp)
-    else:
+    elif classic:
         choices = [m] if m is not None else _microbatch_choices(b, pp)
-        if m is not None and b % m:
-            raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
-                               f"global batch {b}.")
         if not choices:
             raise PlannerError(f"fix asks for pp={pp}, but the global batch {b} is smaller than "
                                "the number of stages; use a batch of at least pp samples.")
         plan = _pipeline(ctx, pp, choices, time_limit_s / len(choices))
+        evaluated = len(choices)
+    else:
+        if m is not None:
+            knobs["microbatch_size"] = b // dp // m if (b // dp) % m == 0 else 0
+        if "microbatch_size" in knobs and (knobs["microbatch_size"] < 1
+                                           or (b // dp) % knobs["microbatch_size"]):
+            raise PlannerError(f"fix asks for a micro-batch that does not divide the local batch "
+                               f"{b // dp} (global batch {b} / dp {dp}); choose a divisor.")
+        if pp == 1 and "microbatch_size" in knobs and knobs["microbatch_size"] != b // dp:
+            raise PlannerError(f"fix asks for microbatch_size={knobs['microbatch_size']} with "
+                               f"pp=1; without a pipeline the micro-batch is the local batch "
+                               f"{b // dp}.")
+        pricer = Pricer(ctx)
+        estimates = [pricer.estimate(c) for c in
+                     hybrid_choices(ctx, knobs, skip_classic=False, shape=(dp, tp, pp))]
+        if not estimates:
+            raise PlannerError(f"fix {dict(fix)} leaves no strategy to price; check that the "
+                               "micro-batch size divides the local batch.")
+        cap = ctx.cluster.device.memory_bytes
+        best = min(estimates, key=lambda e: (not e.fits(cap), e.step_time_s, e.choice.name))
+        plan = pricer.to_plan(best)
+        evaluated = len(estimates)
     validate_plan(plan, ctx.profile, error_type=SolverError)
     pred = plan.predicted
     reason = (f"{plan.name} was fixed by the request ({dict(fix)}); it is predicted to take "
@@ -305,7 +412,7 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
               f"of {fmt_bytes(pred.memory_capacity_bytes)} per device")
     reason += "." if pred.fits else "; it does NOT fit in memory."
     plan = plan.with_reason(reason)
-    return SearchResult(chosen=plan, candidates=(plan,))
+    return SearchResult(chosen=plan, candidates=(plan,), evaluated=evaluated)
 
 
 # --- explaining the answer ----------------------------------------------------------------
@@ -333,7 +440,7 @@ def _reason(ranked: list[Plan]) -> str:
     return text + "."
 
 
-def _nothing_fits(ctx: _Context, ranked: list[Plan]) -> str:
+def _nothing_fits(ctx: _Context, ranked: list[Plan], estimates: list[Estimate] = ()) -> str:
     p, cluster, b = ctx.profile, ctx.cluster, ctx.global_batch
     cap = cluster.device.memory_bytes
     least = min(ranked, key=lambda x: (x.predicted.max_memory_bytes, x.name))
@@ -348,6 +455,12 @@ def _nothing_fits(ctx: _Context, ranked: list[Plan]) -> str:
     max_pp = min(cluster.num_devices, len(ctx.names))
     if max_pp > 1:  # the most even split of memory over the most stages
         need = min(need, math.ceil(min_max_stage_memory(_split_problem(ctx, max_pp, b, b, cap))[0]))
+    if estimates:
+        lean = min(estimates, key=lambda e: (max(e.stage_memory_bytes), e.choice.name))
+        if max(lean.stage_memory_bytes) < need:
+            need = max(lean.stage_memory_bytes)
+            text += (f" With every saver on, the leanest strategy, {lean.choice.name}, still "
+                     f"needs {fmt_bytes(need)} per device.")
     fixes = [f"devices with at least {fmt_bytes(need)} each"]
     more = _devices_that_would_fit(ctx)
     if more:
@@ -356,7 +469,8 @@ def _nothing_fits(ctx: _Context, ranked: list[Plan]) -> str:
     if cm.with_margin_bytes(worst.state_bytes) > cap:
         text += (f" Layer {worst.name!r} alone holds {fmt_bytes(worst.state_bytes)} of weights, "
                  "gradients and optimizer state (before the allocator margin), so more devices "
-                 "cannot help until tensor parallelism is supported.")
+                 "more devices help only through tensor parallelism, which divides it by tp "
+                 f"<= {ctx.cluster.devices_per_node} (devices per node).")
     largest = _largest_batch_that_fits(ctx, b - 1)
     if largest:
         fixes.append(f"a global batch of at most {largest} (activation memory grows with it)")

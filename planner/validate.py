@@ -48,8 +48,9 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
 
 def _check_strategy(plan: Plan, fail) -> None:
     s, cluster = plan.strategy, plan.cluster
-    if s.tp != 1:
-        fail(f"tp is {s.tp}; tensor parallelism is not implemented yet, expected tp = 1.")
+    if s.tp > cluster.devices_per_node or cluster.devices_per_node % s.tp:
+        fail(f"tp is {s.tp}; tensor parallelism stays inside a node, expected a divisor of "
+             f"devices_per_node = {cluster.devices_per_node}.")
     if s.num_devices > cluster.num_devices:
         fail(f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.num_devices} devices, but cluster "
              f"{cluster.name!r} has {cluster.num_devices}. Re-plan for this cluster.")
@@ -60,7 +61,7 @@ def _check_strategy(plan: Plan, fail) -> None:
     if s.pp == 1 and s.schedule != "none":
         fail(f"schedule is {s.schedule!r} with pp = 1; expected 'none'.")
     if s.pp > 1 and s.schedule == "none":
-        fail(f"pp = {s.pp} but schedule is 'none'; expected a pipeline schedule (gpipe).")
+        fail(f"pp = {s.pp} but schedule is 'none'; expected a pipeline schedule (gpipe or 1f1b).")
     if s.pp == 1 and s.num_microbatches != 1:
         fail(f"num_microbatches is {s.num_microbatches} with pp = 1; gradient accumulation "
              "is not supported yet, expected 1.")
@@ -82,9 +83,9 @@ def _check_stages(plan: Plan, order: list[str], fail) -> None:
                 fail(f"layer {name!r} is in stage {seen[name]} and again in stage {k}; "
                      "each layer belongs to exactly one stage.")
             seen[name] = k
-        if len(stage.devices) != s.dp:
+        if len(stage.devices) != s.dp * s.tp:
             fail(f"stage {k} has {len(stage.devices)} devices; expected one per data-parallel "
-                 f"replica (dp = {s.dp}).")
+                 f"replica and tensor rank (dp = {s.dp} x tp = {s.tp}).")
     missing = [name for name in order if name not in seen]
     if missing:
         fail(f"layer(s) {', '.join(repr(n) for n in missing[:5])} are in no stage; every "

@@ -210,3 +210,29 @@ def test_profile_hardware_writes_a_cluster_that_analyze_uses(tmp_path):
                  "16", "--out", str(tmp_path / "out"), "--json")
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["plan"]["cluster"]["name"] == doc["cluster"]["name"]
+
+
+def test_what_if_hybrid_that_does_not_fit_is_reported(tmp_path):
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", "8xA100-80GB", "--global-batch",
+                 "64", "--fix", "dp=2,tp=2,pp=2", "--microbatch-size", "4", "--recompute",
+                 "full", "--schedule", "1f1b", "--optimizer-sharding", "--json",
+                 "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "microbatch_size": 4,
+                                "num_microbatches": 8, "schedule": "1f1b",
+                                "recompute": "full", "optimizer_sharding": True}
+    predicted = plan["predicted"]
+    assert predicted["fits"] is True
+    assert predicted["hardware_tflops_per_device"] > predicted["model_tflops_per_device"] > 0
+    b = predicted["breakdown"]
+    assert sum(b.values()) == pytest.approx(predicted["step_time_s"])
+    from planner.presets import parse_cluster
+    cluster = parse_cluster("8xA100-80GB").to_dict()
+    cluster["device"]["memory_bytes"] = 1000  # the same plan on 1 kB devices: fits false
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(cluster))
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", str(small), "--global-batch", "64",
+                 "--fix", "dp=2,tp=2,pp=2", "--json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plan"]["predicted"]["fits"] is False

@@ -63,3 +63,35 @@ def test_layer_memory_counts_state_and_activations_of_samples_in_flight():
 def test_gpipe_step_and_model_tflops():
     assert cm.gpipe_step_time_s(8, 4, 0.01, 0.002) == pytest.approx(11 * 0.01 + 0.002)
     assert cm.model_tflops_per_device(3e12, 64, 2.0, 8) == pytest.approx(3e12 * 64 / 2 / 8 / 1e12)
+
+
+def test_hierarchical_allreduce_by_hand():
+    # 4 nodes x 8 devices, 1 GB: reduce-scatter and all-gather in the node over NVLink
+    # (each 7/8 * N / 100 GB/s + 7 alpha), then a ring all-reduce of N/8 over 4 nodes
+    # (2 * 3/4 * N/8 / 25 GB/s + 6 alpha)
+    intra, inter = LinkSpec(100e9, 1e-5), LinkSpec(25e9, 5e-6)
+    n = 1e9
+    by_hand = 2 * (7 / 8 * n / 100e9 + 7 * 1e-5) + (2 * 3 / 4 * (n / 8) / 25e9 + 6 * 5e-6)
+    assert cm.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) == pytest.approx(by_hand)
+    # one node: the plain ring
+    assert cm.hierarchical_allreduce_time_s(n, 8, 1, intra, inter) == pytest.approx(
+        cm.ring_allreduce_time_s(n, 8, intra))
+    # it beats a flat ring over the network for 32 devices
+    assert cm.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) < \
+        cm.ring_allreduce_time_s(n, 32, inter)
+
+
+def test_allgather_reduce_scatter_sum_to_the_ring_allreduce():
+    n, link = 4e8, LinkSpec(50e9, 2e-6)
+    assert cm.ring_allgather_time_s(n, 1, link) == 0
+    assert cm.ring_allgather_time_s(n, 4, link) == pytest.approx(3 / 4 * n / 50e9 + 3 * 2e-6)
+    assert cm.ring_reduce_scatter_time_s(n, 4, link) + cm.ring_allgather_time_s(n, 4, link) \
+        == pytest.approx(cm.ring_allreduce_time_s(n, 4, link))
+
+
+def test_overlap_bubble_and_microbatches_in_flight():
+    assert cm.exposed_allreduce_s(3.0, 2.0) == 1.0 and cm.exposed_allreduce_s(1.0, 2.0) == 0
+    assert cm.pipeline_bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert cm.microbatches_in_flight("gpipe", 4, 12) == 12
+    assert cm.microbatches_in_flight("1f1b", 4, 12) == 4
+    assert cm.microbatches_in_flight("1f1b", 4, 2) == 2

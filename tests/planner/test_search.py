@@ -10,7 +10,7 @@ from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from planner.errors import InfeasiblePlanError, PlannerError
 from planner.plan import Plan
 from planner.presets import parse_cluster
-from planner.search import SearchResult, search
+from planner.search import SIMPLICITY_TOLERANCE, SearchResult, search
 from planner.validate import validate_plan
 from profiler.model_profile import Edge, LayerProfile, ModelProfile
 
@@ -19,7 +19,7 @@ MB = 10**6
 
 def chain_profile(n_layers: int = 8, params: int = 1_000_000, flops_fwd: int = 10**10,
                   activation_bytes: int = 32_768, batch_size: int = 8,
-                  residual: bool = False) -> ModelProfile:
+                  residual: bool = False, layer_type: str = "Dense") -> ModelProfile:
     """n Dense-like layers, Adam (2 slots): state 16 bytes per parameter per layer.
 
     Per-layer numbers are for ``batch_size`` samples. With ``residual`` every other
@@ -28,7 +28,7 @@ def chain_profile(n_layers: int = 8, params: int = 1_000_000, flops_fwd: int = 1
     layers, edges = [], [Edge("input_1", "d0", 4096)]
     for i in range(n_layers):
         layers.append(LayerProfile(
-            name=f"d{i}", type="Dense", params=params, trainable_params=params,
+            name=f"d{i}", type=layer_type, params=params, trainable_params=params,
             param_bytes=4 * params, grad_bytes=4 * params, optimizer_bytes=8 * params,
             activation_bytes=activation_bytes, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
             inputs=(f"d{i - 1}",) if i else ("input_1",)))
@@ -61,7 +61,8 @@ def _check_result(result: SearchResult, profile: ModelProfile) -> None:
     fits = [p.predicted.fits for p in result.candidates]
     assert fits == sorted(fits, reverse=True)  # fitting ones first
     times = [p.predicted.step_time_s for p in result.candidates if p.predicted.fits]
-    assert times == sorted(times)
+    assert times[1:] == sorted(times[1:])  # the chosen one may be a simpler plan within 3%
+    assert times[0] <= (1 + SIMPLICITY_TOLERANCE) * min(times)
     assert result.chosen == result.candidates[0] and result.chosen.predicted.fits
 
 
@@ -89,6 +90,9 @@ def test_data_parallel_prediction_by_hand():
     layer = profile.layers[0]
     compute = 8 * cm.layer_pass_time_s(layer, 8, 8, cluster.device, "float32")
     allreduce = cm.ring_allreduce_time_s(8 * 4 * MB, 4, cluster.intra_node_link)
+    backward_but_first = 7 * cm.compute_time_s(8 * 2 * 10**10 / 8, cluster.device, "float32")
+    allreduce = cm.exposed_allreduce_s(allreduce, backward_but_first)
+    assert allreduce == 0  # 0.5 ms of all-reduce hides behind 28 ms of backward
     optimizer = cm.optimizer_time_s(8 * 4 * MB, 8 * 4 * MB, 8 * 8 * MB, cluster.device)
     b = plan.predicted.breakdown
     assert (b.compute_s, b.communication_s, b.optimizer_s) == pytest.approx(
@@ -107,12 +111,14 @@ def test_tight_memory_chooses_a_pipeline():
     result = search(profile, make_cluster(memory_bytes=100 * MB), 32)
     _check_result(result, profile)
     chosen = result.chosen
-    assert chosen.strategy.pp > 1 and chosen.strategy.dp == 1
-    assert chosen.strategy.schedule == "gpipe"
-    assert "HiGHS" in chosen.solver
-    assert len(chosen.stages) == chosen.strategy.pp
-    assert [len(s.devices) for s in chosen.stages] == [1] * chosen.strategy.pp
+    s = chosen.strategy  # plain data parallelism does not fit: a model split or a saver
+    assert s.pp > 1 or s.tp > 1 or s.optimizer_sharding or s.recompute != "none"
     assert chosen.predicted.max_memory_bytes <= 100 * MB
+    plain = [p for p in result.candidates if p.name.startswith("data parallel")]
+    assert plain and not any(p.predicted.fits for p in plain)
+    pipe = next(p for p in result.candidates if p.name.startswith("pipeline"))
+    assert pipe.predicted.fits and pipe.strategy.schedule == "gpipe" and "HiGHS" in pipe.solver
+    assert [len(s.devices) for s in pipe.stages] == [1] * pipe.strategy.pp
     single = next(p for p in result.candidates if p.name == "single device")
     assert not single.predicted.fits  # listed, at the end
     assert not result.candidates[-1].predicted.fits
@@ -123,7 +129,7 @@ def test_pipeline_prediction_follows_gpipe():
     result = search(profile, make_cluster(memory_bytes=100 * MB), 32)
     for plan in result.candidates:
         s = plan.strategy
-        if s.pp == 1:
+        if s.pp == 1 or not plan.name.startswith("pipeline"):
             continue
         b = plan.predicted.breakdown
         slowest = b.bubble_s / (s.pp - 1)
@@ -149,12 +155,15 @@ def test_impossible_memory_names_the_limit_and_the_fix():
 
 
 def test_smaller_batch_is_suggested_when_activations_bind():
-    profile = chain_profile(n_layers=2, params=1000, activation_bytes=10 * MB, batch_size=1)
+    # one layer that cannot be split (a pipeline or tensor split cannot help), 10 MB of
+    # activations per sample, 16 samples on 2 devices of 30 MB: nothing fits, fewer
+    # samples per device would
+    profile = chain_profile(n_layers=1, params=1000, activation_bytes=10 * MB, batch_size=1,
+                            layer_type="Conv2D")
     with pytest.raises(InfeasiblePlanError) as e:
-        # 2 devices, 16 samples of 2 x 10 MB: nothing fits 30 MB; one sample per device does
         search(profile, make_cluster(num_devices=2, memory_bytes=30 * MB), 16)
-    assert "a global batch of at most 2 " in str(e.value)
-    assert "at least 16 devices (data parallel dp=16)" in str(e.value)
+    assert "a global batch of at most 5 " in str(e.value)
+    assert "at least 8 devices (data parallel dp=8)" in str(e.value)
     assert "cannot help" not in str(e.value)
 
 
@@ -162,7 +171,8 @@ def test_residual_profile_and_every_candidate_validates():
     profile = chain_profile(residual=True)
     result = search(profile, make_cluster(num_devices=8, memory_bytes=60 * MB), 64)
     _check_result(result, profile)
-    assert result.chosen.strategy.pp >= 3
+    s = result.chosen.strategy  # 128 MB of state on 60 MB devices: split by tp or pp
+    assert s.pp * s.tp >= 2  # (dp=4 tp=2 with ZeRO-1 holds 40 MB: 32 MB w+g, 8 MB optimizer)
 
 
 def test_same_input_same_output():
@@ -193,7 +203,9 @@ def test_fixed_strategy_is_returned_even_when_it_does_not_fit():
 
 
 @pytest.mark.parametrize("fix,match", [
-    ({"tp": 2}, "tensor parallelism"), ({"dp": 2, "pp": 2}, "hybrid"),
+    ({"tp": 3}, "must divide devices_per_node"),
+    ({"dp": 2, "pp": 2, "microbatch_size": 3}, "does not divide"),
+    ({"recompute": "some"}, "expected one of"), ({"dp": 2, "schedule": "zigzag"}, "gpipe or 1f1b"),
     ({"dp": 3}, "does not divide"), ({"dp": 8}, "has 4"), ({"zz": 1}, "unknown key"),
     ({"dp": "two"}, "whole number"), ({"pp": 2, "num_microbatches": 5}, "does not divide"),
 ])
