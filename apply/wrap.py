@@ -81,6 +81,16 @@ def plan_mode(plan: Plan) -> str:
     """``single_device``, ``data_parallel`` or ``pipeline``; PlannerError for modes to come."""
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
+    not_applied = [what for what, on in (
+        (f"recompute={s.recompute!r}", s.recompute != "none"),
+        ("optimizer_sharding (ZeRO-1)", s.optimizer_sharding),
+        (f"schedule={s.schedule!r} (runs as GPipe)", s.schedule == "1f1b")) if on]
+    if not_applied:
+        warnings.warn(
+            f"Plan {plan.name!r}: apply.wrap does not apply {', '.join(not_applied)} yet; the "
+            "model trains with the same results but may need more memory than predicted "
+            "(a later release). Re-plan with --recompute none, without "
+            "--optimizer-sharding and with --schedule gpipe to match.", stacklevel=3)
     if s.tp > 1:
         raise PlannerError(
             f"Plan {plan.name!r} uses tensor parallelism (tp={s.tp}); apply.wrap does not "

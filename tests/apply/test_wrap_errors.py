@@ -159,3 +159,12 @@ def test_layer_that_cannot_be_recreated_is_named():
     model = keras.Model(inputs, Scale(Box(), name="scale")(keras.layers.Dense(3)(inputs)))
     with pytest.raises(PlannerError, match="layer 'scale' \\(Scale\\)"):
         apply.wrap(model, make_plan(model, [cpus(1)]))
+
+
+def test_memory_savers_apply_cannot_run_yet_are_named_in_a_warning():
+    _, mlp = base_model("tiny_mlp")
+    plan = make_plan(mlp, [cpus(0, 1)])
+    saver = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, recompute="full", optimizer_sharding=True))
+    with pytest.warns(UserWarning, match="recompute='full', optimizer_sharding"):
+        apply.wrap(mlp, saver)
