@@ -35,11 +35,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def build_gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int):
+def build_gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int,
+              tap_after: int | None = None, join_after: int | None = None):
+    """A GPT from stock Keras layers. ``tap_after``/``join_after`` (tests): a skip
+    connection from after block i (-1: the embedding) added after block j."""
     import keras
 
     tokens = keras.Input((seq,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(vocab, hidden, name="wte")(tokens)
+    tap = x
     for i in range(layers):
         y = keras.layers.LayerNormalization(name=f"ln1_{i}")(x)
         y = keras.layers.MultiHeadAttention(heads, hidden // heads, name=f"attn_{i}")(
@@ -49,6 +53,10 @@ def build_gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int):
         y = keras.layers.Dense(4 * hidden, activation="gelu", name=f"fc_{i}")(y)
         y = keras.layers.Dense(hidden, name=f"proj_{i}")(y)
         x = keras.layers.Add(name=f"res2_{i}")([x, y])
+        if tap_after == i:
+            tap = x
+        if join_after == i:
+            x = keras.layers.Add(name=f"skip_{i}")([x, tap])
     x = keras.layers.LayerNormalization(name="ln_f")(x)
     logits = keras.layers.Dense(vocab, use_bias=False, name="lm_head")(x)
     return keras.Model(tokens, logits, name="gpt")

@@ -406,26 +406,11 @@ def test_progress_reports_each_stage(mlp_source):
 
 
 def gpt(layers=6, hidden=32, heads=4, vocab=50, seq=8, tap_after=None, join_after=None):
-    """A small GPT; ``tap_after``/``join_after``: a skip connection from after block i
-    (-1: the embedding) to after block j."""
-    tokens = keras.Input((seq,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(vocab, hidden, name="wte")(tokens)
-    tap = x
-    for i in range(layers):
-        y = keras.layers.LayerNormalization(name=f"ln1_{i}")(x)
-        y = keras.layers.MultiHeadAttention(heads, hidden // heads, name=f"attn_{i}")(
-            y, y, use_causal_mask=True)
-        x = keras.layers.Add(name=f"res1_{i}")([x, y])
-        y = keras.layers.LayerNormalization(name=f"ln2_{i}")(x)
-        y = keras.layers.Dense(4 * hidden, activation="gelu", name=f"fc_{i}")(y)
-        y = keras.layers.Dense(hidden, name=f"proj_{i}")(y)
-        x = keras.layers.Add(name=f"res2_{i}")([x, y])
-        if tap_after == i:
-            tap = x
-        if join_after == i:
-            x = keras.layers.Add(name=f"skip_{i}")([x, tap])
-    x = keras.layers.LayerNormalization(name="ln_f")(x)
-    return keras.Model(tokens, keras.layers.Dense(vocab, use_bias=False, name="head")(x))
+    """A small GPT (benchmarks/profile_gpt.build_gpt), optionally with a skip connection."""
+    from benchmarks.profile_gpt import build_gpt
+
+    return build_gpt(layers, hidden, heads, vocab, seq, tap_after=tap_after,
+                     join_after=join_after)
 
 
 def test_repeated_blocks_traced_once_give_the_same_profile():
