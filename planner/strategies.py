@@ -133,12 +133,18 @@ class Pricer:
         self.layers = p.layers
         self.b = p.batch_size
         self.n = len(p.layers)
-        self.splits = tp_split_rule(tuple(l.type for l in p.layers))
+        self.rule_splits = tp_split_rule(tuple(l.type for l in p.layers))
         from profiler.comm import input_bytes_of
         self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
         self.attention = np.array([l.type in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
         self.cache: dict = {}
+
+    def splits_for(self, tp: int) -> tuple[str, ...]:
+        """Each layer's split at tensor-parallel degree ``tp`` ("" = replicated)."""
+        if tp == 1:
+            return ("",) * self.n
+        return self.rule_splits
 
     def arrays(self, tp: int, mbs: int) -> dict[str, np.ndarray]:
         key = (tp, mbs)
@@ -148,9 +154,10 @@ class Pricer:
         device, precision, link = ctx.cluster.device, ctx.profile.precision, \
             ctx.cluster.intra_node_link
         f = mbs / b
+        splits = self.splits_for(tp)
         fwd, bwd, tpf, tpb, state, opt, grad, act, inp, layer_in = ([] for _ in range(10))
         for i, l in enumerate(self.layers):
-            split = self.splits[i] if tp > 1 else ""
+            split = splits[i]
             k = tp if split else 1
             fwd.append(cm.compute_time_s(l.flops_fwd * f / k, device, precision)
                        + cm.LAYER_OVERHEAD_S / 2)
@@ -173,7 +180,7 @@ class Pricer:
         arr = {k: np.array(v, dtype=float) for k, v in dict(
             fwd=fwd, bwd=bwd, tpf=tpf, tpb=tpb, state=state, opt=opt, grad=grad, act=act,
             inp=inp, layer_in=layer_in).items()}
-        arr["param"] = np.array([l.param_bytes / (tp if self.splits[i] and tp > 1 else 1)
+        arr["param"] = np.array([l.param_bytes / (tp if splits[i] else 1)
                                  for i, l in enumerate(self.layers)], dtype=float)
         for name in ("fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param"):
             arr["sum_" + name] = np.concatenate([[0.0], np.cumsum(arr[name])])
