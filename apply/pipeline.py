@@ -1,9 +1,14 @@
-"""Single-device and pipeline plans: every layer, its ops and its optimizer state on one device.
+"""Single-device, pipeline and general-placement plans: every layer, its ops and its
+optimizer state on one device.
 
 Pipeline position: ``apply.wrap`` calls ``wrap_placed`` for a plan with one
 data-parallel replica (``dp == 1``): one stage on one device (single device),
-or ``pp`` stages with one device each (pipeline). Placement is by hand with
-``tf.device``, TensorFlow's own placer doing the rest:
+``pp`` stages with one device each (pipeline), or a general placement (each stage
+is one device's layers, in any pattern, one micro-batch). Everything below goes by
+``Plan.device_of_layer`` alone, so stages need not be runs of consecutive layers;
+nothing orders independent branches, so TensorFlow's executor runs branches on
+different devices at the same time. Placement is by hand with ``tf.device``,
+TensorFlow's own placer doing the rest:
 
 * variables: each layer is re-created and built under ``tf.device`` of its
   stage's device (``apply.cloning``), so its weights live there;

@@ -16,6 +16,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    * one stage, one device: single device (``apply.pipeline``, one stage);
    * one stage, ``dp`` devices: data parallel (``apply.data_parallel``);
    * ``pp`` stages of one device each: pipeline (``apply.pipeline``);
+   * a general placement (``plan.placement == "general"``: each stage is one
+     device's layers, in any pattern, one micro-batch): placement
+     (``apply.pipeline`` too; independent branches run at the same time);
 
 3. the model is re-created with the plan's placement and the user's current
    weights; if the user's model was compiled, the wrapped one is compiled from
@@ -64,7 +67,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
 
         wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
                                      num_microbatches=m)
-    else:  # single device or pipeline
+    else:  # single device, pipeline or general placement: each layer on its device
         from apply.pipeline import wrap_placed
 
         wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
@@ -78,13 +81,15 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
 
 
 def plan_mode(plan: Plan) -> str:
-    """``single_device``, ``data_parallel`` or ``pipeline``; PlannerError for modes to come."""
+    """``single_device``, ``data_parallel``, ``pipeline`` or ``placement`` (a general
+    placement); PlannerError for modes to come."""
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
     not_applied = [what for what, on in (
         (f"recompute={s.recompute!r}", s.recompute != "none"),
         ("optimizer_sharding (ZeRO-1)", s.optimizer_sharding),
-        (f"schedule={s.schedule!r} (runs as GPipe)", s.schedule == "1f1b")) if on]
+        (f"schedule={s.schedule!r} (runs as GPipe)", s.schedule in ("1f1b", "interleaved"))
+    ) if on]
     if not_applied:
         warnings.warn(
             f"Plan {plan.name!r}: apply.wrap does not apply {', '.join(not_applied)} yet; the "
@@ -104,7 +109,8 @@ def plan_mode(plan: Plan) -> str:
             f"Plan {plan.name!r} has stages with different numbers of replicas "
             f"({sorted(replicas)}); every stage needs one device per data-parallel replica. "
             "Regenerate the plan.")
-    dp, pp = replicas.pop(), len(plan.stages)
+    # an interleaved pipeline has virtual_stages model chunks per device
+    dp, pp = replicas.pop(), len(plan.stages) // max(1, s.virtual_stages)
     if (s.dp, s.pp) != (dp, pp):
         raise PlanMismatchError(
             f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
@@ -114,6 +120,13 @@ def plan_mode(plan: Plan) -> str:
             f"Plan {plan.name!r} combines data parallelism (dp={dp}) with a pipeline "
             f"(pp={pp}); apply.wrap does not apply hybrid plans yet (a later release). "
             "Make a plan without it, or wait for that release.")
+    if plan.placement == "general":
+        if dp > 1 or s.num_microbatches != 1:
+            raise PlanMismatchError(
+                f"Plan {plan.name!r} is a general placement with dp={dp} and "
+                f"num_microbatches={s.num_microbatches}; a general placement runs one batch "
+                "with one device per stage (dp=1, num_microbatches=1). Regenerate the plan.")
+        return "placement"
     if dp > 1:
         return "data_parallel"
     return "pipeline" if pp > 1 else "single_device"

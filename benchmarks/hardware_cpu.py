@@ -84,7 +84,9 @@ def _profile(n: int | None, quick: bool, out: str) -> int:
               f"{nominal.device.peak_flops('float32') / 1e9:g} GFLOP/s, "
               f"{nominal.device.memory_bandwidth_bytes_per_s / 1e9:g} GB/s memory, link "
               f"{nominal.intra_node_link.bandwidth_bytes_per_s / 1e9:g} GB/s + "
-              f"{nominal.intra_node_link.latency_s * 1e6:g} us")
+              f"{nominal.intra_node_link.latency_s * 1e6:g} us, p2p link "
+              f"{nominal.intra_node_p2p_link.bandwidth_bytes_per_s / 1e9:g} GB/s + "
+              f"{nominal.intra_node_p2p_link.latency_s * 1e6:g} us")
     for note in hw.notes:
         print(f"note: {note}")
     for name, doc in ((f"hardware-{label}.json", hw.to_dict()),

@@ -53,8 +53,8 @@ def published_strategy(row: dict[str, float]) -> dict:
     tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
     dp = gpus // (tp * pp)
     fix = {"dp": dp, "tp": tp, "pp": pp, "recompute": "full"}
-    if pp > 1:
-        fix.update(schedule="1f1b", microbatch_size=1)
+    if pp > 1:  # the paper's interleaved schedule; chunks per GPU (2-4) as the planner prices best
+        fix.update(schedule="interleaved", microbatch_size=1)
     return fix
 
 

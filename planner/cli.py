@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what-if: samples per micro-batch (default: searched)")
     a.add_argument("--recompute", choices=("none", "selective", "full"),
                    help="what-if: activation recomputation (default: searched)")
-    a.add_argument("--schedule", choices=("gpipe", "1f1b"),
+    a.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"),
                    help="what-if: pipeline schedule (default: searched)")
+    a.add_argument("--virtual-stages", type=_positive_int, metavar="V",
+                   help="what-if: model chunks per pipeline device under --schedule "
+                        "interleaved (default: searched, 2 or 4)")
     a.add_argument("--optimizer-sharding", action="store_true", default=None,
                    help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
     a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
@@ -212,7 +215,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
 
     fix = parse_fix(args.fix)
     knobs = {"microbatch_size": args.microbatch_size, "recompute": args.recompute,
-             "schedule": args.schedule, "optimizer_sharding": args.optimizer_sharding}
+             "schedule": args.schedule, "optimizer_sharding": args.optimizer_sharding,
+             "virtual_stages": args.virtual_stages}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     if knobs:  # with --fix: evaluate that strategy; without: search under these settings
         fix = {**(fix or {}), **knobs}

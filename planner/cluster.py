@@ -5,6 +5,18 @@ Pipeline position: built from a preset (``planner.presets``), a YAML/JSON file,
 model and the search. A cluster is ``num_nodes`` identical nodes of
 ``devices_per_node`` identical devices; devices in a node talk over
 ``intra_node_link``, nodes over ``inter_node_link``.
+
+Collectives and point-to-point transfers may cost differently on the same
+wires: a collective (TensorFlow's ring all-reduce) pays a per-step launch and
+synchronisation a single copy does not. The collective links price gradient
+all-reduces; the optional ``intra_node_p2p_link`` / ``inter_node_p2p_link``
+price single transfers (pipeline stage boundaries), and ``p2p_link`` falls back
+to the collective link of the same level when no p2p link is given.
+
+``devices_per_compute_pool`` says how many of a node's devices draw on one pool
+of cores and memory bandwidth: 1 for GPUs; all of them for logical CPU devices,
+which share one thread pool (DESIGN.md), so that k of them busy at once each
+run at about 1/k of the rate measured on one.
 """
 from __future__ import annotations
 
@@ -28,6 +40,9 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     matmul_efficiency: float  # achieved / peak for large dense matmuls (see presets)
     source: str = ""
+    # Measured fixed time one layer's forward + backward ops cost per pass beyond their
+    # FLOPs (op dispatch, kernel launch); None: the cost model's assumed constant.
+    layer_overhead_s: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         """Peak dense FLOP/s for a compute precision (``mixed_float16`` -> float16)."""
@@ -54,6 +69,7 @@ class DeviceSpec:
             "peak_flops_per_s": dict(self.peak_flops_per_s),
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
             "matmul_efficiency": self.matmul_efficiency, "source": self.source,
+            "layer_overhead_s": self.layer_overhead_s,
         }
 
     @classmethod
@@ -72,6 +88,9 @@ class DeviceSpec:
         eff = field(d, "matmul_efficiency", k, float, where=where, optional=True, default=0.5)
         if not 0 < eff <= 1:
             raise SchemaError(f"{k}.{where}.matmul_efficiency is {eff!r}; expected 0 < x <= 1.")
+        overhead = d.get("layer_overhead_s")
+        if overhead is not None:
+            overhead = field(d, "layer_overhead_s", k, float, where=where, minimum=0)
         return cls(
             kind=field(d, "kind", k, str, where=where), device_type=device_type,
             memory_bytes=field(d, "memory_bytes", k, int, where=where, minimum=1),
@@ -80,6 +99,7 @@ class DeviceSpec:
                                                where=where, minimum=1),
             matmul_efficiency=eff,
             source=field(d, "source", k, str, where=where, optional=True, default=""),
+            layer_overhead_s=overhead,
         )
 
 
@@ -116,8 +136,11 @@ class ClusterSpec:
     num_nodes: int
     devices_per_node: int
     device: DeviceSpec
-    intra_node_link: LinkSpec
-    inter_node_link: LinkSpec | None = None
+    intra_node_link: LinkSpec  # collectives (all-reduce) inside a node
+    inter_node_link: LinkSpec | None = None  # collectives across nodes
+    intra_node_p2p_link: LinkSpec | None = None  # one transfer inside a node; None: collective's
+    inter_node_p2p_link: LinkSpec | None = None  # one transfer across nodes; None: collective's
+    devices_per_compute_pool: int = 1  # devices sharing one pool of cores (see module doc)
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -129,6 +152,13 @@ class ClusterSpec:
             raise ClusterSpecError(
                 f"Cluster {self.name!r} has {self.num_nodes} nodes but no inter_node_link; "
                 "add one (bandwidth_bytes_per_s, latency_s) to the cluster file.")
+        pool = self.devices_per_compute_pool
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 \
+                or self.devices_per_node % pool:
+            raise ClusterSpecError(
+                f"Cluster {self.name!r} has devices_per_compute_pool {pool!r}; expected a whole "
+                f"number >= 1 that divides devices_per_node ({self.devices_per_node}): 1 for "
+                "GPUs, devices_per_node for logical CPU devices sharing the host's cores.")
 
     @property
     def num_devices(self) -> int:
@@ -149,20 +179,41 @@ class ClusterSpec:
             return self.intra_node_link
         return self.inter_node_link
 
+    def p2p_link(self, same_node: bool) -> LinkSpec:
+        """The link one point-to-point transfer (a pipeline stage boundary) crosses.
+
+        Inside a node: ``intra_node_p2p_link``, else ``intra_node_link``. Across
+        nodes: ``inter_node_p2p_link``, else ``inter_node_link``; with neither
+        (one node), the intra-node choice.
+        """
+        if not same_node:
+            if self.inter_node_p2p_link is not None:
+                return self.inter_node_p2p_link
+            if self.inter_node_link is not None:
+                return self.inter_node_link
+        if self.intra_node_p2p_link is not None:
+            return self.intra_node_p2p_link
+        return self.intra_node_link
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version, "name": self.name,
             "num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
             "device": self.device.to_dict(), "intra_node_link": self.intra_node_link.to_dict(),
-            "inter_node_link": (self.inter_node_link.to_dict()
-                                if self.inter_node_link is not None else None),
+            "inter_node_link": _link_dict(self.inter_node_link),
+            "intra_node_p2p_link": _link_dict(self.intra_node_p2p_link),
+            "inter_node_p2p_link": _link_dict(self.inter_node_p2p_link),
+            "devices_per_compute_pool": self.devices_per_compute_pool,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ClusterSpec":
         k = "ClusterSpec"
         check_version(d, k)
-        inter = d.get("inter_node_link")
+        def link(key: str) -> LinkSpec | None:  # optional: files before p2p links lack them
+            value = d.get(key)
+            return None if value is None else LinkSpec.from_dict(value, key)
+
         return cls(
             name=field(d, "name", k, str),
             num_nodes=field(d, "num_nodes", k, int, minimum=1),
@@ -170,9 +221,16 @@ class ClusterSpec:
             device=DeviceSpec.from_dict(field(d, "device", k, dict)),
             intra_node_link=LinkSpec.from_dict(field(d, "intra_node_link", k, dict),
                                                "intra_node_link"),
-            inter_node_link=(LinkSpec.from_dict(inter, "inter_node_link")
-                             if inter is not None else None),
+            inter_node_link=link("inter_node_link"),
+            intra_node_p2p_link=link("intra_node_p2p_link"),
+            inter_node_p2p_link=link("inter_node_p2p_link"),
+            devices_per_compute_pool=field(d, "devices_per_compute_pool", k, int, minimum=1,
+                                           optional=True, default=1),
         )
+
+
+def _link_dict(link: LinkSpec | None) -> dict[str, Any] | None:
+    return None if link is None else link.to_dict()
 
 
 def compute_precision(precision: str) -> str:

@@ -9,7 +9,12 @@ Profile numbers are for ``ModelProfile.batch_size`` samples (b); a cost for
 """
 from __future__ import annotations
 
-from planner.cluster import DeviceSpec, LinkSpec
+import math
+from dataclasses import replace
+from typing import Sequence
+
+from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from planner.plan import Breakdown
 from profiler.model_profile import LayerProfile
 
 # Fixed cost of one layer in one micro-batch pass (its forward and backward ops
@@ -41,14 +46,94 @@ def compute_time_s(flops: float, device: DeviceSpec, precision: str) -> float:
     return flops / device.achieved_flops(precision)
 
 
+def layer_overhead_s(device: DeviceSpec) -> float:
+    """The fixed cost of one layer's forward + backward in one pass: the device's measured
+    ``layer_overhead_s`` (``plan profile-hardware``) where it has one, else LAYER_OVERHEAD_S."""
+    return device.layer_overhead_s if device.layer_overhead_s is not None else LAYER_OVERHEAD_S
+
+
+def vector_flops(device: DeviceSpec, precision: str) -> float:
+    """FLOP/s of the ops that are not contractions (element-wise, reductions): the
+    device's plain float32 peak (no tensor cores), or its matmul peak if it lists none."""
+    return dict(device.peak_flops_per_s).get("float32") or device.peak_flops(precision)
+
+
+def roofline_time_s(matmul_flops: float, other_flops: float, traffic_bytes: float,
+                    device: DeviceSpec, precision: str) -> float:
+    """Time of one layer's ops in one pass, by op class (roofline: Williams, Waterman &
+    Patterson, "Roofline", CACM 2009):
+
+    t = F_mm / (P_peak(precision) * eta) + max(F_other / P_vector, T / B_mem)
+
+    F_mm: FLOPs in contractions (MatMul, Einsum, Conv), compute-bound at the matmul
+    rate ``compute_time_s``; F_other: the other ops' FLOPs at the vector rate
+    ``vector_flops``; T: the bytes those other ops read and write
+    (``LayerProfile.memory_traffic_bytes_*``), at the device's memory bandwidth B_mem
+    (datasheet for presets, measured by ``plan profile-hardware``). Element-wise ops,
+    softmax and normalizations do about one FLOP per byte, far below the ridge point,
+    so their time is their traffic: this is what makes small and normalization-heavy
+    layers slower than their FLOPs say.
+    """
+    t = compute_time_s(matmul_flops, device, precision) if matmul_flops else 0.0
+    if other_flops or traffic_bytes:
+        t += max(other_flops / vector_flops(device, precision),
+                 traffic_bytes / device.memory_bandwidth_bytes_per_s)
+    return t
+
+
+def fuses_elementwise(device: DeviceSpec) -> bool:
+    """Whether training on ``device`` fuses element-wise ops into few kernels: on GPUs,
+    Keras 3 compiles the train step with XLA (``jit_compile="auto"`` resolves to True
+    when a non-CPU device is present: keras/src/trainers/trainer.py,
+    ``_resolve_auto_jit_compile``) and Megatron-LM uses fused kernels (fused bias-GELU,
+    scale-mask-softmax, layer norm: Narayanan et al., SC'21, Sec. 4.2); on CPU-only
+    hosts Keras disables XLA and TensorFlow's executor runs every op on its own."""
+    return device.device_type != "CPU"
+
+
+def fused_traffic_bytes(layer: LayerProfile) -> tuple[float, float]:
+    """Bytes a layer's non-contraction ops move when they are fused (forward, backward):
+    the forward reads the layer's inputs and writes its outputs and the tensors it saves
+    for the backward, once: I + A + S; the backward reads the output gradient and the
+    saved tensors and writes the input gradient: 2 (I + A + S) as an upper bound.
+    (Fusion keeps the intermediates in registers or on chip: the traffic of a fused
+    kernel is its inputs and outputs; Williams et al., "Roofline", CACM 2009, Sec. 3.)"""
+    once = layer.input_bytes + layer.activation_bytes + layer.activation_saved_bytes
+    return float(once), 2.0 * once
+
+
+def layer_fwd_bwd_time_s(layer: LayerProfile, samples: float, profile_batch_size: int,
+                         device: DeviceSpec, precision: str, divide: int = 1
+                         ) -> tuple[float, float]:
+    """Forward and backward time of one layer for one pass over ``samples`` samples, its
+    work divided over ``divide`` devices (a tensor-parallel split), each with half the
+    layer overhead: ``roofline_time_s`` of the layer's numbers scaled to the samples.
+
+    Profiles without the op-class split (``LayerProfile.has_op_classes`` false) price
+    every FLOP as a contraction, as before the split was recorded.
+    """
+    f = samples / profile_batch_size / divide
+    half = layer_overhead_s(device) / 2
+    fused = fused_traffic_bytes(layer) if fuses_elementwise(device) else (math.inf, math.inf)
+    out = []
+    for flops, mm, traffic, bound in ((layer.flops_fwd, layer.matmul_flops_fwd,
+                                       layer.memory_traffic_bytes_fwd, fused[0]),
+                                      (layer.flops_bwd, layer.matmul_flops_bwd,
+                                       layer.memory_traffic_bytes_bwd, fused[1])):
+        traffic = min(traffic, bound)
+        if not layer.has_op_classes:
+            mm, traffic = flops, 0
+        out.append(roofline_time_s(mm * f, (flops - mm) * f, traffic * f, device, precision)
+                   + half)
+    return out[0], out[1]
+
+
 def layer_pass_time_s(layer: LayerProfile, samples: float, profile_batch_size: int,
                       device: DeviceSpec, precision: str) -> float:
-    """Forward + backward time of one layer for one pass over ``samples`` samples.
-
-    t = (F_fwd + F_bwd) * samples / b / (P_peak * eta) + LAYER_OVERHEAD_S.
-    """
-    flops = scaled(layer.flops_fwd + layer.flops_bwd, samples, profile_batch_size)
-    return compute_time_s(flops, device, precision) + LAYER_OVERHEAD_S
+    """Forward + backward time of one layer for one pass over ``samples`` samples
+    (``layer_fwd_bwd_time_s`` summed): roofline time + the layer overhead."""
+    fwd, bwd = layer_fwd_bwd_time_s(layer, samples, profile_batch_size, device, precision)
+    return fwd + bwd
 
 
 def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
@@ -161,6 +246,19 @@ def ring_reduce_scatter_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
     return ring_allgather_time_s(nbytes, n, link)
 
 
+def pipeline_send_time_s(nbytes: float, tp: int, link: LinkSpec, intra: LinkSpec) -> float:
+    """Send a stage's output of ``nbytes`` to the next stage, both split over ``tp``
+    tensor-parallel ranks: each rank sends its 1/tp slice over its own link, then the
+    next stage's ranks all-gather the slices inside the node:
+    t = p2p(N / tp) + all-gather(N, tp) (Narayanan et al., SC'21, Sec. 4.1, the
+    scatter/gather optimization; the output is replicated across the tp ranks, so
+    sending it whole from every rank would repeat it tp times). tp = 1: t = p2p(N).
+    """
+    if tp <= 1:
+        return p2p_time_s(nbytes, link)
+    return p2p_time_s(nbytes / tp, link) + ring_allgather_time_s(nbytes, tp, intra)
+
+
 def hierarchical_allreduce_time_s(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
                                   inter: LinkSpec) -> float:
     """All-reduce of ``nbytes`` over ``per_node`` devices in each of ``nodes`` nodes.
@@ -190,20 +288,41 @@ def exposed_allreduce_s(allreduce_s: float, overlappable_backward_s: float) -> f
     return max(0.0, allreduce_s - overlappable_backward_s)
 
 
-def pipeline_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Bubble share of the pipeline time, GPipe and 1F1B alike: (p-1)/(m+p-1)
-    (Narayanan et al., SC'21, Sec. 2.2.1; p stages, m micro-batches)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def pipeline_bubble_fraction(num_stages: int, num_microbatches: int,
+                             virtual_stages: int = 1) -> float:
+    """Bubble share of the pipeline time: (p-1)/(m+p-1) for GPipe and 1F1B alike; the
+    interleaved schedule with v model chunks per device divides the bubble by v:
+    ((p-1)/v)/(m+(p-1)/v) (Narayanan et al., SC'21, Sec. 2.2.1-2.2.2; p stages, m
+    micro-batches)."""
+    bubble = (num_stages - 1) / virtual_stages
+    return bubble / (num_microbatches + bubble)
 
 
-def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> int:
+def pipeline_bubble_s(num_stages: int, stage_time_s: float, virtual_stages: int = 1) -> float:
+    """Pipeline fill and drain: (p-1)/v x t_stage, t_stage the slowest device's time per
+    micro-batch (all its chunks); v = 1 for GPipe and 1F1B (Narayanan et al., SC'21,
+    Sec. 2.2.2: the interleaved schedule shrinks the bubble by the number of chunks v)."""
+    return (num_stages - 1) / virtual_stages * stage_time_s
+
+
+def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int,
+                           virtual_stages: int = 1) -> float:
     """Micro-batches whose activations the first stage holds at its peak.
 
     GPipe: all m (Huang et al., NeurIPS 2019); 1F1B (PipeDream-Flush): min(p, m)
-    (Narayanan et al., SC'21, Sec. 2.2.1); no pipeline: m (one at a time, m = 1).
+    (Narayanan et al., SC'21, Sec. 2.2.1); interleaved 1F1B with v chunks per device:
+    min(p, m) x (1 + (p-1)/(p v)) (Korthikanti et al., "Reducing activation
+    recomputation in large transformer models", 2022, Sec. 4.2.3: the warm-up runs
+    further ahead); no pipeline ("none"): 1 -- gradient accumulation runs the m
+    micro-batches one after another, each backward right after its forward.
     """
     if schedule == "1f1b":
         return min(num_stages, num_microbatches)
+    if schedule == "interleaved":
+        return min(num_stages, num_microbatches) * (
+            1 + (num_stages - 1) / (num_stages * virtual_stages))
+    if schedule == "none":
+        return 1
     return num_microbatches
 
 
@@ -212,3 +331,21 @@ def hardware_tflops_per_device(hardware_flops_per_step: float, step_time_s: floa
     """Hardware FLOP/s per device in TFLOP/s, recomputation included (Chowdhery et al.,
     PaLM, 2022, App. B; Narayanan et al., SC'21, Eq. 3 counts it the same way)."""
     return hardware_flops_per_step / step_time_s / devices_used / 1e12
+
+
+def with_shared_cores(breakdown: Breakdown, busy_s: Sequence[float], cluster: ClusterSpec
+                      ) -> Breakdown:
+    """A step on devices that share compute: every ``cluster.devices_per_compute_pool``
+    consecutive devices (node-major) draw on one pool of cores -- logical CPU devices
+    all share the host's -- so a step lasts at least the busy time of all the devices of
+    a pool added up: t = max(t_step, max over pools of sum_d busy_d). ``busy_s``: each
+    used device's compute, recomputation and optimizer time per step, in device order.
+    The wait for the shared cores is added to ``compute_s``. Devices with their own
+    compute (GPUs: pool 1) are unchanged.
+    """
+    pool = cluster.devices_per_compute_pool
+    if pool <= 1 or len(busy_s) <= 1:
+        return breakdown
+    worst = max(sum(busy_s[i:i + pool]) for i in range(0, len(busy_s), pool))
+    wait = worst - breakdown.total_s
+    return replace(breakdown, compute_s=breakdown.compute_s + wait) if wait > 0 else breakdown

@@ -1,13 +1,13 @@
 """General device placement for a few devices and a branchy graph: the MILP, brute force, re-check.
 
-Pipeline position: for a small model on a few identical devices, ``planner.search``
-(integration pending) prices each layer (forward + backward time, memory) and each
-edge (transfer time when its ends sit on different devices), hands a
-``PlacementProblem`` to ``ilp_placement`` and gets back a ``Placement``: a device per
-layer and a schedule. Unlike pipeline stages, layers need not be contiguous and
-independent branches run at the same time on different devices. ``brute_force_placement``
-answers the same problem for tiny graphs (tests). Every answer goes through
-``check_placement`` before anyone sees it (scipy issue 24141).
+Pipeline position: for a small branchy model on a few identical devices,
+``planner.placement_search`` (a candidate of ``planner.search``) prices each layer
+(forward + backward time, memory) and each edge (transfer time when its ends sit on
+different devices), hands a ``PlacementProblem`` to ``ilp_placement`` and gets back a
+``Placement``: a device per layer and a schedule. Unlike pipeline stages, layers need
+not be contiguous and independent branches run at the same time on different devices.
+``brute_force_placement`` answers the same problem for tiny graphs (tests). Every answer
+goes through ``check_placement`` before anyone sees it (scipy issue 24141).
 
 The formulation is the classic disjunctive scheduling MILP (Manne, "On the job-shop
 scheduling problem", Operations Research 1960, big-M order binaries), with placement
@@ -18,7 +18,11 @@ ILP (``planner.pipeline_ilp``).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
+import os
+import sys
 from dataclasses import dataclass
 
 import networkx as nx
@@ -194,8 +198,13 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
       same[u, v, d]      z[u, v] >= x[u, d] + x[v, d] - 1
       before[u, v]       S[u] + t_u <= S[v] + H (1 - o[u, v]) + H (1 - z[u, v])
       after[u, v]        S[v] + t_v <= S[u] + H o[u, v] + H (1 - z[u, v])
-      memory[d]          sum_v mem_v x[v, d] <= capacity
-      makespan[v]        S[v] + t_v <= C
+      memory[d]          sum_v mem_v x[v, d] <= capacity (only if all layers exceed it)
+      makespan[v]        S[v] + t_v + tail_v <= C
+    Valid inequalities (true of every schedule; they tighten the big-M relaxation, which
+    alone leaves C near 0 and the search to branching)
+      head[v]            S[v] >= head_v
+      load[d]            sum_v t_v x[v, d] <= C   (a device runs its layers one at a time)
+    with head_v / tail_v the longest chain of layer times before / after v (no transfers).
     Objective: min C.
     """
     _check_size(problem)
@@ -218,6 +227,7 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
     o = m.family(free_pairs, lower=0, upper=1, integer=True)
     c_max = m.family(["C"], lower=0, upper=big_h, integer=False)["C"]
     m.minimise({c_max: 1.0})
+    head_s, tail_s = _chain_bounds(problem)
 
     for v in layers:
         m.constrain(f"assign[{v}]", _lin([(x[v, d], 1.0) for d in devices]), 1, 1)
@@ -225,7 +235,12 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
             if d > v:
                 m.constrain(f"first_use[{v},{d}]", {x[v, d]: 1.0}, 0, 0)
         m.constrain(f"makespan[{v}]", _lin([(start[v], 1.0), (c_max, -1.0)]),
-                    hi=-t[v] / unit_s)
+                    hi=-(t[v] + tail_s[v]) / unit_s)
+        if head_s[v] > 0:
+            m.constrain(f"head[{v}]", {start[v]: 1.0}, lo=head_s[v] / unit_s)
+    for d in devices:
+        m.constrain(f"load[{d}]", _lin([(x[v, d], t[v] / unit_s) for v in layers],
+                                       [(c_max, -1.0)]), hi=0)
     for (u, v), c in edges.items():
         for d in devices:
             m.constrain(f"cross[{u},{v},{d}]", _lin(
@@ -244,14 +259,16 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
             [(start[v], 1.0), (start[u], -1.0), (o[u, v], -big_h), (z[u, v], big_h)]),
             hi=big_h - t[v] / unit_s)
     cap = problem.memory_capacity_bytes
-    if cap is not None:
+    if cap is not None and sum(problem.layer_memory_bytes) > cap * (1 - _MEMORY_SLACK):
+        # (rows that cannot bind are left out: tiny coefficients made HiGHS fail to solve)
         norm = max(cap, 1.0)
         for d in devices:
             m.constrain(f"memory[{d}]", _lin(
                 [(x[v, d], problem.layer_memory_bytes[v] / norm) for v in layers]),
                 hi=cap / norm * (1 - _MEMORY_SLACK))
 
-    res = m.solve(time_limit_s)
+    with _solver_chatter_to_stderr():
+        res = m.solve(time_limit_s)
     name = "MILP (HiGHS via scipy.optimize.milp)"
     if res.status == 2:
         raise InfeasiblePlanError(_explain_infeasible(problem))
@@ -281,6 +298,51 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
         raise SolverError(f"{name} reported a makespan of {res.x[c_max] * unit_s:.6g} s but "
                           f"its schedule takes {placement.makespan_s:.6g} s.")
     return placement
+
+
+@contextlib.contextmanager
+def _solver_chatter_to_stderr():
+    """Send what C code prints to stdout while inside to stderr instead.
+
+    HiGHS (scipy 1.x) prints some MIP diagnostics with printf even with its display
+    off (e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+    on this formulation); `plan ... --json` promises one JSON object on stdout and
+    nothing else. File descriptor 1 points at stderr meanwhile; C's buffers are
+    flushed before it is restored.
+    """
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no real stdout: nothing to protect
+        yield
+        return
+    libc = None
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no C library by that name (not a POSIX system)
+        pass
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        if libc is not None:
+            libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _chain_bounds(problem: PlacementProblem) -> tuple[list[float], list[float]]:
+    """Per layer, the longest chain of layer times that must run before it (head) and
+    after it (tail), transfers left out: lower bounds on its start and on the makespan."""
+    g, t = problem.graph(), problem.layer_time_s
+    order = list(nx.topological_sort(g))
+    head = [0.0] * problem.num_layers
+    tail = [0.0] * problem.num_layers
+    for v in order:
+        head[v] = max((head[u] + t[u] for u in g.predecessors(v)), default=0.0)
+    for v in reversed(order):
+        tail[v] = max((tail[w] + t[w] for w in g.successors(v)), default=0.0)
+    return head, tail
 
 
 # --- brute force (tiny inputs, tests) --------------------------------------------------------

@@ -21,7 +21,7 @@ from planner.cluster import ClusterSpec
 from planner.errors import PlanMismatchError, SchemaError
 from planner.schema import SCHEMA_VERSION, check_version, field
 
-SCHEDULES = ("none", "gpipe", "1f1b")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -35,6 +35,9 @@ class Strategy:
     schedule: str = "none"  # "none" when pp == 1
     recompute: str = "none"
     optimizer_sharding: bool = False
+    # model chunks per pipeline device under the "interleaved" schedule (1 otherwise):
+    # the plan then has pp * virtual_stages stages, stage k on the devices of stage k % pp
+    virtual_stages: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -44,7 +47,8 @@ class Strategy:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "microbatch_size": self.microbatch_size,
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule,
-                "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding}
+                "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding,
+                "virtual_stages": self.virtual_stages}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
@@ -54,7 +58,9 @@ class Strategy:
             schedule=field(d, "schedule", k, str, where=w, optional=True, default="none"),
             recompute=field(d, "recompute", k, str, where=w, optional=True, default="none"),
             optimizer_sharding=field(d, "optimizer_sharding", k, bool, where=w, optional=True,
-                                     default=False))
+                                     default=False),
+            virtual_stages=field(d, "virtual_stages", k, int, where=w, optional=True, default=1,
+                                 minimum=1))
         if s.schedule not in SCHEDULES:
             raise SchemaError(f"Plan.strategy.schedule is {s.schedule!r}; expected one of "
                               f"{SCHEDULES}.")
@@ -146,9 +152,17 @@ class Prediction:
         )
 
 
+PLACEMENTS = ("stages", "general")  # Plan.placement
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How to train one model on one cluster, and what that is predicted to cost."""
+    """How to train one model on one cluster, and what that is predicted to cost.
+
+    ``placement == "general"``: each stage is one device's layers (in topological
+    order, not necessarily consecutive), dp = tp = 1, pp = devices used, one
+    micro-batch; ``device_of_layer`` reads the same either way.
+    """
 
     name: str  # "single device", "data parallel dp=4", "pipeline pp=2 m=4", ...
     model_name: str
@@ -163,11 +177,17 @@ class Plan:
     predicted: Prediction
     reason: str = ""
     solver: str = ""  # how the placement was found ("ILP (HiGHS) ...", "enumeration")
+    # "stages": stages are runs of consecutive layers (data parallel, pipelines, hybrids);
+    # "general": a device per layer, any layers on any device, independent branches run at
+    # the same time, one batch (planner.placement_search); stage s holds device s's layers.
+    placement: str = "stages"
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(d for s in self.stages for d in s.devices)
+        """Every device the plan uses, once, in stage order (an interleaved pipeline's
+        stages reuse their devices)."""
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
 
     def device_of_layer(self, replica: int = 0) -> dict[str, str]:
         return {layer: s.devices[replica] for s in self.stages for layer in s.layers}
@@ -186,7 +206,7 @@ class Plan:
             "strategy": self.strategy.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "predicted": self.predicted.to_dict(), "reason": self.reason,
-            "solver": self.solver,
+            "solver": self.solver, "placement": self.placement,
         }
 
     @classmethod
@@ -205,6 +225,10 @@ class Plan:
             stages.append(Stage(
                 layers=tuple(field(s, "layers", k, list, where=f"stages[{i}]")),
                 devices=tuple(field(s, "devices", k, list, where=f"stages[{i}]"))))
+        placement = field(d, "placement", k, str, optional=True, default="stages")
+        if placement not in PLACEMENTS:
+            raise SchemaError(f"Plan.placement is {placement!r}; expected one of {PLACEMENTS} "
+                              "(plan files without it are 'stages').")
         return cls(
             name=field(d, "name", k, str),
             model_name=field(model, "name", k, str, where="model"),
@@ -219,6 +243,7 @@ class Plan:
             predicted=Prediction.from_dict(field(d, "predicted", k, dict)),
             reason=field(d, "reason", k, str, optional=True, default=""),
             solver=field(d, "solver", k, str, optional=True, default=""),
+            placement=placement,
         )
 
     def check_model(self, signature: tuple[tuple[str, str, int], ...]) -> None:

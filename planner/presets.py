@@ -32,13 +32,21 @@ from planner.schema import SCHEMA_VERSION
 GiB = 2**30
 
 # --- matmul efficiency ------------------------------------------------------------
-# Achieved / peak FLOP/s for a whole training step of a large dense model.
-# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-# Using Megatron-LM", SC'21, Table 1: 44-52% of A100 peak end to end (see
-# /work/shared/reference/megatron-2021-table1.csv). We take 0.5 for A100 and H100.
+# Achieved / peak FLOP/s of the contractions (MatMul, Einsum, Conv) alone: the cost
+# model prices element-wise and normalization ops by their memory traffic, and
+# communication, pipeline bubbles and recomputation separately
+# (planner/cost_model.py, ``roofline_time_s``).
+# A100/H100: 0.6, calibrated on ONE configuration, the smallest row of Narayanan et
+# al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC'21, Table 1 (1.7B GPT on 32 A100s, data parallel only: no tensor or
+# pipeline communication to confound it), which the cost model reproduces at 0.59;
+# the other nine rows (3.6B to 1T, up to 3072 GPUs) are then predictions, within 12%
+# (README; benchmarks/megatron_table1.py). H100 assumed as A100 (no published
+# calibration point in the repository).
 # Shoeybi et al., "Megatron-LM" (2019), Sec. 5: 39 TFLOP/s per V100 on one GPU, 30%
-# of the 125 TFLOP/s peak; we take 0.3 for V100.
-AMPERE_HOPPER_EFFICIENCY = 0.5
+# of the 125 TFLOP/s peak end to end; we take 0.3 for V100 (not re-calibrated for the
+# op-class split: conservative).
+AMPERE_HOPPER_EFFICIENCY = 0.6
 VOLTA_EFFICIENCY = 0.3
 
 # --- link latencies (assumptions, stated) -----------------------------------------
@@ -54,6 +62,13 @@ CPU_NOMINAL_PEAK_FLOPS_PER_S = 50e9
 CPU_NOMINAL_MEMORY_BANDWIDTH_BYTES_PER_S = 10e9
 CPU_NOMINAL_LINK_BANDWIDTH_BYTES_PER_S = 5e9
 CPU_NOMINAL_LINK_LATENCY_S = 20e-6
+# A point-to-point transfer between two logical CPU devices is at most a same-host
+# memory copy: each byte is read once and written once, 2 bytes of memory traffic per
+# byte sent (STREAM "Copy" counts 2 x 8 bytes per element, McCalpin 1995), so
+# beta = B_mem / 2. TensorFlow in fact hands a CPU buffer over without copying it
+# (`plan profile-hardware` measures ~5 us whatever the size), so this is an upper
+# bound on the time. Latency: one op dispatch, assumed 5 us (the measured hand-over).
+CPU_NOMINAL_P2P_LATENCY_S = 5e-6
 
 
 @dataclass(frozen=True)
@@ -98,8 +113,8 @@ def _a100(kind: str, memory_gib: int, hbm_bytes_per_s: float, hbm: str) -> _Serv
                           peak_flops_per_s=_A100_FLOPS,
                           memory_bandwidth_bytes_per_s=hbm_bytes_per_s,
                           matmul_efficiency=AMPERE_HOPPER_EFFICIENCY,
-                          source=source + "; matmul_efficiency 0.5 from Megatron-LM SC'21 "
-                                          "(44-52% of peak end to end)"),
+                          source=source + "; matmul_efficiency 0.6 calibrated on Megatron-LM "
+                                          "SC'21 Table 1, 1.7B row (planner/presets.py)"),
         intra_node_link=_nvlink(600e9, "A100 NVLink 600 GB/s per GPU (NVSwitch)"),
         inter_node_link=_DGX_A100_IB,
     )
@@ -117,7 +132,7 @@ _H100 = _Server(
         memory_bandwidth_bytes_per_s=3.35e12, matmul_efficiency=AMPERE_HOPPER_EFFICIENCY,
         source="NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 989 TFLOP/s FP16/BF16 "
                "dense (1979 with sparsity), 495 TF32, 67 FP32, 3.35 TB/s HBM3, NVLink "
-               "900 GB/s; matmul_efficiency 0.5 assumed as for A100 (Megatron-LM SC'21)"),
+               "900 GB/s; matmul_efficiency 0.6 assumed as for A100 (planner/presets.py)"),
     intra_node_link=_nvlink(900e9, "H100 NVLink 900 GB/s per GPU (NVSwitch)"),
     inter_node_link=_infiniband(400, "DGX H100: 8x 400 Gb/s NDR InfiniBand (ConnectX-7) per "
                                      "node, one per GPU (NVIDIA DGX H100 datasheet, 2023)"),
@@ -197,6 +212,11 @@ def preset_cluster(preset: str, nodes: int = 1) -> ClusterSpec:
 def cpu_cluster(n: int) -> ClusterSpec:
     """``n`` logical CPU devices on this host, with nominal (unmeasured) figures.
 
+    Two links: ``intra_node_link`` prices collectives (all-reduce), and
+    ``intra_node_p2p_link`` a single transfer, a same-host memory copy at half
+    the memory bandwidth (see ``CPU_NOMINAL_P2P_LATENCY_S``). The n devices share
+    the host's cores: ``devices_per_compute_pool`` = n.
+
     Memory per device = the host's physical memory // n (sysconf SC_PAGE_SIZE x
     SC_PHYS_PAGES): the logical devices share it.
     """
@@ -221,8 +241,15 @@ def cpu_cluster(n: int) -> ClusterSpec:
                     latency_s=CPU_NOMINAL_LINK_LATENCY_S,
                     source=f"{CPU_NOMINAL_LINK_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s, "
                            f"{CPU_NOMINAL_LINK_LATENCY_S * 1e6:g} us: {nominal}")
+    copy_bytes_per_s = CPU_NOMINAL_MEMORY_BANDWIDTH_BYTES_PER_S / 2
+    p2p = LinkSpec(bandwidth_bytes_per_s=copy_bytes_per_s, latency_s=CPU_NOMINAL_P2P_LATENCY_S,
+                   source=f"same-host memory copy: {copy_bytes_per_s / 1e9:g} GB/s = the nominal "
+                          f"{CPU_NOMINAL_MEMORY_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s memory "
+                          "bandwidth / 2 (each byte read and written once), "
+                          f"{CPU_NOMINAL_P2P_LATENCY_S * 1e6:g} us (one op dispatch): {nominal}")
     return ClusterSpec(name=f"cpu:{n}", num_nodes=1, devices_per_node=n, device=device,
-                       intra_node_link=link)
+                       intra_node_link=link, intra_node_p2p_link=p2p,
+                       devices_per_compute_pool=n)
 
 
 def load_cluster_file(path: str) -> ClusterSpec:

@@ -48,7 +48,8 @@ from profiler.model_profile import ModelProfile
 MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
 SHAPE_KEYS = ("dp", "tp", "pp", "num_microbatches")
-KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "optimizer_sharding")
+KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "optimizer_sharding",
+             "virtual_stages")
 FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
 MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
 # A simple plan (``_is_simple``) within 3% of the fastest is chosen over it: the cost
@@ -111,9 +112,13 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         pipelines = [(pp, ms) for pp, ms in pipelines if ms]
         per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
         plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
+        from planner.placement_search import placement_plans  # it imports this module
+        plans += placement_plans(ctx, time_limit_s)  # branchy graphs, one node, <= 4 devices
     evaluated = len(plans)
     pricer = Pricer(ctx)
-    estimates = [pricer.estimate(c) for c in hybrid_choices(ctx, knobs, skip_classic=not knobs)]
+    # a tensor-parallel degree at which no layer is worth splitting only idles devices
+    estimates = [pricer.estimate(c) for c in hybrid_choices(ctx, knobs, skip_classic=not knobs)
+                 if c.tp == 1 or any(pricer.splits_for(c.tp))]
     evaluated += len(estimates)
     plans += [pricer.to_plan(e) for e in best_per_shape(estimates, cluster.device.memory_bytes)]
     for plan in plans:
@@ -206,8 +211,8 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
     local = ctx.global_batch // dp
     grad_bytes = sum(l.grad_bytes for l in p.layers)
     first = ctx.names[0]
-    overlappable_s = sum(cm.compute_time_s(cm.scaled(l.flops_bwd, local, p.batch_size), device,
-                                           p.precision) for l in p.layers if l.name != first)
+    overlappable_s = sum(cm.layer_fwd_bwd_time_s(l, local, p.batch_size, device, p.precision)[1]
+                         for l in p.layers if l.name != first)
     breakdown = Breakdown(
         compute_s=sum(ctx.layer_times_s(local)),
         communication_s=cm.exposed_allreduce_s(_dp_allreduce_s(cluster, grad_bytes, dp),
@@ -215,6 +220,8 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
         bubble_s=0.0, recompute_s=0.0,
         optimizer_s=cm.optimizer_time_s(p.param_bytes, grad_bytes,
                                         sum(l.optimizer_bytes for l in p.layers), device))
+    breakdown = cm.with_shared_cores(
+        breakdown, [breakdown.compute_s + breakdown.optimizer_s] * dp, cluster)
     devices = cluster.device_names()[:dp]
     memory = math.ceil(sum(ctx.layer_memories_bytes(local)))
     return _plan(ctx, "single device" if dp == 1 else f"data parallel dp={dp}",
@@ -240,8 +247,7 @@ def _dp_allreduce_s(cluster: ClusterSpec, nbytes: float, dp: int) -> float:
 def _boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
     """The link between pipeline devices ``boundary`` and ``boundary + 1`` (node-major)."""
     same_node = boundary // cluster.devices_per_node == (boundary + 1) // cluster.devices_per_node
-    return cluster.intra_node_link if same_node or cluster.inter_node_link is None \
-        else cluster.inter_node_link
+    return cluster.p2p_link(same_node=same_node)
 
 
 def _split_problem(ctx: _Context, pp: int, microbatch_size: int, samples_in_flight: int,
@@ -292,6 +298,8 @@ def _pipeline_with(ctx: _Context, pp: int, m: int, capacity: float | None, ilp_t
     breakdown = Breakdown(compute_s=m * slow.compute_s, communication_s=m * slow.send_s,
                           bubble_s=(pp - 1) * slow.time_s, recompute_s=0.0,
                           optimizer_s=optimizer_s)
+    breakdown = cm.with_shared_cores(
+        breakdown, [m * c.compute_s + optimizer_s for c in split.stages], ctx.cluster)
     devices = ctx.cluster.device_names()[:pp]
     stages = tuple(Stage(layers=ctx.names[c.start:c.stop], devices=(devices[s],))
                    for s, c in enumerate(split.stages))
@@ -339,8 +347,9 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
             if value not in RECOMPUTE:
                 raise PlannerError(f"fix recompute={value!r}; expected one of {RECOMPUTE}.")
         elif key == "schedule":
-            if value not in ("gpipe", "1f1b"):
-                raise PlannerError(f"fix schedule={value!r}; expected gpipe or 1f1b.")
+            if value not in ("gpipe", "1f1b", "interleaved"):
+                raise PlannerError(f"fix schedule={value!r}; expected gpipe, 1f1b or "
+                                   "interleaved.")
         elif key == "optimizer_sharding":
             if not isinstance(value, bool):
                 raise PlannerError(f"fix optimizer_sharding={value!r}; expected true or false.")
@@ -369,11 +378,8 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
     if m is not None and b % m:
         raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
                            f"global batch {b}.")
-    if pp == 1 and m not in (None, 1):
-        raise PlannerError(f"fix asks for num_microbatches={m} with pp=1; micro-batching "
-                           "without a pipeline (gradient accumulation) is not supported yet.")
     knobs = {k: v for k, v in fix.items() if k in KNOB_KEYS}
-    classic = tp == 1 and not knobs and (dp == 1 or pp == 1)
+    classic = tp == 1 and not knobs and (dp == 1 or pp == 1) and (pp > 1 or m in (None, 1))
     evaluated = 1
     if classic and pp == 1:
         plan = _data_parallel(ctx, dp)
@@ -391,10 +397,6 @@ def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> Search
                                            or (b // dp) % knobs["microbatch_size"]):
             raise PlannerError(f"fix asks for a micro-batch that does not divide the local batch "
                                f"{b // dp} (global batch {b} / dp {dp}); choose a divisor.")
-        if pp == 1 and "microbatch_size" in knobs and knobs["microbatch_size"] != b // dp:
-            raise PlannerError(f"fix asks for microbatch_size={knobs['microbatch_size']} with "
-                               f"pp=1; without a pipeline the micro-batch is the local batch "
-                               f"{b // dp}.")
         pricer = Pricer(ctx)
         estimates = [pricer.estimate(c) for c in
                      hybrid_choices(ctx, knobs, skip_classic=False, shape=(dp, tp, pp))]
@@ -499,7 +501,8 @@ def _largest_batch_that_fits(ctx: _Context, upper: int) -> int | None:
     max_pp = min(n, len(ctx.names))
 
     def fits(batch: int) -> bool:
-        if math.ceil(sum(ctx.layer_memories_bytes(batch / n))) <= cap:  # data parallel, dp = n
+        # data parallel, dp = n: at least one whole sample per device
+        if math.ceil(sum(ctx.layer_memories_bytes(math.ceil(batch / n)))) <= cap:
             return True
         stages = min_stages_to_fit(_split_problem(ctx, 1, batch, batch, cap))
         return stages is not None and stages <= max_pp

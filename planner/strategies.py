@@ -13,18 +13,26 @@ lays out its groups: Narayanan et al., SC'21, Sec. 3):
 - Tensor parallelism splits the *splittable* layers (Dense/EinsumDense column or
   row, attention by heads, Embedding by vocabulary: ``profiler.comm``) over tp
   devices: their FLOPs, weights, gradients, optimizer state and saved activations
-  are divided by tp; every other layer is replicated. Split rule for this cut:
-  consecutive Dense layers alternate column, row (the Megatron MLP pair), reset by
-  any other splittable layer; attention by heads; Embedding by vocabulary (the
-  per-layer ILP of ``planner.tp_ilp`` is to plug in here). Each split's Megatron
-  f/g all-reduces (``profiler.comm.layer_comm``) run on the intra-node link.
-- Pipeline stages: contiguous runs of the topological layer order that minimise
-  the slowest stage's time per micro-batch (binary search on the bottleneck with a
-  greedy fill, exact for contiguous min-max partitions of positive weights); the
-  memory of the result is then checked, not optimised.
-- Step = (m + pp - 1) x t_stage + exposed dp all-reduce + optimizer, for GPipe and
-  1F1B alike (Narayanan et al., SC'21, Sec. 2.2.1); 1F1B holds min(pp - s, m)
-  micro-batches of activations on stage s, GPipe all m.
+  are divided by tp; every other layer is replicated. Which layers split, and how,
+  is the Alpa intra-operator ILP's answer at each tp (``planner.tp_splits``,
+  ``Pricer.splits_for``), priced with this module's own per-layer times; a tp at
+  which no layer is worth splitting is not offered. Each split's Megatron f/g
+  all-reduces (``profiler.comm.layer_comm``) run on the intra-node link.
+- Pipeline stages: pp x v contiguous runs of the topological layer order (v model
+  chunks per device: 1, or 2-4 under the interleaved schedule), run k on pipeline
+  device k % pp, balancing the devices' work per micro-batch (min-max bisection,
+  exact for v = 1; for v > 1 also an even split, whichever leaves the busiest device
+  less); the memory of the result is then checked, not optimised. A chunk's output
+  crosses to the next device scattered over the tp ranks and gathered there
+  (``cost_model.pipeline_send_time_s``).
+- Step = m x t_stage + (pp - 1)/v x t_stage + exposed dp all-reduce + optimizer
+  (GPipe and 1F1B: v = 1; interleaved 1F1B: v > 1, m a multiple of pp; Narayanan et
+  al., SC'21, Sec. 2.2); 1F1B holds min(pp - s, m) micro-batches of activations on
+  stage s, interleaved that times 1 + (pp-1)/(pp v), GPipe all m. With pp = 1 and
+  m > 1 the micro-batches are gradient accumulation: one micro-batch's activations
+  at a time.
+- Devices that share cores (logical CPUs: ``ClusterSpec.devices_per_compute_pool``)
+  wait for each other: ``cost_model.with_shared_cores``.
 - Recomputation: "selective" recomputes the attention layers' forward and keeps
   only their inputs (Korthikanti et al., 2022; our profile holds attention as one
   layer, so its projections are recomputed too: an overestimate of the cost);
@@ -38,6 +46,7 @@ lays out its groups: Narayanan et al., SC'21, Sec. 3):
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
 MAX_MICROBATCH_SIZE = 16  # micro-batch sizes tried: powers of two up to this
+INTERLEAVE_CHOICES = (2, 3, 4)  # model chunks per device tried for the interleaved schedule
 
 
 def divisors(n: int) -> list[int]:
@@ -71,16 +81,18 @@ class Choice:
     pp: int
     microbatch_size: int
     num_microbatches: int
-    schedule: str = "none"  # "none" (pp == 1), "gpipe", "1f1b"
+    schedule: str = "none"  # "none" (pp == 1), "gpipe", "1f1b", "interleaved"
     recompute: str = "none"  # "none", "selective", "full"
     optimizer_sharding: bool = False
+    virtual_stages: int = 1  # model chunks per pipeline device ("interleaved": > 1)
 
     @property
     def name(self) -> str:
         parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}", f"mbs={self.microbatch_size}",
                  f"m={self.num_microbatches}"]
         if self.pp > 1:
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f" v={self.virtual_stages}"
+                                          if self.virtual_stages > 1 else ""))
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
         if self.optimizer_sharding:
@@ -127,24 +139,44 @@ def tp_split_rule(types: tuple[str, ...]) -> tuple[str, ...]:
 class Pricer:
     """Per-layer arrays for one search context, cached by (tp, micro-batch size)."""
 
-    def __init__(self, ctx: "_Context") -> None:
+    def __init__(self, ctx: "_Context", tp_time_limit_s: float = 5.0) -> None:
         self.ctx = ctx
+        self.tp_time_limit_s = tp_time_limit_s  # per tensor-parallel ILP (planner.tp_splits)
+        self.split_choices: dict = {}  # tp -> planner.tp_splits.SplitChoice
         p = ctx.profile
         self.layers = p.layers
         self.b = p.batch_size
         self.n = len(p.layers)
-        self.rule_splits = tp_split_rule(tuple(l.type for l in p.layers))
         from profiler.comm import input_bytes_of
         self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
         self.attention = np.array([l.type in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
         self.cache: dict = {}
+        self.total_flops = float(p.flops_fwd + p.flops_bwd)
 
     def splits_for(self, tp: int) -> tuple[str, ...]:
-        """Each layer's split at tensor-parallel degree ``tp`` ("" = replicated)."""
+        """Each layer's split at tensor-parallel degree ``tp`` ("" = replicated): the
+        tensor-parallel ILP's (``planner.tp_splits``), priced with this Pricer's own
+        replicated per-layer forward + backward times (``arrays(1, samples)``) and its
+        own data-parallel gradient all-reduce (``_dp_allreduce_s``, dp = devices / tp);
+        cached per tp."""
         if tp == 1:
             return ("",) * self.n
-        return self.rule_splits
+        if tp not in self.split_choices:
+            from planner.tp_splits import reference_samples, solve_splits
+            ctx = self.ctx
+
+            def replicated_time_s(samples: int) -> np.ndarray:
+                a = self.arrays(1, samples)
+                return a["fwd"] + a["bwd"]
+
+            samples = reference_samples(ctx.global_batch, ctx.cluster.num_devices, tp)
+            data_parallel = Choice(max(1, ctx.cluster.num_devices // tp), tp, 1, samples, 1)
+            self.split_choices[tp] = solve_splits(
+                ctx.profile, ctx.cluster, tp, layer_time_s=replicated_time_s, samples=samples,
+                time_limit_s=self.tp_time_limit_s,
+                grad_allreduce_s=lambda nbytes: self._dp_allreduce_s(nbytes, data_parallel))
+        return self.split_choices[tp].splits
 
     def arrays(self, tp: int, mbs: int) -> dict[str, np.ndarray]:
         key = (tp, mbs)
@@ -159,10 +191,9 @@ class Pricer:
         for i, l in enumerate(self.layers):
             split = splits[i]
             k = tp if split else 1
-            fwd.append(cm.compute_time_s(l.flops_fwd * f / k, device, precision)
-                       + cm.LAYER_OVERHEAD_S / 2)
-            bwd.append(cm.compute_time_s(l.flops_bwd * f / k, device, precision)
-                       + cm.LAYER_OVERHEAD_S / 2)
+            t_fwd, t_bwd = cm.layer_fwd_bwd_time_s(l, mbs, b, device, precision, k)
+            fwd.append(t_fwd)
+            bwd.append(t_bwd)
             s = next((x for x in self.comm[i].tp_splits if x.split == split), None)
             tpf.append(cm.ring_allreduce_time_s(s.fwd_allreduce_bytes * f, tp, link)
                        if s and s.fwd_allreduce_bytes else 0.0)
@@ -202,73 +233,113 @@ class Pricer:
             self.cache[key] = float(sum(l.flops_fwd for l, r in zip(self.layers, rc) if r))
         return self.cache[key]
 
-    def partition(self, tp: int, mbs: int, pp: int, recompute: str) -> tuple[tuple[int, int], ...]:
-        key = ("part", tp, mbs, pp, recompute)
+    def partition(self, tp: int, mbs: int, pp: int, recompute: str,
+                  virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
+        """pp x v contiguous runs of the layer order, run k on pipeline device k % pp,
+        balancing the devices' work per micro-batch: the min-max split (exact for v = 1)
+        or, for v > 1, the even split when its busiest device has less work."""
+        key = ("part", tp, mbs, pp, recompute, virtual_stages)
         if key not in self.cache:
             a = self.arrays(tp, mbs)
             rc = self.recompute_mask(recompute)
             w = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + rc * (a["fwd"] + a["tpf"])
-            self.cache[key] = min_max_partition(tuple(w.tolist()), pp)
+            parts = pp * virtual_stages
+            options = [min_max_partition(tuple(w.tolist()), parts)]
+            if virtual_stages > 1:
+                options.append(even_partition(tuple(w.tolist()), parts))
+            self.cache[key] = min(options, key=lambda b: max(device_loads(w, b, pp)))
         return self.cache[key]
+
+    def devices(self, tp: int, mbs: int, pp: int, recompute: str, v: int, dp: int
+                ) -> dict[str, np.ndarray]:
+        """Per pipeline device, per micro-batch: the sums over its chunks of every
+        per-layer number ``estimate`` needs (numpy, one entry per device), cached by
+        everything they depend on; ``estimate`` then only applies the schedule, the
+        micro-batch count and ZeRO-1."""
+        key = ("dev", tp, mbs, pp, recompute, v, dp)
+        if key in self.cache:
+            return self.cache[key]
+        a = self.arrays(tp, mbs)
+        rc = self.recompute_mask(recompute)
+        bounds = self.partition(tp, mbs, pp, recompute, v)
+        lo = np.array([b[0] for b in bounds])
+        hi = np.array([b[1] for b in bounds])
+
+        def per_device(chunk_values: np.ndarray, how=np.sum) -> np.ndarray:
+            return how(chunk_values.reshape(v, pp), axis=0)  # chunk k on device k % pp
+
+        def chunk_sums(name: str) -> np.ndarray:
+            prefix = a["sum_" + name]
+            return prefix[hi] - prefix[lo]
+
+        sums = {name: chunk_sums(name) for name in (
+            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param")}
+        d = {name: per_device(values) for name, values in sums.items()}
+        if recompute == "full":
+            d["recompute"] = d["fwd"] + d["tpf"]
+        elif recompute == "selective":
+            d["recompute"] = per_device(np.add.reduceat((a["fwd"] + a["tpf"]) * rc, lo))
+        else:
+            d["recompute"] = np.zeros(pp)
+        # activations held per micro-batch in flight, and the working set on top
+        if recompute == "full":  # chunk inputs kept; one chunk recomputed at a time
+            d["kept"] = per_device(a["inp"][lo])
+            d["working"] = per_device(sums["act"], np.max)
+        elif recompute == "selective":
+            kept = a["act"] * ~rc + a["inp"] * rc
+            d["kept"] = per_device(np.add.reduceat(kept, lo))
+            d["working"] = per_device(np.maximum.reduceat(a["act"] * rc, lo), np.max)
+        else:
+            d["kept"], d["working"] = d["act"], np.zeros(pp)
+        # boundary transfers: each chunk's output forward, its gradient back
+        group = dp * tp
+        cluster = self.ctx.cluster
+        send = np.zeros(pp * v)
+        for k, end in enumerate(hi):
+            if end < self.n:
+                s = k % pp
+                link = _link_between(cluster, s, (s + 1) % pp, group)
+                send[k] = 2 * cm.pipeline_send_time_s(
+                    float(self.layers[end - 1].activation_bytes) * mbs / self.b, tp, link,
+                    cluster.intra_node_link)
+        d["send"] = per_device(send)
+        # all but the first layer's backward hides the gradient all-reduce
+        d["overlap"] = d["bwd"] - a["bwd"][lo[:pp]]
+        d["bounds"] = bounds
+        self.cache[key] = d
+        return d
 
     def estimate(self, c: Choice) -> Estimate:
         ctx = self.ctx
-        cluster, device = ctx.cluster, ctx.cluster.device
-        a = self.arrays(c.tp, c.microbatch_size)
-        rc = self.recompute_mask(c.recompute)
-        bounds = self.partition(c.tp, c.microbatch_size, c.pp, c.recompute)
-        stage_times, stage_parts, memories, grads, opt_s, overlap = [], [], [], [], [], []
-        def total(name: str, lo: int, hi: int) -> float:  # sum over layers [lo, hi), O(1)
-            prefix = a["sum_" + name]
-            return float(prefix[hi] - prefix[lo])
-
-        for s, (lo, hi) in enumerate(bounds):
-            sl = slice(lo, hi)
-            compute = total("fwd", lo, hi) + total("bwd", lo, hi)
-            tpcomm = total("tpf", lo, hi) + total("tpb", lo, hi)
-            if c.recompute == "full":
-                recompute = total("fwd", lo, hi) + total("tpf", lo, hi)
-            elif c.recompute == "selective":
-                recompute = float(((a["fwd"][sl] + a["tpf"][sl]) * rc[sl]).sum())
-            else:
-                recompute = 0.0
-            send = 0.0
-            if s < c.pp - 1:
-                link = _boundary_link(cluster, s, c.dp * c.tp)
-                send = 2 * cm.p2p_time_s(float(self.layers[hi - 1].activation_bytes)
-                                         * c.microbatch_size / self.b, link)
-            stage_parts.append((compute, tpcomm + send, recompute))
-            stage_times.append(compute + tpcomm + send + recompute)
-            k = cm.microbatches_in_flight(c.schedule, c.pp - s, c.num_microbatches)
-            if c.recompute == "full":  # the stage input kept; one micro-batch recomputed
-                activations = k * float(a["inp"][lo]) + total("act", lo, hi)
-            elif c.recompute == "selective":
-                acts, att = a["act"][sl], rc[sl]
-                kept = float((acts * ~att).sum() + (a["inp"][sl] * att).sum())
-                activations = k * kept + float((acts * att).max(initial=0.0))
-            else:
-                activations = k * total("act", lo, hi)
-            opt = total("opt", lo, hi) / (c.dp if c.optimizer_sharding else 1)
-            memories.append(math.ceil(cm.with_margin_bytes(
-                total("state", lo, hi) + opt + activations)))
-            grads.append(total("grad", lo, hi))
-            shard = c.dp if c.optimizer_sharding else 1
-            opt_s.append(cm.optimizer_time_s(total("param", lo, hi) / shard, grads[-1] / shard,
-                                             opt, device))
-            overlap.append(total("bwd", lo + 1, hi) if hi > lo + 1 else 0.0)
+        v, pp, m = c.virtual_stages, c.pp, c.num_microbatches
+        d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.dp)
+        compute = d["fwd"] + d["bwd"]
+        comm = d["tpf"] + d["tpb"] + d["send"]
+        stage_times = compute + comm + d["recompute"]
+        k = np.array([cm.microbatches_in_flight(c.schedule, pp - s, m, v) for s in range(pp)])
+        shard = c.dp if c.optimizer_sharding else 1
+        opt = d["opt"] / shard
+        memories = np.ceil(cm.with_margin_bytes(d["state"] + opt + k * d["kept"]
+                                                + d["working"]))
+        opt_s = cm.optimizer_time_s(d["param"] / shard, d["grad"] / shard, opt,
+                                    ctx.cluster.device)
         slow = int(np.argmax(stage_times))
-        t_stage = stage_times[slow]
-        compute, comm, recompute = stage_parts[slow]
-        m = c.num_microbatches
-        dp_s = max(cm.exposed_allreduce_s(self._dp_allreduce_s(g, c), ov)
-                   for g, ov in zip(grads, overlap))
-        breakdown = Breakdown(compute_s=m * compute, communication_s=m * comm + dp_s,
-                              bubble_s=(c.pp - 1) * t_stage, recompute_s=m * recompute,
-                              optimizer_s=max(opt_s))
+        t_stage = float(stage_times[slow])
+        dp_s = float(np.max(np.maximum(0.0, self._dp_allreduce_s(d["grad"], c) - d["overlap"])))
+        breakdown = Breakdown(compute_s=m * float(compute[slow]),
+                              communication_s=m * float(comm[slow]) + dp_s,
+                              bubble_s=cm.pipeline_bubble_s(pp, t_stage, v),
+                              recompute_s=m * float(d["recompute"][slow]),
+                              optimizer_s=float(np.max(opt_s)))
+        busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
+        breakdown = cm.with_shared_cores(breakdown, np.repeat(busy, c.dp * c.tp).tolist(),
+                                         ctx.cluster)
         p = ctx.profile
-        hw = (p.flops_fwd + p.flops_bwd + self.recomputed_flops(c.recompute)) / self.b \
-            * ctx.global_batch
-        return Estimate(c, breakdown, bounds, tuple(memories), hw)
+        hw = (self.total_flops + self.recomputed_flops(c.recompute)) / self.b * ctx.global_batch
+        bounds = d["bounds"]
+        # memory per stage of the plan: each chunk reports its device's peak
+        return Estimate(c, breakdown, bounds, tuple(int(memories[k % pp])
+                                                    for k in range(len(bounds))), hw)
 
     def _dp_allreduce_s(self, nbytes: float, c: Choice) -> float:
         """Gradient all-reduce over the dp group (stride tp): hierarchical when it spans
@@ -288,9 +359,10 @@ class Pricer:
         names = ctx.names
         devices = ctx.cluster.device_names()
         group = c.dp * c.tp
-        stages = tuple(Stage(layers=names[lo:hi], devices=devices[s * group:(s + 1) * group])
-                       for s, (lo, hi) in enumerate(e.stage_bounds))
-        memory = tuple((d, e.stage_memory_bytes[s]) for s, st in enumerate(stages)
+        stages = tuple(Stage(layers=names[lo:hi],
+                             devices=devices[(k % c.pp) * group:(k % c.pp + 1) * group])
+                       for k, (lo, hi) in enumerate(e.stage_bounds))
+        memory = tuple((d, e.stage_memory_bytes[s]) for s, st in enumerate(stages[:c.pp])
                        for d in st.devices)
         step = e.step_time_s
         p = ctx.profile
@@ -302,7 +374,8 @@ class Pricer:
             strategy=Strategy(dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size,
                               num_microbatches=c.num_microbatches, schedule=c.schedule,
                               recompute=c.recompute,
-                              optimizer_sharding=c.optimizer_sharding),
+                              optimizer_sharding=c.optimizer_sharding,
+                              virtual_stages=c.virtual_stages),
             stages=stages,
             predicted=Prediction(
                 step_time_s=step, breakdown=e.breakdown, peak_memory_bytes_per_device=memory,
@@ -312,16 +385,21 @@ class Pricer:
                     (p.flops_fwd + p.flops_bwd) / p.batch_size, ctx.global_batch, step, n_dev),
                 hardware_tflops_per_device=cm.hardware_tflops_per_device(
                     e.hardware_flops, step, n_dev)),
-            solver="closed form (tp split rule; stages by min-max bisection over the "
-                   "topological order)")
+            solver=f"closed form ({self._split_solver(c.tp)}; stages by min-max bisection "
+                   "over the topological order)")
+
+    def _split_solver(self, tp: int) -> str:
+        """How the splits at ``tp`` were chosen, for Plan.solver."""
+        self.splits_for(tp)
+        return self.split_choices[tp].solver if tp in self.split_choices \
+            else "no tensor parallelism"
 
 
-def _boundary_link(cluster: ClusterSpec, stage: int, group: int):
-    """Link between stage ``stage`` and ``stage + 1`` (each ``group`` devices, node-major)."""
-    a, b = stage * group, (stage + 1) * group
-    same = a // cluster.devices_per_node == b // cluster.devices_per_node
-    return cluster.intra_node_link if same or cluster.inter_node_link is None \
-        else cluster.inter_node_link
+def _link_between(cluster: ClusterSpec, a: int, b: int, group: int):
+    """Point-to-point link between pipeline devices ``a`` and ``b`` (groups of ``group``
+    devices, node-major): inside a node or across nodes."""
+    same = a * group // cluster.devices_per_node == b * group // cluster.devices_per_node
+    return cluster.p2p_link(same_node=same)
 
 
 @lru_cache(maxsize=4096)
@@ -329,33 +407,36 @@ def min_max_partition(weights: tuple[float, ...], parts: int) -> tuple[tuple[int
     """Split ``weights`` into ``parts`` non-empty contiguous runs minimising the largest sum.
 
     Bisection on the bottleneck T with a greedy fill that leaves at least one item
-    per remaining part (feasible iff some partition has max <= T, weights >= 0).
+    per remaining part (feasible iff some partition has max <= T, weights >= 0), to a
+    relative precision of 1e-7 (``bisect`` on a Python list: the fill is the search's
+    inner loop).
     """
     n = len(weights)
     if not 1 <= parts <= n:
         raise ValueError(f"{parts} parts of {n} items; expected 1 <= parts <= items")
-    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
 
     def fill(t: float):
         bounds, lo = [], 0
+        slack = t * (1 + 1e-12) + 1e-18
         for s in range(parts):
-            last = n - (parts - s - 1)
             if s == parts - 1:
                 hi = n
             else:
-                hi = int(np.searchsorted(prefix, prefix[lo] + t, side="right")) - 1
-                hi = max(lo + 1, min(hi, last - 0))
-                hi = min(hi, n - (parts - s - 1))
-            if prefix[hi] - prefix[lo] > t * (1 + 1e-12) + 1e-18:
+                hi = bisect.bisect_right(prefix, prefix[lo] + t) - 1
+                hi = min(max(lo + 1, hi), n - (parts - s - 1))
+            if prefix[hi] - prefix[lo] > slack:
                 return None
             bounds.append((lo, hi))
             lo = hi
         return tuple(bounds)
 
-    lo_t, hi_t = max(weights), float(prefix[-1])
+    lo_t, hi_t = max(weights), prefix[-1]
     best = fill(hi_t) if parts == 1 else None
     for _ in range(60):
-        if best is not None and hi_t - lo_t <= 1e-9 * hi_t:
+        if best is not None and hi_t - lo_t <= 1e-7 * hi_t:
             break
         mid = (lo_t + hi_t) / 2
         got = fill(mid)
@@ -364,8 +445,40 @@ def min_max_partition(weights: tuple[float, ...], parts: int) -> tuple[tuple[int
         else:
             best, hi_t = got, mid
     if best is None:
-        best = fill(hi_t) or fill(float(prefix[-1]) * 1.000001)
+        best = fill(hi_t) or fill(prefix[-1] * 1.000001)
     return best
+
+
+def even_partition(weights: tuple[float, ...], parts: int) -> tuple[tuple[int, int], ...]:
+    """Split ``weights`` into ``parts`` non-empty contiguous runs whose sums are each as
+    close as the item boundaries allow to total / parts: cut k at the prefix sum nearest
+    k x total / parts. Unlike the min-max split (which packs the early runs full and can
+    leave the last ones nearly empty), every run gets about the same work -- what an
+    interleaved pipeline needs, where a device's load is the sum of v runs."""
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{parts} parts of {n} items; expected 1 <= parts <= items")
+    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    cuts, lo = [0], 0
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        i = int(np.searchsorted(prefix, target))
+        if i > 0 and abs(prefix[i - 1] - target) <= abs(prefix[min(i, n)] - target):
+            i -= 1
+        i = min(max(i, lo + 1), n - (parts - k))  # non-empty runs on both sides
+        cuts.append(i)
+        lo = i
+    cuts.append(n)
+    return tuple((cuts[k], cuts[k + 1]) for k in range(parts))
+
+
+def device_loads(weights: np.ndarray, bounds: tuple[tuple[int, int], ...], pp: int) -> list[float]:
+    """Work of each of ``pp`` pipeline devices when run k of ``bounds`` is on device k % pp."""
+    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    loads = [0.0] * pp
+    for k, (lo, hi) in enumerate(bounds):
+        loads[k % pp] += float(prefix[hi] - prefix[lo])
+    return loads
 
 
 # --- the hybrid strategy space --------------------------------------------------------------
@@ -389,33 +502,48 @@ def hybrid_choices(ctx: "_Context", knobs: Mapping[str, Any], *, skip_classic: b
         if b % dp:
             continue
         local = b // dp
-        if pp == 1:
-            sizes = [local]
-        else:
-            sizes = [2**k for k in range(MAX_MICROBATCH_SIZE.bit_length())
-                     if 2**k <= MAX_MICROBATCH_SIZE and local % 2**k == 0]
+        # pp == 1: the whole local batch at once, or gradient accumulation over
+        # micro-batches of up to MAX_MICROBATCH_SIZE samples (less activation memory)
+        sizes = sorted({2**k for k in range(MAX_MICROBATCH_SIZE.bit_length())
+                        if 2**k <= MAX_MICROBATCH_SIZE and local % 2**k == 0}
+                       | ({local} if pp == 1 else set()))
         if "microbatch_size" in knobs:
             sizes = [knobs["microbatch_size"]]
         for mbs in sizes:
             if local % mbs:
                 continue
             m = local // mbs
-            if pp == 1 and m != 1:
-                continue
-            schedules = ("none",) if pp == 1 else ("1f1b", "gpipe")
+            schedules = ("none",) if pp == 1 else ("1f1b", "gpipe", "interleaved")
             if "schedule" in knobs and pp > 1:
                 schedules = (knobs["schedule"],)
-            for schedule in schedules:
+            for schedule, v in _with_virtual_stages(schedules, knobs, pp, m, layers):
                 for rc in ((knobs["recompute"],) if "recompute" in knobs
                            else ("none", "selective", "full") if has_attention
                            else ("none", "full")):
                     for zero in ((knobs["optimizer_sharding"],) if "optimizer_sharding" in knobs
                                  else ((False, True) if dp > 1 else (False,))):
                         classic = tp == 1 and rc == "none" and not zero and (
-                            pp == 1 or (dp == 1 and schedule == "gpipe"))
+                            (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
                         if skip_classic and classic:
                             continue
-                        out.append(Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero)))
+                        out.append(Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero), v))
+    return out
+
+
+def _with_virtual_stages(schedules: tuple[str, ...], knobs: Mapping[str, Any], pp: int,
+                         m: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs: v = 1 for GPipe and 1F1B; for the interleaved
+    schedule v in INTERLEAVE_CHOICES (or the fixed ``virtual_stages``), where Megatron-LM
+    allows it: m a multiple of pp (Narayanan et al., SC'21, Sec. 2.2.2) and at least two
+    layers per chunk."""
+    out = []
+    for schedule in schedules:
+        if schedule != "interleaved":
+            out.append((schedule, 1))
+            continue
+        vs = (knobs["virtual_stages"],) if "virtual_stages" in knobs else INTERLEAVE_CHOICES
+        out += [(schedule, v) for v in vs
+                if v > 1 and m % pp == 0 and 2 * pp * v <= layers]
     return out
 
 

@@ -1,10 +1,10 @@
 """Choosing each layer's tensor-parallel split: the Alpa intra-operator ILP, brute force, re-check.
 
-Pipeline position: for a tensor-parallel degree t, ``planner.search`` (integration
-pending) prices every layer under each split it admits (compute time and
-per-device memory from the cost model, the layer's own collectives from
-``profiler.comm``), hands a ``TPProblem`` to ``ilp_tp`` and gets back a
-``TPPlan``. ``brute_force_tp`` answers the same problem for tiny graphs (tests).
+Pipeline position: for a tensor-parallel degree t, ``planner.tp_splits`` (called by
+the search's ``strategies.Pricer.splits_for``) prices every layer under each split it
+admits (compute time and per-device memory from the cost model, the layer's own
+collectives from ``profiler.comm``), hands a ``TPProblem`` to ``ilp_tp`` and gets back
+a ``TPPlan``. ``brute_force_tp`` answers the same problem for tiny graphs (tests).
 Every answer goes through ``check_tp`` before anyone sees it (scipy issue 24141).
 
 The problem (Zheng et al., "Alpa", OSDI'22, Sec. 4.2): pick one split per layer
@@ -197,15 +197,25 @@ def split_options(layer: LayerProfile, input_bytes: int, time_s: float, state_by
     return tuple(options)
 
 
-def block_of_runs(runs: Iterable[Sequence[Sequence[str]]]) -> dict[str, tuple[str, int]]:
+def block_of_runs(runs: Iterable[Sequence[Sequence[str]]], period_blocks: int = 1
+                  ) -> dict[str, tuple[str, int]]:
     """``TPProblem.block_of`` for runs of identical blocks, each run a sequence of blocks
-    of layer names (``profiler.repeats.RepeatRun.blocks``): position i of every block of
-    run r shares the key ("run r", i)."""
+    of layer names (``profiler.repeats.RepeatRun.blocks``): position i of blocks j and j'
+    of run r share a key when j = j' mod ``period_blocks``; the key is
+    ("run r", (j mod period_blocks) x block length + i).
+
+    ``period_blocks=2`` lets neighbouring blocks differ while the ILP's size stays flat:
+    a block whose output layout differs from its input layout (one column-split Dense of
+    a stack of identical Dense layers) can then pair with the next (column, row: the
+    Megatron MLP pair), which one shared choice for every block cannot.
+    """
+    if period_blocks < 1:
+        raise SolverError(f"block_of_runs: period_blocks is {period_blocks}; expected >= 1.")
     block_of: dict[str, tuple[str, int]] = {}
     for r, blocks in enumerate(runs):
-        for block in blocks:
+        for j, block in enumerate(blocks):
             for i, name in enumerate(block):
-                block_of[name] = (f"run {r}", i)
+                block_of[name] = (f"run {r}", (j % period_blocks) * len(block) + i)
     return block_of
 
 

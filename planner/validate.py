@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan
+from planner.plan import PLACEMENTS, Plan
 from profiler.model_profile import ModelProfile
 
 
@@ -27,9 +27,10 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
 
     Checks: the model signature; strategy numbers (dp*tp*pp <= devices,
     microbatch_size * num_microbatches * dp == global_batch, schedule); every
-    profiled layer in exactly one stage, stages contiguous in the profile order;
-    pp stages of dp devices each; devices exist in the plan's cluster and are
-    used once; the prediction names the plan's devices and its breakdown sums
+    profiled layer in exactly one stage, stages contiguous in the profile order
+    (for ``placement == "general"`` instead: dp = tp = 1 and one micro-batch,
+    layers anywhere); pp stages of dp devices each; devices exist in the plan's
+    cluster and are used once; the prediction names the plan's devices and its breakdown sums
     to its step time. ``search`` passes ``error_type=SolverError``.
     """
     def fail(what: str) -> None:
@@ -61,16 +62,24 @@ def _check_strategy(plan: Plan, fail) -> None:
     if s.pp == 1 and s.schedule != "none":
         fail(f"schedule is {s.schedule!r} with pp = 1; expected 'none'.")
     if s.pp > 1 and s.schedule == "none":
-        fail(f"pp = {s.pp} but schedule is 'none'; expected a pipeline schedule (gpipe or 1f1b).")
-    if s.pp == 1 and s.num_microbatches != 1:
-        fail(f"num_microbatches is {s.num_microbatches} with pp = 1; gradient accumulation "
-             "is not supported yet, expected 1.")
+        fail(f"pp = {s.pp} but schedule is 'none'; expected a pipeline schedule (gpipe, 1f1b "
+             "or interleaved).")
+    if (s.schedule == "interleaved") != (s.virtual_stages > 1):
+        fail(f"schedule is {s.schedule!r} with virtual_stages = {s.virtual_stages}; the "
+             "interleaved schedule and only it has more than one model chunk per device.")
+    if plan.placement not in PLACEMENTS:
+        fail(f"placement is {plan.placement!r}; expected one of {PLACEMENTS}.")
+    if plan.placement == "general" and (s.dp, s.tp, s.num_microbatches) != (1, 1, 1):
+        fail(f"it is a general placement with dp = {s.dp}, tp = {s.tp}, num_microbatches = "
+             f"{s.num_microbatches}; a general placement runs one batch on one device per "
+             "stage, expected dp = tp = num_microbatches = 1.")
 
 
 def _check_stages(plan: Plan, order: list[str], fail) -> None:
     s = plan.strategy
-    if len(plan.stages) != s.pp:
-        fail(f"it has {len(plan.stages)} stages; expected pp = {s.pp}.")
+    if len(plan.stages) != s.pp * s.virtual_stages:
+        fail(f"it has {len(plan.stages)} stages; expected pp = {s.pp}"
+             + (f" x virtual_stages = {s.virtual_stages}" if s.virtual_stages > 1 else "") + ".")
     position = {name: i for i, name in enumerate(order)}
     seen: dict[str, int] = {}
     for k, stage in enumerate(plan.stages):
@@ -90,6 +99,8 @@ def _check_stages(plan: Plan, order: list[str], fail) -> None:
     if missing:
         fail(f"layer(s) {', '.join(repr(n) for n in missing[:5])} are in no stage; every "
              "profiled layer must be placed.")
+    if plan.placement == "general":  # any layers on any device: no contiguity
+        return
     placed = [name for stage in plan.stages for name in stage.layers]
     for i, name in enumerate(placed):
         if position[name] != i:
@@ -103,7 +114,14 @@ def _check_stages(plan: Plan, order: list[str], fail) -> None:
 def _check_devices(plan: Plan, fail) -> None:
     known = set(plan.cluster.device_names())
     used: dict[str, int] = {}
+    pp = plan.strategy.pp
     for k, stage in enumerate(plan.stages):
+        if k >= pp and plan.strategy.virtual_stages > 1:  # interleaved: chunk k on k % pp's
+            if stage.devices != plan.stages[k % pp].devices:
+                fail(f"stage {k} runs on {list(stage.devices)}, expected the devices of stage "
+                     f"{k % pp} ({list(plan.stages[k % pp].devices)}): an interleaved pipeline "
+                     "puts model chunk k on pipeline device k mod pp.")
+            continue
         for device in stage.devices:
             if device not in known:
                 fail(f"stage {k} uses device {device!r}, which cluster {plan.cluster.name!r} "

@@ -3,8 +3,9 @@
 Pipeline position: the "measured" source of a ``ClusterSpec`` (beside presets,
 files and ``cpu:N``, see ``planner.presets``). ``profile_hardware`` runs the
 micro-benchmarks of ``profiler.hw_compute`` (matmul FLOP/s per precision,
-memory bandwidth) and ``profiler.hw_comm`` (point-to-point copies, TensorFlow's
-own all-reduce, each fitted to alpha-beta) into a ``HardwareProfile``
+memory bandwidth, the fixed cost of a layer) and ``profiler.hw_comm``
+(point-to-point copies, TensorFlow's own all-reduce, each fitted to
+alpha-beta) into a ``HardwareProfile``
 (``profiler.hw_profile``); ``to_cluster_spec`` (``profiler.hw_cluster``) turns
 that into the one-node cluster the planner prices strategies with;
 ``run_profile_hardware`` is the pair the ``plan profile-hardware`` command
@@ -138,10 +139,11 @@ def profile_hardware(devices: Sequence[str] | None = None, *,
                      comm_sizes_bytes: Sequence[int] | None = None,
                      memory_buffer_bytes: int | None = None,
                      quick: bool = False, progress: Progress | None = None) -> HardwareProfile:
-    """Measure matmul FLOP/s, memory bandwidth, p2p copies and all-reduce on ``devices``.
+    """Measure matmul FLOP/s, memory bandwidth, the fixed cost of a layer, p2p copies and
+    all-reduce on ``devices``.
 
-    Compute and memory bandwidth are measured on the first device (a cluster's
-    devices are identical); point-to-point copies from the first device to each
+    Compute, memory bandwidth and the layer overhead are measured on the first device
+    (a cluster's devices are identical); point-to-point copies from the first device to each
     other one (to the second only when ``quick``); the all-reduce over all of
     them. Sizes default to ``default_sizes(device_type, quick)``. A precision the
     device cannot run is skipped with a note. Raises PlannerError for bad device
@@ -194,6 +196,11 @@ def _measure(names: tuple[str, ...], device_type: str, precisions: tuple[str, ..
     tick = _ticker(progress, "memory", 1)
     bandwidth = hw_compute.memory_bandwidth(names[0], sizes.memory_buffer_bytes, policy)
     tick()
+    tick = _ticker(progress, "layer overhead", 1)
+    rates = {m.precision: m.best_flops_per_s for m in matmul}
+    overhead = hw_compute.layer_overhead(names[0], rates.get("float32", max(rates.values())),
+                                         policy)
+    tick()
     p2p: list[P2PResult] = []
     allreduce: AllReduceResult | None = None
     if len(names) > 1:
@@ -212,7 +219,8 @@ def _measure(names: tuple[str, ...], device_type: str, precisions: tuple[str, ..
         device_type=device_type, device_kind=_device_kind(device_type), devices=names,
         memory_bytes_per_device=memory_bytes, memory_source=memory_source,
         matmul=tuple(matmul), memory_bandwidth=bandwidth, p2p=tuple(p2p), allreduce=allreduce,
-        tensorflow_version=tf.__version__, quick=quick, notes=tuple(notes))
+        layer_overhead=overhead, tensorflow_version=tf.__version__, quick=quick,
+        notes=tuple(notes))
 
 
 def run_profile_hardware(devices: list[str] | None, quick: bool,

@@ -18,13 +18,22 @@ Memory bandwidth: ``a.assign_add(b)`` on two float32 variables of
 ``buffer_bytes`` each, in place (no allocation, so no page faults are timed):
 3 x buffer_bytes moved per pass (see ``MemoryBandwidth``). The buffers should
 be several times the last-level cache.
+
+Layer overhead: one Keras ``Dense(width, relu)`` layer called 1 + k times in
+a chain (each call's output is the next one's input) against once, forward and
+backward under a ``GradientTape``, inside one ``tf.function``; the time per
+extra call minus the time its FLOPs take at the measured matmul rate is the
+fixed cost of a layer (see ``LayerOverhead``). The same layer object is reused,
+so the function returns two gradients (the tape sums the calls' gradients with
+one AddN per variable) whatever k is. The layer is tiny (8 x 32 by default)
+so that the fixed cost, not the arithmetic, dominates.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from planner.errors import PlannerError
-from profiler.hw_profile import MatmulPoint, MatmulResult, MemoryBandwidth
+from profiler.hw_profile import LayerOverhead, MatmulPoint, MatmulResult, MemoryBandwidth
 from profiler.hw_timing import TimingPolicy, time_chain
 
 MEASURABLE_PRECISIONS = ("float32", "float16", "bfloat16")
@@ -94,3 +103,38 @@ def memory_bandwidth(device: str, buffer_bytes: int, policy: TimingPolicy) -> Me
 
     m = time_chain(passes, policy)
     return MemoryBandwidth(buffer_bytes=elements * 4, seconds=m.seconds, method=m.method)
+
+
+def layer_overhead(device: str, flops_per_s: float, policy: TimingPolicy, batch: int = 8,
+                   width: int = 32) -> LayerOverhead:
+    """Time one more tiny Dense layer's forward + backward on ``device`` (module docstring).
+
+    ``flops_per_s`` prices the layer's FLOPs (the best float32 matmul rate
+    measured); the overhead is what the measured time leaves beyond them.
+    """
+    import keras
+    import tensorflow as tf
+
+    with tf.device(device):
+        layer = keras.layers.Dense(width, activation="relu", dtype="float32")
+        layer.build((batch, width))
+        x = tf.Variable(tf.random.normal([batch, width], stddev=width ** -0.5, seed=3),
+                        trainable=False)
+    variables = [layer.kernel, layer.bias]
+
+    def chain(k: int) -> Callable[[], object]:
+        @tf.function
+        def run():
+            with tf.device(device):
+                with tf.GradientTape() as tape:
+                    y = x.read_value()
+                    for _ in range(k):
+                        y = layer(y)
+                    loss = tf.reduce_sum(y)
+                grads = tape.gradient(loss, variables)
+                return [g[:1] for g in grads]
+        return run
+
+    m = time_chain(chain, policy)
+    return LayerOverhead(batch=batch, width=width, seconds=m.seconds, flops_per_s=flops_per_s,
+                         method=m.method)

@@ -112,6 +112,55 @@ class MemoryBandwidth:
 
 
 @dataclass(frozen=True)
+class LayerOverhead:
+    """The fixed cost of one small layer's forward + backward pass beyond its FLOPs.
+
+    A Keras ``Dense(width)`` on a ``batch x width`` input, called once more in a
+    chain inside one ``tf.function`` with a ``GradientTape`` (see
+    ``profiler.hw_compute.layer_overhead``): ``seconds`` is the time one more
+    call adds, forward and backward (MatMul, BiasAdd, Relu; ReluGrad, two
+    MatMuls, BiasAddGrad; the variable reads). Its FLOPs are
+    ``6 batch width^2`` (2 for the forward matmul, 4 for the two backward ones:
+    Kaplan et al., "Scaling Laws for Neural Language Models", 2020, Sec. 2.1);
+    at the measured matmul rate ``flops_per_s`` they take ``flop_time_s``, and
+    the rest is the overhead: op dispatch and kernel launch.
+    """
+
+    batch: int
+    width: int
+    seconds: float  # one layer, forward + backward
+    flops_per_s: float  # the matmul rate its FLOPs are priced at (the best measured)
+    method: str = "difference"
+
+    @property
+    def flops(self) -> int:
+        return 6 * self.batch * self.width ** 2
+
+    @property
+    def flop_time_s(self) -> float:
+        return self.flops / self.flops_per_s
+
+    @property
+    def overhead_s(self) -> float:
+        """seconds - flop_time_s, at least 0."""
+        return max(0.0, self.seconds - self.flop_time_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "width": self.width, "seconds": self.seconds,
+                "flops": self.flops, "flops_per_s": self.flops_per_s,
+                "flop_time_s": self.flop_time_s, "overhead_s": self.overhead_s,
+                "method": self.method}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str) -> "LayerOverhead":
+        return cls(batch=field(d, "batch", KIND, int, where=where, minimum=1),
+                   width=field(d, "width", KIND, int, where=where, minimum=1),
+                   seconds=_positive(d, "seconds", where),
+                   flops_per_s=_positive(d, "flops_per_s", where, "FLOP/s"),
+                   method=_method(d, where))
+
+
+@dataclass(frozen=True)
 class CommPoint:
     """One message size and the time of one operation on it."""
 
@@ -252,6 +301,7 @@ class HardwareProfile:
     memory_bandwidth: MemoryBandwidth  # measured on devices[0]
     p2p: tuple[P2PResult, ...] = ()
     allreduce: AllReduceResult | None = None  # None with one device
+    layer_overhead: LayerOverhead | None = None  # measured on devices[0]; None: not measured
     tensorflow_version: str = ""
     quick: bool = False
     notes: tuple[str, ...] = ()
@@ -271,6 +321,8 @@ class HardwareProfile:
             "memory_bandwidth": self.memory_bandwidth.to_dict(),
             "p2p": [p.to_dict() for p in self.p2p],
             "allreduce": None if self.allreduce is None else self.allreduce.to_dict(),
+            "layer_overhead": (None if self.layer_overhead is None
+                               else self.layer_overhead.to_dict()),
             "tensorflow_version": self.tensorflow_version, "quick": self.quick,
             "notes": list(self.notes),
         }
@@ -285,6 +337,7 @@ class HardwareProfile:
         if not matmul:
             raise SchemaError(f"{KIND}.matmul is empty; expected one entry per precision.")
         allreduce = d.get("allreduce")
+        overhead = d.get("layer_overhead")  # optional: profiles from before it was measured
         return cls(
             device_type=device_type, device_kind=field(d, "device_kind", KIND, str),
             devices=tuple(field(d, "devices", KIND, list)),
@@ -298,6 +351,8 @@ class HardwareProfile:
                                                   default=[]))),
             allreduce=(None if allreduce is None
                        else AllReduceResult.from_dict(allreduce, "allreduce")),
+            layer_overhead=(None if overhead is None
+                            else LayerOverhead.from_dict(overhead, "layer_overhead")),
             tensorflow_version=field(d, "tensorflow_version", KIND, str, optional=True,
                                      default=""),
             quick=field(d, "quick", KIND, bool, optional=True, default=False),
@@ -341,11 +396,11 @@ def _points(d: Mapping[str, Any], where: str) -> tuple[CommPoint, ...]:
     return tuple(CommPoint.from_dict(p, f"{where}.points[{i}]") for i, p in enumerate(points))
 
 
-def _positive(d: Mapping[str, Any], key: str, where: str) -> float:
+def _positive(d: Mapping[str, Any], key: str, where: str, unit: str = "seconds") -> float:
     value = field(d, key, KIND, float, where=where)
     if not value > 0:
         raise SchemaError(f"{KIND}.{where}.{key} is {value!r}; expected a positive number of "
-                          "seconds.")
+                          f"{unit}.")
     return value
 
 

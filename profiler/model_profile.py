@@ -23,7 +23,11 @@ Per layer (JSON keys are the field names):
   calls receive. All in the dtype the layer computes in;
 * ``flops_fwd``/``flops_bwd`` from the ops the layer creates and the gradient
   ops of those (``profiler.op_flops``); ``not_counted`` names each op with no
-  formula as "op name (OpType)";
+  formula as "op name (OpType)"; of those, ``matmul_flops_fwd``/``_bwd`` are in
+  contractions (``profiler.op_flops.MATMUL_OPS``: MatMul, BatchMatMul, Einsum,
+  Conv and their backprops), and ``memory_traffic_bytes_fwd``/``_bwd`` are the
+  bytes every other op reads and writes (inputs + outputs; views and variable
+  reads move nothing): the two sides of the cost model's roofline;
 * ``calls``: how many times the model calls the layer (a shared layer's numbers
   are the sum over its calls); ``inputs``: the layers that feed it.
 """
@@ -57,6 +61,19 @@ class LayerProfile:
     activation_saved_bytes: int = 0  # forward tensors kept for the backward pass
     input_bytes: int = 0  # tensors the layer's calls receive
     calls: int = 1  # times the model calls this layer (numbers are summed over calls)
+    matmul_flops_fwd: int = 0  # the share of flops_fwd in contractions (MatMul, Einsum, Conv)
+    matmul_flops_bwd: int = 0
+    memory_traffic_bytes_fwd: int = 0  # bytes read + written by the other ops
+    memory_traffic_bytes_bwd: int = 0
+
+    @property
+    def has_op_classes(self) -> bool:
+        """Whether the contraction / memory-traffic split was recorded. Profiles written
+        before it existed have both 0 while flops are not: all their FLOPs are then
+        priced as contractions."""
+        return bool(self.matmul_flops_fwd or self.matmul_flops_bwd
+                    or self.memory_traffic_bytes_fwd or self.memory_traffic_bytes_bwd
+                    or not (self.flops_fwd or self.flops_bwd))
 
     @property
     def non_trainable_params(self) -> int:
@@ -81,6 +98,9 @@ class LayerProfile:
             "compute_weight_bytes": self.compute_weight_bytes,
             "activation_saved_bytes": self.activation_saved_bytes,
             "input_bytes": self.input_bytes, "calls": self.calls,
+            "matmul_flops_fwd": self.matmul_flops_fwd, "matmul_flops_bwd": self.matmul_flops_bwd,
+            "memory_traffic_bytes_fwd": self.memory_traffic_bytes_fwd,
+            "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
         }
 
     @classmethod
@@ -91,7 +111,9 @@ class LayerProfile:
             "activation_bytes", "flops_fwd", "flops_bwd")}
         for n, default in (("trainable_param_bytes", ints["grad_bytes"]),
                            ("compute_weight_bytes", 0), ("activation_saved_bytes", 0),
-                           ("input_bytes", 0), ("calls", 1)):
+                           ("input_bytes", 0), ("calls", 1), ("matmul_flops_fwd", 0),
+                           ("matmul_flops_bwd", 0), ("memory_traffic_bytes_fwd", 0),
+                           ("memory_traffic_bytes_bwd", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
         return cls(

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from profiler.op_flops import OpCount, OpInfo, count_op
+from profiler.op_flops import NO_TRAFFIC_OPS, OpCount, OpInfo, count_op, is_matmul
 
 #: Attributes the FLOP formulas read, by op type.
 _ATTRS = {"MatMul": ("transpose_a",), "BatchMatMul": ("adj_x",), "BatchMatMulV2": ("adj_x",),
@@ -69,6 +69,10 @@ class LayerTrace:
     calls: int = 0
     flops_fwd: int = 0
     flops_bwd: int = 0
+    matmul_flops_fwd: int = 0
+    matmul_flops_bwd: int = 0
+    traffic_bytes_fwd: int = 0  # bytes read + written by the ops that are not contractions
+    traffic_bytes_bwd: int = 0
     output_bytes: int = 0
     input_bytes: int = 0
     saved_bytes: int = 0
@@ -120,6 +124,16 @@ class Accounting:
             return None
         size = self.override if self.override and t.dtype.is_floating else t.dtype.size
         return t.shape.num_elements() * size
+
+    def traffic_bytes(self, op: Any) -> int:
+        """Bytes an op that is not a contraction reads and writes: its inputs plus its
+        outputs (unknown shapes count 0), or 0 for ``NO_TRAFFIC_OPS``. The roofline's
+        memory side (Williams, Waterman & Patterson, "Roofline", CACM 2009): each op
+        reads its operands from memory and writes its results back, as TensorFlow's
+        executor runs them without fusion."""
+        if op.type in NO_TRAFFIC_OPS:
+            return 0
+        return sum(self.bytes_of(t) or 0 for t in (*op.inputs, *op.outputs))
 
     def run(self, graph: Any, grads: Sequence[Any]) -> Trace:
         fwd, loss, grad, end = (self.marks[k] for k in ("fwd", "loss", "grad", "end"))
@@ -216,7 +230,8 @@ class Accounting:
             op = self.ops[i]
             if i >= grad and i not in self.live:
                 continue
-            count = _count(op)
+            info = op_info(op)
+            count = count_op(info)
             owner = self.owner[i]
             phase = "loss" if owner == LOSS else ("bwd" if i >= grad else "fwd")
             records.append(OpRecord(op.name, op.type, owner, phase, count.flops, count.problem))
@@ -225,10 +240,16 @@ class Accounting:
                 self.outside.setdefault(self.label[i] or "model", []).append(
                     f"{op.name} ({op.type}): " + (count.problem or f"{count.flops} FLOPs"))
             if acc is not None:
+                matmul = is_matmul(info)
+                traffic = 0 if matmul else self.traffic_bytes(op)
                 if phase == "bwd":
                     acc.flops_bwd += count.flops
+                    acc.matmul_flops_bwd += count.flops if matmul else 0
+                    acc.traffic_bytes_bwd += traffic
                 else:
                     acc.flops_fwd += count.flops
+                    acc.matmul_flops_fwd += count.flops if matmul else 0
+                    acc.traffic_bytes_fwd += traffic
                 if count.problem:
                     acc.not_counted.append(_problem(op, count))
             if self.progress is not None and (n % 2000 == 0 or n == total - 1):

@@ -316,6 +316,36 @@ ZERO_FLOP_OPS: frozenset[str] = frozenset((
 ))
 
 
+#: Dense contractions that run on the matrix units (tensor cores; blocked GEMM on a CPU):
+#: priced by FLOPs / achieved matmul FLOP/s. A one-operand Einsum is a transpose or a
+#: reduction, not a contraction (``is_matmul``).
+MATMUL_OPS: frozenset[str] = frozenset((
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D",
+    "Conv2DBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInputV2",
+    "Conv2DBackpropFilter", "Conv2DBackpropFilterV2", "Conv3DBackpropFilterV2",
+))
+
+#: Ops that move no tensor data: graph plumbing, metadata, views (a reshape or an
+#: identity aliases its input's buffer in TensorFlow's executor), variable handles and
+#: reads (a ReadVariableOp returns the variable's buffer). Every other op that is not a
+#: contraction is priced by the bytes it reads and writes (``profiler.op_attribution``).
+NO_TRAFFIC_OPS: frozenset[str] = frozenset((
+    "NoOp", "Identity", "IdentityN", "Placeholder", "PlaceholderWithDefault", "Const",
+    "StopGradient", "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics",
+    "CheckNumericsV2", "Assert", "Print", "PrintV2", "ControlTrigger",
+    "VarHandleOp", "ReadVariableOp", "VarIsInitializedOp", "VariableShape",
+    "DestroyResourceOp", "VariableV2", "Shape", "ShapeN", "Size", "Rank", "BroadcastArgs",
+    "BroadcastGradientArgs", "Reshape", "Squeeze", "ExpandDims", "ConcatOffset",
+    "InvertPermutation", "Range", "Bitcast", "StatelessRandomGetKeyCounter",
+    "StatelessRandomGetKeyCounterAlg", "StatelessRandomGetAlg", "RngReadAndSkip", "RngSkip",
+))
+
+
+def is_matmul(op: OpInfo) -> bool:
+    """Whether ``op`` is a contraction priced at matmul speed (``MATMUL_OPS``)."""
+    return op.type in MATMUL_OPS and (op.type != "Einsum" or len(op.input_shapes) >= 2)
+
+
 def count_op(op: OpInfo) -> OpCount:
     """FLOPs of ``op`` by the conventions above; a ``problem`` instead of a silent zero."""
     if op.type in ZERO_FLOP_OPS:

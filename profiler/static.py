@@ -235,7 +235,9 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         compute_weight_bytes=compute, activation_bytes=got.output_bytes,
         activation_saved_bytes=got.saved_bytes, input_bytes=got.input_bytes,
         flops_fwd=got.flops_fwd, flops_bwd=got.flops_bwd, not_counted=tuple(not_counted),
-        calls=got.calls)
+        calls=got.calls, matmul_flops_fwd=got.matmul_flops_fwd,
+        matmul_flops_bwd=got.matmul_flops_bwd, memory_traffic_bytes_fwd=got.traffic_bytes_fwd,
+        memory_traffic_bytes_bwd=got.traffic_bytes_bwd)
 
 
 def _edges(raw: Sequence[tuple[str, str, int]], names: list[str], functional: bool

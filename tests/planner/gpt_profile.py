@@ -19,12 +19,21 @@ def gpt_profile(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: i
     act = 2 * b * s * h  # one float16 [b, s, h] tensor
 
     def layer(name, kind, params, flops_fwd, out_bytes, saved_bytes, inputs, in_bytes):
+        # contractions: Dense, attention (projections, scores, context); the rest
+        # (normalization, residual adds, embedding lookup) are element-wise. Traffic of
+        # the element-wise work as fused kernels move it: inputs, outputs and saved
+        # tensors once forward, twice backward (planner.cost_model.fused_traffic_bytes)
+        matmul = kind in ("Dense", "MultiHeadAttention")
+        traffic = in_bytes + out_bytes + saved_bytes
         return LayerProfile(
             name=name, type=kind, params=params, trainable_params=params,
             param_bytes=4 * params, grad_bytes=4 * params, optimizer_bytes=8 * params,
             activation_bytes=out_bytes, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
             inputs=inputs, trainable_param_bytes=4 * params, compute_weight_bytes=2 * params,
-            activation_saved_bytes=saved_bytes, input_bytes=in_bytes)
+            activation_saved_bytes=saved_bytes, input_bytes=in_bytes,
+            matmul_flops_fwd=flops_fwd if matmul else 0,
+            matmul_flops_bwd=2 * flops_fwd if matmul else 0,
+            memory_traffic_bytes_fwd=traffic, memory_traffic_bytes_bwd=2 * traffic)
 
     out = [layer("wte", "Embedding", vocab * h, 0, act, act, ("tokens",), 4 * b * s)]
     prev = "wte"

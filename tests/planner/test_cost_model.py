@@ -21,7 +21,7 @@ def test_compute_time_is_flops_over_achieved_peak():
     assert cm.compute_time_s(1e12, DEVICE, "float32") == pytest.approx(1e12 / (20e12 * 0.5))
     assert cm.compute_time_s(1e12, DEVICE, "mixed_float16") == pytest.approx(1e12 / 100e12)
     a100 = parse_cluster("8xA100-80GB").device
-    assert cm.compute_time_s(312e12, a100, "mixed_bfloat16") == pytest.approx(2.0)
+    assert cm.compute_time_s(312e12, a100, "mixed_bfloat16") == pytest.approx(1 / 0.6)
 
 
 def test_layer_pass_scales_with_samples_and_adds_the_fixed_overhead():
@@ -95,3 +95,89 @@ def test_overlap_bubble_and_microbatches_in_flight():
     assert cm.microbatches_in_flight("gpipe", 4, 12) == 12
     assert cm.microbatches_in_flight("1f1b", 4, 12) == 4
     assert cm.microbatches_in_flight("1f1b", 4, 2) == 2
+
+
+# --- roofline by op class -----------------------------------------------------------------
+
+SPLIT = LayerProfile(name="n", type="LayerNormalization", params=0, trainable_params=0,
+                     param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=1000,
+                     flops_fwd=5_000_000, flops_bwd=9_000_000, input_bytes=1000,
+                     activation_saved_bytes=500, matmul_flops_fwd=4_000_000,
+                     matmul_flops_bwd=8_000_000, memory_traffic_bytes_fwd=10**8,
+                     memory_traffic_bytes_bwd=3 * 10**8)
+CPU = DeviceSpec(kind="CPU", device_type="CPU", memory_bytes=2**30,
+                 peak_flops_per_s=(("float32", 100e9),), memory_bandwidth_bytes_per_s=10e9,
+                 matmul_efficiency=1.0, layer_overhead_s=40e-6)
+
+
+def test_roofline_prices_contractions_by_flops_and_the_rest_by_traffic():
+    # 1e9 contraction FLOPs at 10 TFLOP/s achieved + max(1e6 / 20e12, 1e9 B / 1 TB/s)
+    t = cm.roofline_time_s(1e9, 1e6, 1e9, DEVICE, "float32")
+    assert t == pytest.approx(1e9 / 10e12 + 1e9 / 1e12)
+    # compute-bound other ops (no traffic): their FLOPs at the plain float32 rate
+    assert cm.roofline_time_s(0, 1e9, 0, DEVICE, "mixed_float16") == pytest.approx(1e9 / 20e12)
+
+
+def test_a_cpu_runs_every_op_unfused_with_its_measured_overhead():
+    fwd, bwd = cm.layer_fwd_bwd_time_s(SPLIT, 2, 1, CPU, "float32")
+    # 2 samples: 8e6 contraction FLOPs at 100 GFLOP/s + 2e8 B at 10 GB/s + half of 40 us
+    assert fwd == pytest.approx(8e6 / 100e9 + 2e8 / 10e9 + 20e-6)
+    assert bwd == pytest.approx(16e6 / 100e9 + 6e8 / 10e9 + 20e-6)
+
+
+def test_a_gpu_fuses_element_wise_ops_so_only_inputs_outputs_and_saved_move():
+    fwd, bwd = cm.layer_fwd_bwd_time_s(SPLIT, 1, 1, DEVICE, "float32")
+    once = 1000 + 1000 + 500  # inputs + outputs + saved, far below the unfused 1e8
+    assert fwd == pytest.approx(4e6 / 10e12 + max(1e6 / 20e12, once / 1e12) + 5e-6)
+    assert bwd == pytest.approx(8e6 / 10e12 + max(1e6 / 20e12, 2 * once / 1e12) + 5e-6)
+    # a tensor-parallel split divides all of it but the overhead
+    fwd4, _ = cm.layer_fwd_bwd_time_s(SPLIT, 1, 1, DEVICE, "float32", divide=4)
+    assert fwd4 - 5e-6 == pytest.approx((fwd - 5e-6) / 4)
+
+
+def test_profiles_without_the_op_classes_price_every_flop_as_a_contraction():
+    assert not LAYER.has_op_classes and SPLIT.has_op_classes
+    fwd, bwd = cm.layer_fwd_bwd_time_s(LAYER, 8, 8, DEVICE, "float32")
+    assert (fwd, bwd) == pytest.approx((6e6 / 10e12 + 5e-6, 12e6 / 10e12 + 5e-6))
+
+
+def test_interleaving_divides_the_bubble_and_grows_the_warm_up():
+    assert cm.pipeline_bubble_s(4, 1.0) == pytest.approx(3.0)
+    assert cm.pipeline_bubble_s(4, 1.0, virtual_stages=3) == pytest.approx(1.0)
+    assert cm.pipeline_bubble_fraction(4, 12, 3) == pytest.approx(1 / 13)
+    # Korthikanti et al. 2022: min(p, m) x (1 + (p-1)/(p v))
+    assert cm.microbatches_in_flight("interleaved", 4, 12, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert cm.microbatches_in_flight("none", 1, 8) == 1  # gradient accumulation: one at a time
+
+
+def test_pipeline_send_scatters_over_tensor_ranks_then_gathers():
+    intra = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=0.0)
+    assert cm.pipeline_send_time_s(8e9, 1, LINK, intra) == pytest.approx(1e-5 + 8e9 / 100e9)
+    # tp = 8: 1 GB per rank over its own link + ring all-gather of 8 GB over 8 ranks
+    assert cm.pipeline_send_time_s(8e9, 8, LINK, intra) == pytest.approx(
+        1e-5 + 1e9 / 100e9 + 7 / 8 * 8e9 / 300e9)
+
+
+def test_devices_sharing_a_pool_of_cores_wait_for_each_other():
+    from planner.plan import Breakdown
+    cpu4 = parse_cluster("cpu:4")
+    assert cpu4.devices_per_compute_pool == 4
+    b = Breakdown(compute_s=1.0, communication_s=0.5, bubble_s=0.0, recompute_s=0.0,
+                  optimizer_s=0.1)
+    # four devices each busy 1.1 s share the cores: 4.4 s of work, the step lasts 4.4 s
+    shared = cm.with_shared_cores(b, [1.1] * 4, cpu4)
+    assert shared.total_s == pytest.approx(4.4)
+    assert shared.compute_s == pytest.approx(1.0 + 4.4 - 1.6)
+    assert cm.with_shared_cores(b, [0.2] * 4, cpu4) == b  # less work than the step: as is
+    gpus = parse_cluster("8xA100-80GB")  # each GPU its own compute
+    assert cm.with_shared_cores(b, [1.1] * 8, gpus) == b
+
+
+def test_on_logical_cpus_data_parallel_is_no_faster_than_the_work_it_shares():
+    from planner.search import search
+    from tests.planner.test_search import chain_profile
+    profile = chain_profile()
+    result = search(profile, parse_cluster("cpu:4"), 64)
+    single = next(p for p in result.candidates if p.name == "single device")
+    dp4 = next(p for p in result.candidates if p.name == "data parallel dp=4")
+    assert dp4.predicted.step_time_s >= single.predicted.step_time_s * (1 - 1e-9)

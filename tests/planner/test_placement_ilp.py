@@ -1,6 +1,7 @@
 """planner.placement_ilp: the placement MILP agrees with brute force; branches overlap."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -140,3 +141,15 @@ def test_a_violating_solver_answer_is_caught(monkeypatch):
     monkeypatch.setattr(pipeline_ilp._Milp, "solve", lying_solve)
     with pytest.raises(SolverError, match="same time on device 0"):
         ilp_placement(problem)
+
+
+def test_solver_chatter_goes_to_stderr(capfd):
+    # HiGHS prints some MIP diagnostics with C printf; `plan --json` owns stdout.
+    from planner.placement_ilp import _solver_chatter_to_stderr
+
+    with _solver_chatter_to_stderr():
+        os.write(1, b"chatter from C\n")
+    os.write(1, b"after\n")
+    out, err = capfd.readouterr()
+    assert "chatter from C" in err and "chatter" not in out
+    assert out == "after\n"

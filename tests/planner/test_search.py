@@ -154,17 +154,29 @@ def test_impossible_memory_names_the_limit_and_the_fix():
     assert "at least 4 devices" in str(e.value)
 
 
-def test_smaller_batch_is_suggested_when_activations_bind():
+def test_gradient_accumulation_fits_when_activations_bind():
     # one layer that cannot be split (a pipeline or tensor split cannot help), 10 MB of
-    # activations per sample, 16 samples on 2 devices of 30 MB: nothing fits, fewer
-    # samples per device would
+    # activations per sample, 16 samples on 2 devices of 30 MB: 8 samples per device do
+    # not fit, micro-batches of at most 2 with their gradients accumulated do
     profile = chain_profile(n_layers=1, params=1000, activation_bytes=10 * MB, batch_size=1,
+                            layer_type="Conv2D")
+    result = search(profile, make_cluster(num_devices=2, memory_bytes=30 * MB), 16)
+    s = result.chosen.strategy
+    assert result.chosen.predicted.fits
+    assert s.pp == 1 and s.num_microbatches > 1 and s.microbatch_size <= 2
+    assert s.dp * s.microbatch_size * s.num_microbatches == 16
+    _check_result(result, profile)
+
+
+def test_one_sample_too_big_names_the_memory_needed():
+    # 40 MB of activations per sample on 30 MB devices: no batch or split helps
+    profile = chain_profile(n_layers=1, params=1000, activation_bytes=40 * MB, batch_size=1,
                             layer_type="Conv2D")
     with pytest.raises(InfeasiblePlanError) as e:
         search(profile, make_cluster(num_devices=2, memory_bytes=30 * MB), 16)
-    assert "a global batch of at most 5 " in str(e.value)
-    assert "at least 8 devices (data parallel dp=8)" in str(e.value)
-    assert "cannot help" not in str(e.value)
+    assert "Memory binds" in str(e.value)
+    assert "devices with at least" in str(e.value)
+    assert "global batch of at most" not in str(e.value)
 
 
 def test_residual_profile_and_every_candidate_validates():
@@ -205,7 +217,7 @@ def test_fixed_strategy_is_returned_even_when_it_does_not_fit():
 @pytest.mark.parametrize("fix,match", [
     ({"tp": 3}, "must divide devices_per_node"),
     ({"dp": 2, "pp": 2, "microbatch_size": 3}, "does not divide"),
-    ({"recompute": "some"}, "expected one of"), ({"dp": 2, "schedule": "zigzag"}, "gpipe or 1f1b"),
+    ({"recompute": "some"}, "expected one of"), ({"dp": 2, "schedule": "zigzag"}, "gpipe, 1f1b or interleaved"),
     ({"dp": 3}, "does not divide"), ({"dp": 8}, "has 4"), ({"zz": 1}, "unknown key"),
     ({"dp": "two"}, "whole number"), ({"pp": 2, "num_microbatches": 5}, "does not divide"),
 ])

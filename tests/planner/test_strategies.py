@@ -107,3 +107,58 @@ def test_every_candidate_validates_and_search_is_deterministic():
     for plan in a.candidates:
         validate_plan(plan, profile)
     assert "priced" in a.chosen.reason
+
+
+def test_even_partition_balances_runs_and_covers_every_item():
+    from planner.strategies import even_partition
+    rng = random.Random(1)
+    for _ in range(40):
+        n = rng.randint(2, 30)
+        weights = tuple(rng.uniform(0.5, 1.5) for _ in range(n))
+        parts = rng.randint(1, n)
+        bounds = even_partition(weights, parts)
+        assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a < b for a, b in bounds)
+        assert all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+        # each run within one item of the ideal share (cuts at the nearest prefix)
+        ideal = sum(weights) / parts
+        for a, b in bounds:
+            assert abs(sum(weights[a:b]) - ideal) <= 2 * max(weights) + 1e-9
+
+
+def _fixed_gpt(fix, layers=8):
+    from planner.presets import parse_cluster
+    profile = gpt_profile(layers, 1024, 16, vocab=8192, seq=512)
+    return profile, search(profile, parse_cluster("8xA100-80GB"), 32, fix=fix).chosen
+
+
+def test_interleaved_schedule_shrinks_the_bubble_and_places_chunks_round_robin():
+    fix = {"dp": 1, "tp": 1, "pp": 4, "microbatch_size": 1}
+    profile, plain = _fixed_gpt({**fix, "schedule": "1f1b"})
+    _, inter = _fixed_gpt({**fix, "schedule": "interleaved", "virtual_stages": 2})
+    s = inter.strategy
+    assert (s.schedule, s.virtual_stages, s.num_microbatches) == ("interleaved", 2, 32)
+    assert len(inter.stages) == 8 and len(plain.stages) == 4
+    for k, stage in enumerate(inter.stages):
+        assert stage.devices == inter.stages[k % 4].devices
+    assert len(inter.devices) == 4  # each device once
+    validate_plan(inter, profile)
+    # (p-1)/v slots of the slowest device instead of p-1: about half the bubble
+    assert inter.predicted.breakdown.bubble_s < 0.6 * plain.predicted.breakdown.bubble_s
+    # more micro-batches' activations held during the longer warm-up
+    assert inter.predicted.max_memory_bytes > plain.predicted.max_memory_bytes
+
+
+def test_interleaving_needs_microbatches_in_multiples_of_the_stages():
+    from planner.errors import PlannerError
+    with pytest.raises(PlannerError, match="no strategy"):
+        _fixed_gpt({"dp": 1, "pp": 3, "num_microbatches": 4, "schedule": "interleaved"})
+
+
+def test_gradient_accumulation_trades_time_for_activation_memory():
+    profile, whole = _fixed_gpt({"dp": 2, "recompute": "none", "microbatch_size": 16})
+    _, accumulated = _fixed_gpt({"dp": 2, "recompute": "none", "microbatch_size": 2})
+    assert (whole.strategy.num_microbatches, accumulated.strategy.num_microbatches) == (1, 8)
+    assert accumulated.predicted.max_memory_bytes < 0.5 * whole.predicted.max_memory_bytes
+    assert accumulated.predicted.step_time_s > whole.predicted.step_time_s  # 8 passes
+    validate_plan(accumulated, profile)

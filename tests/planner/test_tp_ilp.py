@@ -209,6 +209,13 @@ def test_block_of_runs_keys_positions_per_run():
     runs = [(("a0", "b0"), ("a1", "b1")), (("c0",), ("c1",))]
     assert block_of_runs(runs) == {"a0": ("run 0", 0), "b0": ("run 0", 1), "a1": ("run 0", 0),
                                    "b1": ("run 0", 1), "c0": ("run 1", 0), "c1": ("run 1", 0)}
+    # every other block shares: a0, a2 alike; a1, a3 alike; never a0 with a1
+    runs = [tuple((f"a{j}", f"b{j}") for j in range(5))]
+    two = block_of_runs(runs, period_blocks=2)
+    assert two["a0"] == two["a2"] == two["a4"] == ("run 0", 0) and two["b0"] == ("run 0", 1)
+    assert two["a1"] == two["a3"] == ("run 0", 2) and two["b3"] == ("run 0", 3)
+    with pytest.raises(SolverError, match="period_blocks is 0"):
+        block_of_runs(runs, period_blocks=0)
 
 
 def test_blocks_priced_differently_are_refused():

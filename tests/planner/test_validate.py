@@ -94,3 +94,38 @@ def test_breakdown_must_sum_to_step_time(dp_plan):
     pred = replace(dp_plan.predicted, step_time_s=dp_plan.predicted.step_time_s * 2)
     with pytest.raises(PlanMismatchError, match="breakdown sums to"):
         validate_plan(replace(dp_plan, predicted=pred), PROFILE)
+
+
+def _general(pipeline_plan, layers0, layers1, **strategy):
+    s0, s1 = pipeline_plan.stages
+    fields = dict(num_microbatches=1, microbatch_size=32) | strategy
+    return replace(pipeline_plan, placement="general",
+                   stages=(replace(s0, layers=layers0), replace(s1, layers=layers1)),
+                   strategy=replace(pipeline_plan.strategy, **fields))
+
+
+def test_general_placement_needs_no_contiguity_but_each_layer_once(pipeline_plan):
+    layers0, layers1 = ("d0", "d2", "d4", "d6"), ("d1", "d3", "d5", "d7")
+    general = _general(pipeline_plan, layers0, layers1)
+    validate_plan(general, PROFILE)
+    with pytest.raises(PlanMismatchError, match="not contiguous"):  # stages still must be
+        validate_plan(replace(general, placement="stages"), PROFILE)
+    with pytest.raises(PlanMismatchError, match="in stage 0 and again in stage 1"):
+        validate_plan(_general(pipeline_plan, layers0, ("d0",) + layers1), PROFILE)
+    with pytest.raises(PlanMismatchError, match="'d7' are in no stage"):
+        validate_plan(_general(pipeline_plan, layers0, layers1[:-1]), PROFILE)
+    s0, s1 = general.stages
+    with pytest.raises(PlanMismatchError, match="used by stage 0 and again by stage 1"):
+        validate_plan(replace(general, stages=(s0, replace(s1, devices=s0.devices))), PROFILE)
+    with pytest.raises(PlanMismatchError, match="2 stages; expected pp = 3"):
+        validate_plan(replace(general, strategy=replace(general.strategy, pp=3)), PROFILE)
+
+
+def test_general_placement_runs_one_batch_on_one_device_per_stage(pipeline_plan):
+    layers0, layers1 = ("d0", "d2", "d4", "d6"), ("d1", "d3", "d5", "d7")
+    with pytest.raises(PlanMismatchError, match="num_microbatches = 2"):
+        validate_plan(_general(pipeline_plan, layers0, layers1, num_microbatches=2,
+                               microbatch_size=16), PROFILE)
+    with pytest.raises(PlanMismatchError, match="placement is 'anywhere'"):
+        validate_plan(replace(_general(pipeline_plan, layers0, layers1),
+                              placement="anywhere"), PROFILE)

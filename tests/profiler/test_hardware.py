@@ -1,5 +1,6 @@
 """profiler.hardware: quick hardware profiles on logical CPU devices, the alpha-beta fit,
-JSON round trip, the ClusterSpec it makes (and that planner.search accepts), bad devices.
+the layer overhead, JSON round trip, the ClusterSpec it makes (its collective and
+point-to-point links; planner.search accepts it), bad devices.
 
 Timings on logical CPU devices are noise-prone (two cores, one shared thread
 pool), so measured numbers are checked for sign, shape and self-consistency
@@ -20,8 +21,8 @@ from planner.validate import validate_plan
 from profiler.hardware import (devices_from_arg, profile_hardware, resolve_devices,
                                run_profile_hardware, summary_rows, to_cluster_spec)
 from profiler.hw_profile import (AllReduceResult, AlphaBetaFit, CommPoint, HardwareProfile,
-                                 MatmulPoint, MatmulResult, MemoryBandwidth, P2PResult,
-                                 fit_alpha_beta)
+                                 LayerOverhead, MatmulPoint, MatmulResult, MemoryBandwidth,
+                                 P2PResult, fit_alpha_beta)
 from profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 CPU4 = tuple(f"/device:CPU:{i}" for i in range(4))
@@ -65,8 +66,29 @@ def test_quick_profile_measures_every_part(quick4):
     assert any("share one thread pool" in n for n in hw.notes)
     stages = [c[0] for c in calls]
     assert stages[0] == "matmul:float32" and "memory" in stages
+    assert stages.index("layer overhead") == stages.index("memory") + 2  # (m, 0/1), (m, 1/1)
     assert "p2p:CPU:0->CPU:1" in stages and stages[-1] == "allreduce"
     assert calls[-1] == ("allreduce", 4, 4)
+
+
+def test_layer_overhead_is_measured_on_the_first_device(quick4):
+    hw = quick4[0]
+    o = hw.layer_overhead
+    assert (o.batch, o.width, o.flops) == (8, 32, 6 * 8 * 32**2)
+    assert o.flops_per_s == hw.matmul[0].best_flops_per_s  # priced at the float32 rate
+    assert o.method == "difference" and o.seconds > 0
+    # a tiny layer is all overhead: its 49 kFLOP take ~1 us at tens of GFLOP/s, while
+    # TensorFlow dispatches ~8 ops for it (a few us each on a CPU)
+    assert o.flop_time_s < 0.5 * o.seconds and o.overhead_s == o.seconds - o.flop_time_s
+    assert 1e-6 < o.overhead_s < 2e-3
+
+
+def test_layer_overhead_arithmetic():
+    o = LayerOverhead(batch=4, width=10, seconds=30e-6, flops_per_s=1e9)
+    assert o.flops == 2400 and o.flop_time_s == pytest.approx(2.4e-6)
+    assert o.overhead_s == pytest.approx(27.6e-6)
+    # a measured time below the FLOP time (noise) leaves no negative overhead
+    assert LayerOverhead(batch=4, width=10, seconds=1e-6, flops_per_s=1e9).overhead_s == 0.0
 
 
 def _relative_errors(fit, points) -> list[float]:
@@ -119,6 +141,11 @@ def test_run_profile_hardware_returns_a_cluster_for_two_devices(quick2):
     assert dict(cluster.device.peak_flops_per_s) == dict(hw.best_flops_per_s())
     rows = summary_rows(hw, cluster)
     assert rows[0][0] == "devices" and rows[-1][0] == "cluster link"
+    names = [r[0] for r in rows]
+    assert names[-3:-1] == ["layer overhead", "cluster p2p link"]
+    assert rows[names.index("layer overhead")][1] == \
+        f"{hw.layer_overhead.overhead_s * 1e6:.3g} us"
+    assert cluster.device.layer_overhead_s == hw.layer_overhead.overhead_s
     assert [r[0] for r in rows if r[0].startswith("matmul")] == [
         "matmul float32", "matmul float16", "matmul bfloat16"]
     assert all(isinstance(c, str) for r in rows for c in r)
@@ -133,6 +160,7 @@ def test_json_round_trip(quick4):
     assert doc["schema_version"] == 1
     assert doc["matmul"][0]["best_flops_per_s"] == hw.matmul[0].best_flops_per_s
     assert doc["allreduce"]["bus_bandwidth_bytes_per_s"] == hw.allreduce.bus_bandwidth_bytes_per_s
+    assert doc["layer_overhead"]["overhead_s"] == hw.layer_overhead.overhead_s
 
 
 def test_json_round_trip_of_a_synthetic_profile_and_bad_documents():
@@ -147,6 +175,19 @@ def test_json_round_trip_of_a_synthetic_profile_and_bad_documents():
     bad["matmul"][0]["points"][0]["seconds"] = 0
     with pytest.raises(SchemaError, match=r"matmul\[0\].points\[0\].seconds is 0"):
         HardwareProfile.from_dict(bad)
+    bad = hw.to_dict()
+    bad["layer_overhead"]["flops_per_s"] = -1
+    with pytest.raises(SchemaError, match="layer_overhead.flops_per_s is -1.0.*FLOP/s"):
+        HardwareProfile.from_dict(bad)
+
+
+def test_a_profile_saved_before_the_layer_overhead_still_loads():
+    doc = synthetic_profile(2).to_dict()
+    del doc["layer_overhead"]
+    old = HardwareProfile.from_dict(doc)
+    assert old.layer_overhead is None
+    assert to_cluster_spec(old).device.layer_overhead_s is None
+    assert "layer overhead" not in [r[0] for r in summary_rows(old, to_cluster_spec(old))]
 
 
 # --- ClusterSpec ------------------------------------------------------------------------
@@ -155,6 +196,7 @@ def test_cluster_spec_from_a_measured_profile(quick4):
     cluster = to_cluster_spec(hw, name="here")
     assert isinstance(cluster, ClusterSpec) and cluster.name == "here"
     assert cluster.devices_per_node == 4 and cluster.num_devices == 4
+    assert cluster.devices_per_compute_pool == 4  # logical CPUs share the host's cores
     d = cluster.device
     assert d.matmul_efficiency == 1.0 and "ACHIEVED" in d.source and "not a datasheet" in d.source
     assert d.achieved_flops("float32") == hw.matmul[0].best_flops_per_s
@@ -167,6 +209,14 @@ def test_cluster_spec_from_a_measured_profile(quick4):
         assert cm.ring_allreduce_time_s(nbytes, 4, cluster.intra_node_link) == pytest.approx(
             fit.predict_s(nbytes), rel=1e-9)
     assert "busbw = algbw x 2(n-1)/n" in cluster.intra_node_link.source
+    # stage transfers get the measured copy, not the all-reduce: on logical CPUs a
+    # hand-over costs microseconds, a 4-device ring all-reduce a millisecond
+    p2p = cluster.p2p_link(same_node=True)
+    assert p2p == cluster.intra_node_p2p_link and "point-to-point" in p2p.source
+    assert p2p.latency_s == hw.p2p[0].fit.latency_s
+    assert cm.p2p_time_s(4096, p2p) < 0.2 * cm.ring_allreduce_time_s(4096, 4,
+                                                                      cluster.intra_node_link)
+    assert d.layer_overhead_s == hw.layer_overhead.overhead_s and "layer_overhead_s" in d.source
 
 
 def test_planner_search_accepts_the_measured_cluster(quick4):
@@ -204,12 +254,37 @@ def test_link_from_p2p_takes_the_slowest_pair_and_falls_back():
         to_cluster_spec(hw, link_from="nvlink")
 
 
+def test_p2p_link_is_the_slowest_measured_pair():
+    hw = synthetic_profile(3, p2p_bandwidth=5e9)  # pairs at 5 and 2.5 GB/s, 7 and 14 us
+    cluster = to_cluster_spec(hw)
+    p2p = cluster.intra_node_p2p_link
+    assert p2p.bandwidth_bytes_per_s == pytest.approx(2.5e9)
+    assert p2p.latency_s == pytest.approx(14e-6)
+    assert cluster.p2p_link(True) == p2p and "all-reduce" in cluster.intra_node_link.source
+    assert cluster.devices_per_compute_pool == 1  # GPUs compute on their own
+    assert cm.p2p_time_s(2**24, p2p) == pytest.approx(hw.p2p[1].points[-1].seconds)
+
+
+def test_p2p_link_without_a_fitted_bandwidth_takes_the_lower_bound_of_the_points():
+    # CPU-like: the time does not grow with the size; the largest message, 16 MiB in
+    # 14 us on the slower pair, shows the bandwidth is at least 2**24 / 14e-6
+    hw = synthetic_profile(3, p2p_bandwidth=None)
+    p2p = to_cluster_spec(hw).intra_node_p2p_link
+    assert p2p.bandwidth_bytes_per_s == pytest.approx(2**24 / 14e-6)
+    assert p2p.latency_s == pytest.approx(14e-6)
+    assert "bounded below by max(N / t)" in p2p.source
+    for result in hw.p2p:  # t = alpha + N / beta >= every measured time
+        for point in result.points:
+            assert cm.p2p_time_s(point.nbytes, p2p) >= point.seconds
+
+
 def test_one_device_gets_a_placeholder_link():
     hw = synthetic_profile(1)
     cluster = to_cluster_spec(hw)
     assert cluster.devices_per_node == 1
     assert "placeholder" in cluster.intra_node_link.source
     assert cluster.intra_node_link.latency_s == 0.0
+    assert cluster.intra_node_p2p_link is None
 
 
 # --- the alpha-beta fit -------------------------------------------------------------------
@@ -300,6 +375,7 @@ def synthetic_profile(n: int, allreduce_latency_s: float = 100e-6, algbw: float 
         matmul=(MatmulResult("float32", (MatmulPoint(1024, 1e-3), MatmulPoint(2048, 5e-3))),
                 MatmulResult("bfloat16", (MatmulPoint(2048, 1e-3),))),
         memory_bandwidth=MemoryBandwidth(2**30, 3e-3), p2p=tuple(p2p), allreduce=allreduce,
+        layer_overhead=LayerOverhead(batch=8, width=32, seconds=20e-6, flops_per_s=1e12),
         tensorflow_version="2.21.0", notes=("synthetic",))
 
 

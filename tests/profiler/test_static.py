@@ -456,3 +456,34 @@ def test_profile_json_round_trip_with_new_fields(cnn_source):
     old = ModelProfile.from_dict(doc)
     assert old.layer("bn_1").trainable_param_bytes == old.layer("bn_1").grad_bytes
     assert old.layer("bn_1").calls == 1 and old.activation_saved_bytes == 0
+
+
+def test_mlp_contraction_flops_and_memory_traffic_by_hand(mlp_source):
+    n = 256
+    layers = {l.name: l for l in profile_source(mlp_source, n).layers}
+    shapes = {"dense_1": (32, 64), "dense_2": (64, 64), "dense_3": (64, 10)}
+    for name, (fan_in, fan_out) in shapes.items():
+        l = layers[name]
+        assert l.has_op_classes
+        # MatMul forward 2*n*in*out; backward: the weight gradient, and the input gradient
+        # except for dense_1, whose input (the model input) needs none
+        assert l.matmul_flops_fwd == 2 * n * fan_in * fan_out
+        assert l.matmul_flops_bwd == (2 if name == "dense_1" else 4) * n * fan_in * fan_out
+        assert 0 < l.flops_fwd - l.matmul_flops_fwd < l.matmul_flops_fwd  # bias, relu
+    # dense_1 forward, float32: BiasAdd reads x [n,64] and the bias, writes [n,64]; Relu
+    # reads and writes [n,64]; MatMul and the variable reads move nothing counted here
+    out = n * 64 * 4
+    assert layers["dense_1"].memory_traffic_bytes_fwd == 3 * out + 64 * 4 + out
+    # dense_3 has no activation: its BiasAdd alone
+    assert layers["dense_3"].memory_traffic_bytes_fwd == 2 * n * 10 * 4 + 10 * 4
+
+
+def test_profiles_saved_before_the_op_classes_still_load():
+    from profiler.model_profile import LayerProfile
+    d = {"name": "d", "type": "Dense", "params": 10, "trainable_params": 10,
+         "param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 80,
+         "activation_bytes": 8, "flops_fwd": 40, "flops_bwd": 80}
+    layer = LayerProfile.from_dict(d)
+    assert (layer.matmul_flops_fwd, layer.memory_traffic_bytes_bwd) == (0, 0)
+    assert not layer.has_op_classes  # priced as all contractions by the cost model
+    assert LayerProfile.from_dict(layer.to_dict()) == layer

@@ -1,0 +1,49 @@
+"""apply.wrap runs an interleaved-pipeline plan (model chunk k on pipeline device k % pp):
+each layer on its chunk's device, losses equal to one device. The interleaved schedule
+itself is not applied yet (it runs as GPipe) and wrap says so."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import apply
+from apply.wrap import plan_mode
+from planner.plan import Stage
+from planner.validate import validate_plan
+from profiler.signature import model_signature
+from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
+                                 batches_of, cpus, fresh_optimizer, make_plan,
+                                 reference_losses, step_losses)
+from tests.apply.test_wrap_modes import _assert_placement
+
+NAME = "tiny_mlp"
+
+
+def _interleaved_plan(model):
+    devices = cpus(2, 5)
+    layers = [row[0] for row in model_signature(model)]
+    chunks = [layers[:1], layers[1:2], layers[2:3], layers[3:]]  # 4 chunks, 2 devices
+    plan = make_plan(model, [[d] for d in devices], global_batch=GLOBAL_BATCH,
+                     num_microbatches=2, stage_layers=[layers[:2], layers[2:]])
+    stages = tuple(Stage(layers=tuple(c), devices=(devices[k % 2],))
+                   for k, c in enumerate(chunks))
+    return replace(plan, name="test interleaved pp=2 v=2", stages=stages,
+                   strategy=replace(plan.strategy, schedule="interleaved", virtual_stages=2))
+
+
+def test_interleaved_plan_places_chunks_round_robin_and_trains_like_one_device():
+    module, model = base_model(NAME)
+    plan = _interleaved_plan(model)
+    validate_plan(plan, model_signature(model))
+    with pytest.warns(UserWarning, match="interleaved"):
+        assert plan_mode(plan) == "pipeline"
+    with pytest.warns(UserWarning, match="interleaved"):
+        wrapped = apply.wrap(model, plan)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
+                        reference_losses(NAME))
+    _assert_placement(wrapped, plan)
+    where = plan.device_of_layer()
+    layers = [row[0] for row in model_signature(model)]
+    assert where[layers[0]] == where[layers[2]] != where[layers[1]] == where[layers[3]]
