@@ -66,7 +66,8 @@ class Row:
     fix: str
     global_batch: int
     plan: str = ""
-    predicted_s: float | None = None
+    predicted_s: float | None = None  # the plan trained (calibrated when measured times exist)
+    predicted_roofline_s: float | None = None  # same fix, layers priced by roofline
     measured_s: float | None = None
     breakdown: dict[str, float] | None = None
     step_times_s: list[float] | None = None
@@ -87,6 +88,10 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "fix": self.fix, "global_batch": self.global_batch,
                 "plan": self.plan, "predicted_step_time_s": self.predicted_s,
+                "predicted_roofline_step_time_s": self.predicted_roofline_s,
+                "roofline_ratio": (None if self.predicted_roofline_s is None
+                                   or not self.measured_s
+                                   else self.predicted_roofline_s / self.measured_s),
                 "measured_step_time_s": self.measured_s, "ratio": self.ratio,
                 "within_20_percent": self.within, "predicted_breakdown": self.breakdown,
                 "measured_step_times_s": self.step_times_s, "load_average": self.load_average,
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="mlp,cnn")
     ap.add_argument("--layers", action="store_true",
                     help="also compare measured and predicted per-layer times")
+    ap.add_argument("--roofline-only", action="store_true",
+                    help="do not calibrate the layers with a one-device measurement; predict "
+                         "from FLOPs and bytes only")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--child-train", nargs=4, metavar=("PLAN", "MODEL", "BATCH", "STEPS"),
                     help=argparse.SUPPRESS)
@@ -132,10 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         path, batch = MODELS[name]
         profile = _profile(path)
+        measured = None
+        if not args.roofline_only or args.layers:
+            measured = _measure_layers(path, batch, args.out, log)
+        calibrated = profile
+        if measured is not None and not args.roofline_only:
+            from profiler.calibrate import with_measured_times
+            calibrated = with_measured_times(profile, measured)
         for label, fix in FIXES:
             row = Row(model=name, fix=label, global_batch=batch)
             rows.append(row)
-            plan_path = _plan(profile, cluster, batch, fix, label, name, args.out, row)
+            if calibrated is not profile:
+                roofline = Row(model=name, fix=label, global_batch=batch)
+                _plan(profile, cluster, batch, fix, label, name + "-roofline", args.out,
+                      roofline)
+                row.predicted_roofline_s = roofline.predicted_s
+            plan_path = _plan(calibrated, cluster, batch, fix, label, name, args.out, row)
             if plan_path is None:
                 log(f"{name} {label}: skipped ({row.skipped})")
                 continue
@@ -143,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             _measure(plan_path, path, batch, args, row)
             log(f"  predicted {_ms(row.predicted_s)} ms, measured {_ms(row.measured_s)} ms"
                 + (f" ({row.skipped})" if row.skipped else ""))
-        if args.layers:
-            layer_tables[name] = _layer_comparison(path, batch, profile, cluster, args.out, log)
+        if args.layers and measured is not None:
+            layer_tables[name] = _layer_comparison(measured, profile, cluster)
     elapsed = time.perf_counter() - start
     judged = [r for r in rows if r.within is not None]
     summary = f"{sum(r.within for r in judged)} of {len(judged)} within 20%"
@@ -261,28 +281,39 @@ def _examples_train():
 
 
 # --- per-layer comparison --------------------------------------------------------------------
-def _layer_comparison(model_path: str, batch: int, profile, cluster, out: str,
-                      log) -> list[dict[str, Any]]:
-    """Measured (XProf, `plan profile --measure`) against predicted per-layer times."""
-    from planner import cost_model as cm
+def _measure_layers(model_path: str, batch: int, out: str, log):
+    """Per-layer times of the model on one logical device at ``batch`` (XProf, through
+    ``plan profile --measure --json``, saved as OUT/measured-MODEL.json): the
+    calibration ``plan analyze --measured`` uses."""
+    from profiler.measured_profile import MeasuredProfile
 
-    log(f"measuring per-layer times of {model_path} at batch {batch} ...")
+    name = os.path.basename(model_path)[:-3]
+    log(f"measuring per-layer times of {model_path} at batch {batch} on one device ...")
     cmd = [sys.executable, "-m", "planner.cli", "profile", os.path.join(ROOT, model_path),
            "--measure", "--batch-size", str(batch), "--json", "--logdir",
-           os.path.join(os.path.abspath(out), "xprof-" + os.path.basename(model_path)[:-3])]
+           os.path.join(os.path.abspath(out), "xprof-" + name)]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if r.returncode != 0:
         log(f"  plan profile --measure failed ({r.returncode}): {r.stderr[-500:]}")
-        return []
-    measured = {m["name"]: m for m in json.loads(r.stdout)["measured"]["layers"]}
+        return None
+    with open(os.path.join(out, f"measured-{name}.json"), "w", encoding="utf-8") as f:
+        f.write(r.stdout)
+    return MeasuredProfile.from_dict(json.loads(r.stdout)["measured"])
+
+
+def _layer_comparison(measured, profile, cluster) -> list[dict[str, Any]]:
+    """Measured (XProf, `plan profile --measure`) against roofline per-layer times."""
+    from planner import cost_model as cm
+
+    batch = measured.batch_size
+    times = {m.name: m for m in measured.layers}
     table = []
     for layer in profile.layers:
-        m = measured.get(layer.name)
+        m = times.get(layer.name)
         predicted = cm.layer_pass_time_s(layer, batch, profile.batch_size, cluster.device,
                                          profile.precision)
-        got = None if m is None else m["time_fwd_s"] + m["time_bwd_s"]
         table.append({"layer": layer.name, "type": layer.type, "predicted_s": predicted,
-                      "measured_s": got,
+                      "measured_s": None if m is None else m.time_s,
                       "flops": (layer.flops_fwd + layer.flops_bwd) * batch / profile.batch_size})
     return table
 
@@ -299,7 +330,7 @@ def _print_table(rows: list[Row], cluster) -> None:
           f"{p2p.bandwidth_bytes_per_s / 1e9:.3g} GB/s + {p2p.latency_s * 1e6:.3g} us, "
           f"{cluster.devices_per_compute_pool} device(s) per compute pool")
     head = ("model", "fix", "batch", "plan", "predicted ms", "measured ms", "ratio", "<=20%",
-            "compute", "comm", "bubble", "recomp", "optim", "load")
+            "roofline ms", "ratio", "compute", "comm", "bubble", "recomp", "optim", "load")
     lines = [head]
     for r in rows:
         b = r.breakdown or {}
@@ -307,6 +338,9 @@ def _print_table(rows: list[Row], cluster) -> None:
                       _ms(r.predicted_s), _ms(r.measured_s),
                       "-" if r.ratio is None else f"{r.ratio:.2f}",
                       "-" if r.within is None else ("yes" if r.within else "NO"),
+                      _ms(r.predicted_roofline_s),
+                      "-" if r.predicted_roofline_s is None or not r.measured_s
+                      else f"{r.predicted_roofline_s / r.measured_s:.2f}",
                       *(_ms(b.get(k)) for k in BREAKDOWN),
                       "-" if r.load_average is None else f"{r.load_average:.1f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "interleaved (default: searched, 2 or 4)")
     a.add_argument("--optimizer-sharding", action="store_true", default=None,
                    help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
+    a.add_argument("--measured", metavar="FILE",
+                   help="price each layer from its measured time on one device (the output "
+                        "of `plan profile MODEL --measure --json`, same model) instead of "
+                        "its FLOPs and bytes: calibrates the plan to this hardware")
     a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
                    help="time limit for each ILP solve (default 10)")
     a.add_argument("--out", default="out", metavar="DIR",
@@ -209,6 +213,28 @@ def _measure(args: argparse.Namespace, ui: "UI"):
                               steps=args.steps, optimizer=args.optimizer)
 
 
+def _read_measured(path: str):
+    """A MeasuredProfile from ``plan profile --measure --json`` output (or a bare one)."""
+    from planner.errors import SchemaError
+    from profiler.measured_profile import MeasuredProfile
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise PlannerError(f"--measured {path!r}: cannot read it ({e.strerror}). Make it with "
+                           "plan profile MODEL --measure --json > measured.json.") from e
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"--measured {path!r} is not JSON ({e}). Make it with "
+                           "plan profile MODEL --measure --json > measured.json.") from e
+    if isinstance(doc, dict) and "measured" in doc:
+        doc = doc["measured"]
+    if not isinstance(doc, dict) or "layers" not in doc or "step_time_s" not in doc:
+        raise SchemaError(f"--measured {path!r} holds no measurement (no 'measured' object "
+                          "with layer times). Make it with plan profile MODEL --measure "
+                          "--json > measured.json.")
+    return MeasuredProfile.from_dict(doc)
+
+
 def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     from planner.presets import parse_cluster
     from planner.search import search
@@ -225,7 +251,11 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise PlannerError(f"--out {args.out!r} exists and is not a directory; pass a "
                            "directory path.")
+    measured = _read_measured(args.measured) if args.measured else None
     profile = _profile(args, 1, ui.status, ui.progress)
+    if measured is not None:
+        from profiler.calibrate import with_measured_times
+        profile = with_measured_times(profile, measured)
     with ui.status(f"Planning for {cluster.name} ({cluster.num_devices} devices)"):
         result = search(profile, cluster, args.global_batch, fix=fix,
                         time_limit_s=args.time_limit)

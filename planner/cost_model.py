@@ -103,17 +103,27 @@ def fused_traffic_bytes(layer: LayerProfile) -> tuple[float, float]:
 
 
 def layer_fwd_bwd_time_s(layer: LayerProfile, samples: float, profile_batch_size: int,
-                         device: DeviceSpec, precision: str, divide: int = 1
-                         ) -> tuple[float, float]:
+                         device: DeviceSpec, precision: str, divide: int = 1,
+                         measured_batch_size: int = 0) -> tuple[float, float]:
     """Forward and backward time of one layer for one pass over ``samples`` samples, its
     work divided over ``divide`` devices (a tensor-parallel split), each with half the
     layer overhead: ``roofline_time_s`` of the layer's numbers scaled to the samples.
 
     Profiles without the op-class split (``LayerProfile.has_op_classes`` false) price
     every FLOP as a contraction, as before the split was recorded.
+
+    A layer with measured times (``profiler.calibrate``: ``measured_fwd_s`` for
+    ``measured_batch_size`` samples) is priced from them instead, the overhead kept
+    fixed and the rest scaled with the samples: t = o/2 + max(0, t_meas - o/2) x
+    samples / (b_meas x divide).
     """
     f = samples / profile_batch_size / divide
     half = layer_overhead_s(device) / 2
+    if measured_batch_size and layer.measured_fwd_s is not None \
+            and layer.measured_bwd_s is not None:
+        g = samples / measured_batch_size / divide
+        return tuple(half + max(0.0, t - half) * g
+                     for t in (layer.measured_fwd_s, layer.measured_bwd_s))
     fused = fused_traffic_bytes(layer) if fuses_elementwise(device) else (math.inf, math.inf)
     out = []
     for flops, mm, traffic, bound in ((layer.flops_fwd, layer.matmul_flops_fwd,
@@ -129,10 +139,12 @@ def layer_fwd_bwd_time_s(layer: LayerProfile, samples: float, profile_batch_size
 
 
 def layer_pass_time_s(layer: LayerProfile, samples: float, profile_batch_size: int,
-                      device: DeviceSpec, precision: str) -> float:
+                      device: DeviceSpec, precision: str, measured_batch_size: int = 0
+                      ) -> float:
     """Forward + backward time of one layer for one pass over ``samples`` samples
     (``layer_fwd_bwd_time_s`` summed): roofline time + the layer overhead."""
-    fwd, bwd = layer_fwd_bwd_time_s(layer, samples, profile_batch_size, device, precision)
+    fwd, bwd = layer_fwd_bwd_time_s(layer, samples, profile_batch_size, device, precision,
+                                    measured_batch_size=measured_batch_size)
     return fwd + bwd
 
 
@@ -349,3 +361,10 @@ def with_shared_cores(breakdown: Breakdown, busy_s: Sequence[float], cluster: Cl
     worst = max(sum(busy_s[i:i + pool]) for i in range(0, len(busy_s), pool))
     wait = worst - breakdown.total_s
     return replace(breakdown, compute_s=breakdown.compute_s + wait) if wait > 0 else breakdown
+
+
+def with_step_overhead(breakdown: Breakdown, overhead_s: float) -> Breakdown:
+    """Add the framework's per-step overhead (``ModelProfile.measured_step_overhead_s``:
+    host dispatch and batch feeding, measured on one device) once per step."""
+    return replace(breakdown, overhead_s=breakdown.overhead_s + overhead_s) \
+        if overhead_s else breakdown

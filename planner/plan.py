@@ -88,16 +88,19 @@ class Breakdown:
     bubble_s: float
     recompute_s: float
     optimizer_s: float
+    # the framework's fixed cost per step outside the devices' kernels (host dispatch,
+    # feeding the batch): measured when the profile is calibrated, else 0
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return self.compute_s + self.communication_s + self.bubble_s + self.recompute_s \
-            + self.optimizer_s
+            + self.optimizer_s + self.overhead_s
 
     def to_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "communication_s": self.communication_s,
                 "bubble_s": self.bubble_s, "recompute_s": self.recompute_s,
-                "optimizer_s": self.optimizer_s}
+                "optimizer_s": self.optimizer_s, "overhead_s": self.overhead_s}
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,12 @@ class Prediction:
         mem = field(d, "peak_memory_bytes_per_device", k, dict, where=w)
         return cls(
             step_time_s=field(d, "step_time_s", k, float, where=w, minimum=0),
-            breakdown=Breakdown(**{n: field(b, n, k, float, where=w + ".breakdown", minimum=0)
-                                   for n in ("compute_s", "communication_s", "bubble_s",
-                                             "recompute_s", "optimizer_s")}),
+            breakdown=Breakdown(
+                **{n: field(b, n, k, float, where=w + ".breakdown", minimum=0)
+                   for n in ("compute_s", "communication_s", "bubble_s", "recompute_s",
+                             "optimizer_s")},
+                overhead_s=field(b, "overhead_s", k, float, where=w + ".breakdown", minimum=0,
+                                 optional=True, default=0.0)),
             peak_memory_bytes_per_device=tuple((str(dev), int(v)) for dev, v in mem.items()),
             memory_capacity_bytes=field(d, "memory_capacity_bytes", k, int, where=w),
             samples_per_s=field(d, "samples_per_s", k, float, where=w, minimum=0),

@@ -78,7 +78,8 @@ class _Context:
     def layer_times_s(self, samples: float) -> tuple[float, ...]:
         p = self.profile
         return tuple(cm.layer_pass_time_s(l, samples, p.batch_size, self.cluster.device,
-                                          p.precision) for l in p.layers)
+                                          p.precision, p.measured_batch_size)
+                     for l in p.layers)
 
     def layer_memories_bytes(self, samples_in_flight: float) -> tuple[float, ...]:
         p = self.profile
@@ -211,7 +212,8 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
     local = ctx.global_batch // dp
     grad_bytes = sum(l.grad_bytes for l in p.layers)
     first = ctx.names[0]
-    overlappable_s = sum(cm.layer_fwd_bwd_time_s(l, local, p.batch_size, device, p.precision)[1]
+    overlappable_s = sum(cm.layer_fwd_bwd_time_s(l, local, p.batch_size, device, p.precision,
+                                                 measured_batch_size=p.measured_batch_size)[1]
                          for l in p.layers if l.name != first)
     breakdown = Breakdown(
         compute_s=sum(ctx.layer_times_s(local)),
@@ -316,6 +318,7 @@ def _pipeline_with(ctx: _Context, pp: int, m: int, capacity: float | None, ilp_t
 def _plan(ctx: _Context, name: str, strategy: Strategy, stages: tuple[Stage, ...],
           breakdown: Breakdown, memory: tuple[tuple[str, int], ...], solver: str) -> Plan:
     p = ctx.profile
+    breakdown = cm.with_step_overhead(breakdown, p.measured_step_overhead_s)
     step_s = breakdown.total_s
     flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
     return Plan(

@@ -191,7 +191,8 @@ class Pricer:
         for i, l in enumerate(self.layers):
             split = splits[i]
             k = tp if split else 1
-            t_fwd, t_bwd = cm.layer_fwd_bwd_time_s(l, mbs, b, device, precision, k)
+            t_fwd, t_bwd = cm.layer_fwd_bwd_time_s(l, mbs, b, device, precision, k,
+                                                   ctx.profile.measured_batch_size)
             fwd.append(t_fwd)
             bwd.append(t_bwd)
             s = next((x for x in self.comm[i].tp_splits if x.split == split), None)
@@ -334,6 +335,7 @@ class Pricer:
         busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
         breakdown = cm.with_shared_cores(breakdown, np.repeat(busy, c.dp * c.tp).tolist(),
                                          ctx.cluster)
+        breakdown = cm.with_step_overhead(breakdown, ctx.profile.measured_step_overhead_s)
         p = ctx.profile
         hw = (self.total_flops + self.recomputed_flops(c.recompute)) / self.b * ctx.global_batch
         bounds = d["bounds"]

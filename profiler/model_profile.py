@@ -65,6 +65,10 @@ class LayerProfile:
     matmul_flops_bwd: int = 0
     memory_traffic_bytes_fwd: int = 0  # bytes read + written by the other ops
     memory_traffic_bytes_bwd: int = 0
+    # measured forward/backward seconds for ModelProfile.measured_batch_size samples
+    # on ModelProfile.measured_device (``profiler.calibrate``); None: not measured
+    measured_fwd_s: float | None = None
+    measured_bwd_s: float | None = None
 
     @property
     def has_op_classes(self) -> bool:
@@ -101,6 +105,7 @@ class LayerProfile:
             "matmul_flops_fwd": self.matmul_flops_fwd, "matmul_flops_bwd": self.matmul_flops_bwd,
             "memory_traffic_bytes_fwd": self.memory_traffic_bytes_fwd,
             "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
+            "measured_fwd_s": self.measured_fwd_s, "measured_bwd_s": self.measured_bwd_s,
         }
 
     @classmethod
@@ -116,8 +121,12 @@ class LayerProfile:
                            ("memory_traffic_bytes_bwd", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
+        measured = {n: (None if d.get(n) is None else
+                        field(d, n, k, float, where=where, minimum=0))
+                    for n in ("measured_fwd_s", "measured_bwd_s")}
         return cls(
             name=field(d, "name", k, str, where=where), type=field(d, "type", k, str, where=where),
+            **measured,
             inputs=tuple(field(d, "inputs", k, list, where=where, optional=True, default=[])),
             not_counted=tuple(field(d, "not_counted", k, list, where=where, optional=True,
                                     default=[])),
@@ -149,6 +158,10 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     edges: tuple[Edge, ...] = ()
     warnings: tuple[str, ...] = ()
+    # where and at which batch the layers' measured_*_s were taken ("" / 0: not measured)
+    measured_device: str = ""
+    measured_batch_size: int = 0
+    measured_step_overhead_s: float = 0.0  # per step, outside the device kernels
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     # --- totals -----------------------------------------------------------------
@@ -231,6 +244,9 @@ class ModelProfile:
             "totals": self.totals(), "layers": [l.to_dict() for l in self.layers],
             "edges": [e.to_dict() for e in self.edges], "warnings": list(self.warnings),
             "not_counted": list(self.not_counted),
+            "measured_device": self.measured_device,
+            "measured_batch_size": self.measured_batch_size,
+            "measured_step_overhead_s": self.measured_step_overhead_s,
         }
 
     @classmethod
@@ -251,6 +267,11 @@ class ModelProfile:
             optimizer_slots_per_param=field(d, "optimizer_slots_per_param", k, int, minimum=0),
             layers=layers, edges=edges,
             warnings=tuple(field(d, "warnings", k, list, optional=True, default=[])),
+            measured_device=field(d, "measured_device", k, str, optional=True, default=""),
+            measured_batch_size=field(d, "measured_batch_size", k, int, optional=True,
+                                      default=0, minimum=0),
+            measured_step_overhead_s=field(d, "measured_step_overhead_s", k, float,
+                                           optional=True, default=0.0, minimum=0),
         )
 
 

@@ -237,3 +237,13 @@ def test_what_if_hybrid_that_does_not_fit_is_reported(tmp_path):
                  "--fix", "dp=2,tp=2,pp=2", "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["plan"]["predicted"]["fits"] is False
+
+
+def test_measured_file_that_holds_no_measurement_is_refused(tmp_path):
+    f = tmp_path / "measured.json"
+    f.write_text('{"layers": []}')
+    r = run_plan("analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "8",
+                 "--measured", str(f), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2
+    assert "holds no measurement" in r.stderr and "--measure --json" in r.stderr
+    assert "Traceback" not in r.stderr
