@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
 MAX_MICROBATCH_SIZE = 16  # micro-batch sizes tried: powers of two up to this
+PARTITION_MICROBATCH = 8  # samples per micro-batch at which stages are balanced
 INTERLEAVE_CHOICES = (2, 3, 4)  # model chunks per device tried for the interleaved schedule
 
 
@@ -238,10 +239,16 @@ class Pricer:
                   virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
         """pp x v contiguous runs of the layer order, run k on pipeline device k % pp,
         balancing the devices' work per micro-batch: the min-max split (exact for v = 1)
-        or, for v > 1, the even split when its busiest device has less work."""
-        key = ("part", tp, mbs, pp, recompute, virtual_stages)
+        or, for v > 1, the even split when its busiest device has less work.
+
+        The balance is struck once per (tp, pp, recompute, v) on the layers' work at a
+        reference micro-batch of PARTITION_MICROBATCH samples, not per micro-batch size:
+        a layer's time is linear in the samples plus a small fixed overhead, so the
+        split that balances one size balances the others (and the search's cost stays
+        flat as micro-batch sizes are added)."""
+        key = ("part", tp, pp, recompute, virtual_stages)
         if key not in self.cache:
-            a = self.arrays(tp, mbs)
+            a = self.arrays(tp, PARTITION_MICROBATCH)
             rc = self.recompute_mask(recompute)
             w = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + rc * (a["fwd"] + a["tpf"])
             parts = pp * virtual_stages

@@ -17,7 +17,8 @@ from profiler.model_profile import ModelProfile
 PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
                   "fwd FLOPs", "bwd FLOPs")
 CANDIDATE_HEADER = ("", "#", "strategy", "dp", "tp", "pp", "micro-batches", "step time",
-                    "compute", "comm", "bubble", "optimizer", "peak mem / device",
+                    "compute", "comm", "bubble", "recompute", "optimizer", "overhead",
+                    "peak mem / device",
                     "capacity", "fits", "samples/s")
 
 
@@ -70,7 +71,8 @@ def candidate_rows(candidates: Sequence[Plan], chosen: Plan) -> list[tuple[str, 
             str(s.pp), f"{s.num_microbatches} x {s.microbatch_size}",
             fmt_seconds(pr.step_time_s), fmt_seconds(b.compute_s),
             fmt_seconds(b.communication_s), fmt_seconds(b.bubble_s),
-            fmt_seconds(b.optimizer_s), fmt_bytes(pr.max_memory_bytes),
+            fmt_seconds(b.recompute_s), fmt_seconds(b.optimizer_s),
+            fmt_seconds(b.overhead_s), fmt_bytes(pr.max_memory_bytes),
             fmt_bytes(pr.memory_capacity_bytes), "yes" if pr.fits else "NO",
             f"{pr.samples_per_s:,.1f}"))
     return rows
