@@ -9,8 +9,9 @@ For each row: the GPT (``examples/gpt_megatron.gpt``) is profiled symbolically a
 batch 1, sequence 2048, mixed_float16, Adam (identical blocks traced once and
 copied: ``profiler.repeats``); the cluster is ceil(gpus/8) nodes of 8xA100-80GB;
 the published strategy (tp, pp, dp = gpus/(tp*pp), global batch, full
-recomputation, 1F1B -- the paper's interleaved schedule is priced as plain 1F1B,
-micro-batch size 1 where pp > 1) is priced by ``planner.search`` with ``fix``;
+recomputation; where pp > 1 the paper's interleaved schedule with micro-batch size 1,
+the number of chunks per GPU (2-4, not given in the table) left to the planner; where
+pp = 1 the micro-batch size too) is priced by ``planner.search`` with ``fix``;
 the predicted step time becomes TFLOP/s per GPU with the paper's Eq. 3,
 F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per iteration, F / (t_step * gpus).
 Then the unconstrained search runs on the same cluster and its plan must be
