@@ -5,7 +5,9 @@ Pipeline position: last stage. ``plan analyze --out DIR`` calls
 ``tensorboard --logdir DIR/tensorboard``. Text summaries hold the per-layer
 profile, the ranked candidates and the chosen plan with its reason (markdown
 tables, the same rows the terminal shows); scalars hold each candidate's
-predicted step time and the chosen plan's peak memory per device.
+predicted step time and the chosen plan's peak memory per device; images
+(``reports.images``) show the chosen plan's pipeline schedule, its memory per device
+against capacity and the layer graph coloured by stage.
 TensorFlow is imported here only to write summaries.
 """
 from __future__ import annotations
@@ -56,6 +58,9 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
         for i, (device, nbytes) in enumerate(chosen.predicted.peak_memory_bytes_per_device):
             tf.summary.scalar(f"predicted/peak_memory_bytes/device_{i}", float(nbytes), step=0,
                               description=device)
+        from reports.images import plan_images
+        for tag, image in plan_images(profile, chosen).items():
+            tf.summary.image(tag, image[None], step=0)
         for rank, cand in enumerate(candidates):
             # One point per candidate, x = rank: a bar chart of the ranking.
             tf.summary.scalar("candidates/step_time_s", cand.predicted.step_time_s, step=rank,

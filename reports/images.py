@@ -1,0 +1,245 @@
+"""Pictures of a plan for TensorBoard's Images tab: the pipeline schedule, memory per
+device against capacity, and the layer graph coloured by stage.
+
+Pipeline position: ``reports.tensorboard.write_analysis`` calls ``plan_images`` and
+writes each as an image summary. The drawing data comes first, as plain values the
+tests check (``schedule_slots``, ``memory_bars``, ``layer_positions``); the pictures
+are drawn from it with Pillow (a TensorBoard dependency), as uint8 RGB arrays.
+
+The schedule is simulated, not measured: every stage takes the same forward time f
+and backward time 2f per micro-batch (the backward pass does about twice the forward
+FLOPs: Narayanan et al., SC'21, Sec. 5.1), with f + 2f = the slowest stage's time per
+micro-batch in the plan's prediction. Each device runs its operations in the order its
+schedule fixes -- GPipe: all forwards, then all backwards (Huang et al., 2019); 1F1B:
+pp - s - 1 warm-up forwards, then one forward / one backward (Narayanan et al., SC'21,
+Sec. 2.2.1) -- each as soon as its input is ready. The interleaved schedule is drawn as
+1F1B over whole devices (its chunks are not shown). Idle gaps are the bubble.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from planner.plan import Plan
+from profiler.model_profile import ModelProfile
+
+PALETTE = ((66, 133, 244), (52, 168, 83), (251, 188, 5), (234, 67, 53), (171, 71, 188),
+           (0, 172, 193), (255, 112, 67), (158, 157, 36), (92, 107, 192), (240, 98, 146))
+BACKGROUND, GRID, TEXT, IDLE = (255, 255, 255), (220, 220, 220), (33, 33, 33), (236, 236, 236)
+MAX_DRAWN_MICROBATCHES = 32  # a longer schedule is drawn with this many micro-batches
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One forward or backward pass of one micro-batch on one pipeline stage."""
+
+    stage: int
+    microbatch: int
+    kind: str  # "F" or "B"
+    start_s: float
+    end_s: float
+
+
+def _order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    if stages == 1:  # gradient accumulation: each backward right after its forward
+        return [op for i in range(m) for op in (("F", i), ("B", i))]
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(stages - stage - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(warm, m):
+        order += [("F", i), ("B", i - warm)]
+    order += [("B", i) for i in range(m - warm, m)]
+    return order
+
+
+def schedule_slots(stages: int, microbatches: int, schedule: str, forward_s: float,
+                   backward_s: float) -> list[Slot]:
+    """Every forward and backward pass of a pipeline step (see the module docstring)."""
+    orders = [_order(schedule, s, stages, microbatches) for s in range(stages)]
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    nxt = [0] * stages
+    slots: list[Slot] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            if nxt[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][nxt[s]]
+            if kind == "F":
+                dep = done.get(("F", s - 1, i)) if s else 0.0
+            else:
+                dep = done.get(("B", s + 1, i)) if s < stages - 1 else done.get(("F", s, i))
+            if dep is None:
+                continue
+            start = max(free[s], dep)
+            end = start + (forward_s if kind == "F" else backward_s)
+            done[(kind, s, i)] = end
+            free[s] = end
+            slots.append(Slot(s, i, kind, start, end))
+            nxt[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise ValueError(f"schedule {schedule!r} deadlocks with {stages} stages and "
+                             f"{microbatches} micro-batches")
+    return slots
+
+
+def plan_schedule(plan: Plan) -> tuple[list[Slot], int]:
+    """The plan's step as slots (micro-batches capped at MAX_DRAWN_MICROBATCHES) and the
+    number of micro-batches it really has."""
+    s, b = plan.strategy, plan.predicted.breakdown
+    m = s.num_microbatches
+    per_microbatch = (b.compute_s + b.communication_s + b.recompute_s) / max(1, m)
+    drawn = min(m, MAX_DRAWN_MICROBATCHES)
+    schedule = "1f1b" if s.schedule == "interleaved" else s.schedule
+    return schedule_slots(s.pp, drawn, schedule, per_microbatch / 3, 2 * per_microbatch / 3), m
+
+
+def memory_bars(plan: Plan) -> list[tuple[str, int]]:
+    """(label, peak bytes) per device; with more than 64 devices, one bar per stage (the
+    stage's largest)."""
+    per_device = dict(plan.predicted.peak_memory_bytes_per_device)
+    if len(per_device) <= 64:
+        return [(_short(d), n) for d, n in plan.predicted.peak_memory_bytes_per_device]
+    pp = plan.strategy.pp
+    return [(f"stage {k}", max(per_device.get(d, 0) for d in st.devices))
+            for k, st in enumerate(plan.stages[:pp])]
+
+
+def layer_positions(profile: ModelProfile) -> dict[str, tuple[int, int]]:
+    """(column, row) of each layer: column = longest path from the model's inputs,
+    row = order within the column."""
+    depth: dict[str, int] = {}
+    names = {l.name for l in profile.layers}
+    for l in profile.layers:  # topological order
+        depth[l.name] = 1 + max((depth[i] for i in l.inputs if i in names), default=-1)
+    rows: dict[int, int] = {}
+    out = {}
+    for l in profile.layers:
+        c = depth[l.name]
+        out[l.name] = (c, rows.get(c, 0))
+        rows[c] = rows.get(c, 0) + 1
+    return out
+
+
+# --- drawing ---------------------------------------------------------------------------------
+
+def _short(device: str) -> str:
+    return device.replace("/job:worker/task:", "w").replace("/device:", "")
+
+
+def _canvas(width: int, height: int):
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (width, height), BACKGROUND)
+    return image, ImageDraw.Draw(image)
+
+
+def _shade(color: tuple[int, int, int], k: float) -> tuple[int, int, int]:
+    return tuple(int(c + (255 - c) * k) for c in color)
+
+
+def timeline_image(plan: Plan, width: int = 960) -> np.ndarray:
+    """Stages x time: forward (dark) and backward (light) passes per micro-batch, idle
+    time grey; the title says the schedule and the bubble share."""
+    slots, m = plan_schedule(plan)
+    pp = plan.strategy.pp
+    left, top, row_h = 90, 30, 26
+    image, draw = _canvas(width, top + pp * row_h + 10)
+    end = max(sl.end_s for sl in slots) or 1.0
+    scale = (width - left - 10) / end
+    busy = sum(sl.end_s - sl.start_s for sl in slots)
+    title = (f"{plan.strategy.schedule} pp={pp} m={m}" + (
+        f" (first {MAX_DRAWN_MICROBATCHES} drawn)" if m > MAX_DRAWN_MICROBATCHES else "")
+        + f": bubble {100 * (1 - busy / (pp * end)):.0f}% of the pipeline time")
+    draw.text((left, 8), title, fill=TEXT)
+    for s in range(pp):
+        y = top + s * row_h
+        draw.rectangle((left, y, width - 10, y + row_h - 4), fill=IDLE)
+        draw.text((6, y + 6), f"stage {s}", fill=TEXT)
+    for sl in slots:
+        y = top + sl.stage * row_h
+        x0, x1 = left + sl.start_s * scale, left + sl.end_s * scale
+        color = PALETTE[sl.microbatch % len(PALETTE)]
+        draw.rectangle((x0, y, max(x0 + 1, x1 - 1), y + row_h - 4),
+                       fill=color if sl.kind == "F" else _shade(color, 0.5))
+        if x1 - x0 > 18:
+            draw.text((x0 + 3, y + 6), f"{sl.kind}{sl.microbatch}", fill=BACKGROUND)
+    return np.asarray(image)
+
+
+def memory_image(plan: Plan, width: int = 960, height: int = 320) -> np.ndarray:
+    """Predicted peak memory per device (bars) against the device capacity (red line)."""
+    bars = memory_bars(plan)
+    capacity = plan.predicted.memory_capacity_bytes
+    top_value = max([capacity] + [n for _, n in bars]) or 1
+    left, bottom, top = 10, 40, 30
+    image, draw = _canvas(width, height)
+    draw.text((left, 8), f"peak memory per device (capacity {capacity / 2**30:.2f} GiB)",
+              fill=TEXT)
+    plot_h = height - top - bottom
+    step = (width - 2 * left) / max(1, len(bars))
+    for k, (label, nbytes) in enumerate(bars):
+        h = plot_h * nbytes / top_value
+        x0 = left + k * step + 2
+        color = PALETTE[0] if nbytes <= capacity else PALETTE[3]
+        draw.rectangle((x0, top + plot_h - h, x0 + max(2, step - 4), top + plot_h), fill=color)
+        if step > 40:
+            draw.text((x0, top + plot_h + 4), label[-10:], fill=TEXT)
+            draw.text((x0, max(top, top + plot_h - h - 12)), f"{nbytes / 2**20:.0f} MiB",
+                      fill=TEXT)
+    y = top + plot_h - plot_h * capacity / top_value
+    draw.line((left, y, width - left, y), fill=PALETTE[3], width=2)
+    return np.asarray(image)
+
+
+def graph_image(profile: ModelProfile, plan: Plan, width: int = 960) -> np.ndarray:
+    """The layer graph (at most 80 layers; else one coloured strip per layer), each layer
+    coloured by the stage that holds it."""
+    stage_of = {name: k % plan.strategy.pp for k, st in enumerate(plan.stages)
+                for name in st.layers}
+    if len(profile.layers) > 80:
+        image, draw = _canvas(width, 70)
+        draw.text((10, 8), f"{len(profile.layers)} layers in topological order, coloured by "
+                           f"stage ({plan.strategy.pp} stages)", fill=TEXT)
+        w = (width - 20) / len(profile.layers)
+        for i, l in enumerate(profile.layers):
+            color = PALETTE[stage_of.get(l.name, 0) % len(PALETTE)]
+            draw.rectangle((10 + i * w, 30, 10 + (i + 1) * w, 60), fill=color)
+        return np.asarray(image)
+    pos = layer_positions(profile)
+    columns = 1 + max(c for c, _ in pos.values())
+    rows = 1 + max(r for _, r in pos.values())
+    box_w, box_h, gap_x, gap_y = 110, 26, 14, 14
+    per_band = max(1, int((width - 20) // (box_w + gap_x)))  # long graphs wrap into bands
+    bands = -(-columns // per_band)
+    band_h = rows * (box_h + gap_y) + 16
+    image, draw = _canvas(width, 40 + bands * band_h)
+    draw.text((10, 8), f"layer graph, coloured by stage ({plan.strategy.pp} stages)", fill=TEXT)
+
+    def xy(name: str) -> tuple[float, float]:
+        c, r = pos[name]
+        band, c = divmod(c, per_band)
+        return 10 + c * (box_w + gap_x), 34 + band * band_h + r * (box_h + gap_y)
+
+    for l in profile.layers:
+        for src in l.inputs:
+            if src in pos:
+                (x0, y0), (x1, y1) = xy(src), xy(l.name)
+                draw.line((x0 + box_w, y0 + box_h / 2, x1, y1 + box_h / 2), fill=GRID, width=2)
+    for l in profile.layers:
+        x, y = xy(l.name)
+        color = PALETTE[stage_of.get(l.name, 0) % len(PALETTE)]
+        draw.rectangle((x, y, x + box_w, y + box_h), fill=color)
+        draw.text((x + 4, y + 7), l.name[:17], fill=BACKGROUND)
+    return np.asarray(image)
+
+
+def plan_images(profile: ModelProfile, plan: Plan) -> dict[str, np.ndarray]:
+    """Tag -> RGB image for ``reports.tensorboard.write_analysis``."""
+    return {"plan/pipeline_schedule": timeline_image(plan),
+            "plan/memory_per_device": memory_image(plan),
+            "plan/layer_graph": graph_image(profile, plan)}

@@ -1,0 +1,91 @@
+"""reports.images: the simulated pipeline schedule against the bubble formula, the
+memory bars and the layer graph, and the images written to TensorBoard, read back."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from planner.presets import parse_cluster
+from planner.search import search
+from reports.images import (layer_positions, memory_bars, plan_images, plan_schedule,
+                            schedule_slots)
+from tests.planner.gpt_profile import gpt_profile
+from tests.planner.test_search import chain_profile, make_cluster
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 5), (1, 4)])
+def test_schedule_bubble_equals_the_formula(schedule, p, m):
+    slots = schedule_slots(p, m, schedule, 1.0, 2.0)
+    assert len(slots) == 2 * p * m  # every micro-batch's forward and backward on every stage
+    end = max(s.end_s for s in slots)
+    assert end == pytest.approx((m + p - 1) * 3.0)  # (m + p - 1) slots of f + b
+    busy = sum(s.end_s - s.start_s for s in slots)
+    assert 1 - busy / (p * end) == pytest.approx((p - 1) / (m + p - 1))
+    for s in slots:  # a forward waits for the previous stage, a backward for the next
+        if s.kind == "F" and s.stage:
+            prev = next(o for o in slots if (o.kind, o.stage, o.microbatch) ==
+                        ("F", s.stage - 1, s.microbatch))
+            assert s.start_s >= prev.end_s
+
+
+def test_1f1b_holds_at_most_pp_microbatches_where_gpipe_holds_all():
+    def peak_in_flight(slots, stage):
+        events = sorted((s.end_s if s.kind == "F" else s.start_s, 1 if s.kind == "F" else -1)
+                        for s in slots if s.stage == stage)
+        live = peak = 0
+        for _, d in sorted(events, key=lambda e: (e[0], e[1])):
+            live += d
+            peak = max(peak, live)
+        return peak
+    assert peak_in_flight(schedule_slots(4, 8, "1f1b", 1.0, 2.0), 0) <= 4
+    assert peak_in_flight(schedule_slots(4, 8, "gpipe", 1.0, 2.0), 0) == 8
+
+
+def test_images_of_a_pipeline_plan_show_its_stages_and_devices():
+    profile = gpt_profile(4, 512, 8, vocab=4096, seq=256)
+    plan = search(profile, parse_cluster("8xA100-80GB"), 16,
+                  fix={"pp": 4, "microbatch_size": 1, "schedule": "1f1b"}).chosen
+    slots, m = plan_schedule(plan)
+    assert m == 16 and {s.stage for s in slots} == {0, 1, 2, 3}
+    assert [n for _, n in memory_bars(plan)] == [n for _, n in
+                                                plan.predicted.peak_memory_bytes_per_device]
+    images = plan_images(profile, plan)
+    assert set(images) == {"plan/pipeline_schedule", "plan/memory_per_device",
+                           "plan/layer_graph"}
+    for image in images.values():
+        assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+    # the schedule draws 4 rows of passes: at least 4 distinct non-grey colours per row
+    timeline = images["plan/pipeline_schedule"]
+    assert len({tuple(px) for px in timeline.reshape(-1, 3)}) > 8
+
+
+def test_layer_positions_put_branches_side_by_side():
+    profile = chain_profile(residual=True)
+    pos = layer_positions(profile)
+    assert pos[profile.layers[0].name] == (0, 0)
+    columns = [c for c, _ in pos.values()]
+    assert max(columns) < len(profile.layers)  # a residual skip shares columns
+    assert len(set(pos.values())) == len(pos)  # no two layers on one spot
+
+
+def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from reports.tensorboard import write_analysis
+    profile = chain_profile()
+    result = search(profile, make_cluster(memory_bytes=10**12), 32, fix={"pp": 2})
+    write_analysis(tmp_path, profile, result.chosen, result.candidates)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    # tf.summary.image is written as a tensor summary of encoded PNGs (TF2)
+    assert {"plan/pipeline_schedule", "plan/memory_per_device",
+            "plan/layer_graph"} <= set(tags["tensors"])
+    event = acc.Tensors("plan/memory_per_device")[0]
+    width, height, png = event.tensor_proto.string_val[:3]
+    image = Image.open(io.BytesIO(png))
+    assert image.size == (int(width), int(height)) == (960, 320)
