@@ -1,0 +1,120 @@
+"""``plan report DIR``: what ``plan analyze --out DIR`` found, again, in the terminal or as
+one self-contained HTML file.
+
+Pipeline position: reads the files ``plan analyze`` wrote -- ``DIR/plan.json`` (the
+chosen plan), ``DIR/profile.json`` (the model profile) and ``DIR/candidates.json``
+(the ranked candidates; older runs without it show the chosen plan alone) -- and
+renders the same tables the terminal and TensorBoard show (``reports.tables``) and
+the same pictures (``reports.images``, embedded as PNG data URIs, so the HTML file
+needs nothing else: no network, no scripts).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+from dataclasses import dataclass
+
+from planner.errors import PlannerError
+from planner.plan import Plan, load_plan
+from profiler.model_profile import ModelProfile
+from reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
+                            fmt_seconds, profile_rows)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    profile: ModelProfile
+    chosen: Plan
+    candidates: tuple[Plan, ...]
+
+
+def load_analysis(out_dir: str | os.PathLike) -> Analysis:
+    """The analysis ``plan analyze --out out_dir`` wrote; PlannerError naming what is
+    missing (and the command that makes it)."""
+    out_dir = os.fspath(out_dir)
+    plan_path, profile_path = (os.path.join(out_dir, n) for n in ("plan.json", "profile.json"))
+    for path in (plan_path, profile_path):
+        if not os.path.isfile(path):
+            raise PlannerError(
+                f"{out_dir!r} holds no {os.path.basename(path)}: it is not an analysis "
+                "directory. Make one with plan analyze MODEL --cluster C --global-batch B "
+                f"--out {out_dir}.")
+    chosen = load_plan(plan_path)
+    with open(profile_path, encoding="utf-8") as f:
+        profile = ModelProfile.from_dict(json.load(f))
+    candidates: tuple[Plan, ...] = (chosen,)
+    cand_path = os.path.join(out_dir, "candidates.json")
+    if os.path.isfile(cand_path):
+        with open(cand_path, encoding="utf-8") as f:
+            candidates = tuple(Plan.from_dict(d) for d in json.load(f))
+    return Analysis(profile, chosen, candidates)
+
+
+def save_candidates(candidates, out_dir: str | os.PathLike) -> str:
+    """Write the ranked candidates as ``out_dir/candidates.json``; return the path."""
+    path = os.path.join(os.fspath(out_dir), "candidates.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump([c.to_dict() for c in candidates], f, indent=1)
+    return path
+
+
+def summary_lines(a: Analysis) -> list[str]:
+    """The chosen plan in a few plain sentences."""
+    p, s = a.chosen.predicted, a.chosen.strategy
+    return [
+        f"Model {a.profile.model_name}: {a.profile.params:,} params; cluster "
+        f"{a.chosen.cluster.name}; global batch {a.chosen.global_batch}.",
+        f"Chosen: {a.chosen.name} (dp={s.dp}, tp={s.tp}, pp={s.pp}, {s.num_microbatches} "
+        f"micro-batch(es) of {s.microbatch_size}, schedule {s.schedule}, recompute "
+        f"{s.recompute}{', ZeRO-1' if s.optimizer_sharding else ''}).",
+        f"Predicted step time {fmt_seconds(p.step_time_s)}, {p.samples_per_s:,.1f} samples/s, "
+        f"peak memory {fmt_bytes(p.max_memory_bytes)} of {fmt_bytes(p.memory_capacity_bytes)} "
+        f"per device{'' if p.fits else ' (does NOT fit)'}.",
+    ] + ([f"Why: {a.chosen.reason}"] if a.chosen.reason else [])
+
+
+def _table(header, rows) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _png_data_uri(image) -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def html_report(a: Analysis) -> str:
+    """One self-contained HTML page: summary, candidates, pictures, per-layer profile."""
+    from reports.images import plan_images
+
+    images = "".join(
+        f'<figure><img alt="{html.escape(tag)}" src="{_png_data_uri(image)}">'
+        f"<figcaption>{html.escape(tag)}</figcaption></figure>"
+        for tag, image in plan_images(a.profile, a.chosen).items())
+    title = f"Parallel plan: {a.profile.model_name} on {a.chosen.cluster.name}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; color: #212121; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 13px; }}
+th, td {{ border: 1px solid #ddd; padding: 3px 8px; text-align: right; }}
+th {{ background: #f5f5f5; }} td:nth-child(-n+3) {{ text-align: left; }}
+img {{ max-width: 100%; border: 1px solid #eee; }} figure {{ margin: 1em 0; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+{"".join(f"<p>{html.escape(line)}</p>" for line in summary_lines(a))}
+<h2>Candidates (ranked by predicted step time; * = chosen)</h2>
+{_table(CANDIDATE_HEADER, candidate_rows(a.candidates, a.chosen))}
+<h2>The chosen plan</h2>
+{images}
+<h2>Per-layer profile (batch {a.profile.batch_size})</h2>
+{_table(PROFILE_HEADER, profile_rows(a.profile))}
+</body></html>
+"""
