@@ -67,4 +67,50 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
                               description=cand.name)
     writer.flush()
     writer.close()
+    write_plugin_analysis(logdir, profile, chosen, candidates)
     return logdir
+
+
+def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Plan]) -> dict:
+    """What the "Parallel plan" dashboard shows for one run (``reports.plugin``): the
+    plans, per-layer rows (with the cost model's time per micro-batch on the plan's
+    device), the simulated pipeline schedule and the memory bars."""
+    from planner import cost_model as cm
+    from reports.images import memory_bars, plan_schedule
+
+    s, device = chosen.strategy, chosen.cluster.device
+    where = chosen.device_of_layer()
+    stage_of = {name: k % s.pp for k, st in enumerate(chosen.stages) for name in st.layers}
+    layers = []
+    for l in profile.layers:
+        fwd, bwd = cm.layer_fwd_bwd_time_s(l, s.microbatch_size, profile.batch_size, device,
+                                           profile.precision,
+                                           measured_batch_size=profile.measured_batch_size)
+        layers.append({
+            "name": l.name, "type": l.type, "params": l.params,
+            "flops": (l.flops_fwd + l.flops_bwd) / profile.batch_size * s.microbatch_size,
+            "memory_bytes": l.state_bytes + l.activation_saved_bytes / profile.batch_size
+            * s.microbatch_size,
+            "time_s": fwd + bwd, "stage": stage_of.get(l.name), "device": where.get(l.name)})
+    slots, m = plan_schedule(chosen)
+    return {
+        "plan": chosen.to_dict(), "candidates": [c.to_dict() for c in candidates],
+        "layers": layers,
+        "schedule": {"num_microbatches": m, "slots": [
+            {"stage": x.stage, "microbatch": x.microbatch, "kind": x.kind,
+             "start_s": x.start_s, "end_s": x.end_s} for x in slots]},
+        "memory": [{"label": label, "bytes": n} for label, n in memory_bars(chosen)],
+    }
+
+
+def write_plugin_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Plan,
+                          candidates: Sequence[Plan]) -> str:
+    """Write ``plugin_analysis`` where the plugin finds it (``reports.plugin``)."""
+    import json
+
+    from reports.plugin import analysis_path
+    path = analysis_path(os.fspath(logdir))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(plugin_analysis(profile, chosen, candidates), f)
+    return path

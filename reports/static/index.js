@@ -1,0 +1,215 @@
+// "Parallel plan" TensorBoard dashboard (reports/plugin.py serves it and its data).
+// Plain JavaScript, no dependencies, no network beyond this plugin's own routes.
+
+const COLORS = ['#4285f4', '#34a853', '#fbbc05', '#ea4335', '#ab47bc', '#00acc1',
+                '#ff7043', '#9e9d24', '#5c6bc0', '#f06292'];
+const PARTS = ['compute_s', 'communication_s', 'bubble_s', 'recompute_s', 'optimizer_s',
+               'overhead_s'];
+const SVG = 'http://www.w3.org/2000/svg';
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  Object.entries(attrs).forEach(([k, v]) => node.setAttribute(k, v));
+  children.forEach((c) => node.append(c));
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS(SVG, tag);
+  Object.entries(attrs).forEach(([k, v]) => node.setAttribute(k, v));
+  return node;
+}
+
+function seconds(s) {
+  if (s >= 1) return s.toFixed(2) + ' s';
+  if (s >= 1e-3) return (s * 1e3).toFixed(2) + ' ms';
+  return (s * 1e6).toFixed(1) + ' us';
+}
+
+function bytes(n) {
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return n.toFixed(i ? 2 : 0) + ' ' + units[i];
+}
+
+async function getJson(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  return response.json();
+}
+
+function breakdownBars(plans) {
+  const width = 720, row = 26, left = 260;
+  const longest = Math.max(...plans.map((p) => p.predicted.step_time_s), 1e-12);
+  const box = svg('svg', {width, height: row * plans.length + 24, class: 'breakdown'});
+  plans.forEach((p, i) => {
+    const label = svg('text', {x: 0, y: i * row + 17, 'font-size': 12});
+    label.textContent = p.name.slice(0, 40);
+    box.append(label);
+    let x = left;
+    PARTS.forEach((part, k) => {
+      const w = (width - left - 80) * (p.predicted.breakdown[part] || 0) / longest;
+      const r = svg('rect', {x, y: i * row + 4, width: Math.max(0, w), height: row - 8,
+                             fill: COLORS[k]});
+      const title = svg('title');
+      title.textContent = `${part}: ${seconds(p.predicted.breakdown[part] || 0)}`;
+      r.append(title);
+      box.append(r);
+      x += w;
+    });
+    const total = svg('text', {x: x + 4, y: i * row + 17, 'font-size': 12});
+    total.textContent = seconds(p.predicted.step_time_s);
+    box.append(total);
+  });
+  PARTS.forEach((part, k) => {
+    const key = svg('text', {x: left + k * 80, y: row * plans.length + 18, 'font-size': 11,
+                             fill: COLORS[k]});
+    key.textContent = part.replace('_s', '');
+    box.append(key);
+  });
+  return box;
+}
+
+function memoryBars(plan) {
+  const mem = Object.entries(plan.predicted.peak_memory_bytes_per_device);
+  const capacity = plan.predicted.memory_capacity_bytes;
+  const top = Math.max(capacity, ...mem.map(([, n]) => n));
+  const width = 720, height = 160, step = Math.min(60, (width - 20) / Math.max(1, mem.length));
+  const box = svg('svg', {width, height: height + 20, class: 'memory'});
+  mem.forEach(([device, n], i) => {
+    const h = (height - 10) * n / top;
+    const r = svg('rect', {x: 10 + i * step, y: height - h, width: Math.max(2, step - 4),
+                           height: h, fill: n <= capacity ? COLORS[0] : COLORS[3]});
+    const title = svg('title');
+    title.textContent = `${device}: ${bytes(n)}`;
+    r.append(title);
+    box.append(r);
+  });
+  const y = height - (height - 10) * capacity / top;
+  box.append(svg('line', {x1: 0, x2: width, y1: y, y2: y, stroke: COLORS[3],
+                          'stroke-width': 2}));
+  const label = svg('text', {x: 10, y: height + 16, 'font-size': 12});
+  label.textContent = `peak memory per device; red line: capacity ${bytes(capacity)}`;
+  box.append(label);
+  return box;
+}
+
+function meshTable(plan) {
+  const s = plan.strategy;
+  const rows = plan.stages.slice(0, s.pp).map((stage, k) => el('tr', {},
+      el('td', {}, `stage ${k}`),
+      ...stage.devices.map((d) => el('td', {style: `background:${COLORS[k % 10]}33`}, d)),
+      el('td', {}, String(plan.stages.filter((_, j) => j % s.pp === k)
+          .reduce((n, st) => n + st.layers.length, 0)) + ' layers')));
+  return el('table', {class: 'mesh'}, ...rows);
+}
+
+function timeline(schedule, pp) {
+  const slots = schedule.slots;
+  const end = Math.max(...slots.map((x) => x.end_s), 1e-12);
+  const width = 900, row = 24, left = 70;
+  const box = svg('svg', {width, height: row * pp + 8, class: 'timeline'});
+  for (let s = 0; s < pp; s += 1) {
+    box.append(svg('rect', {x: left, y: s * row, width: width - left, height: row - 4,
+                            fill: '#eee'}));
+    const t = svg('text', {x: 0, y: s * row + 15, 'font-size': 12});
+    t.textContent = `stage ${s}`;
+    box.append(t);
+  }
+  slots.forEach((x) => {
+    const r = svg('rect', {x: left + (width - left) * x.start_s / end, y: x.stage * row,
+                           width: Math.max(1, (width - left) * (x.end_s - x.start_s) / end - 1),
+                           height: row - 4, fill: COLORS[x.microbatch % 10],
+                           opacity: x.kind === 'F' ? 1 : 0.55});
+    const title = svg('title');
+    title.textContent = `${x.kind}${x.microbatch} on stage ${x.stage}`;
+    r.append(title);
+    box.append(r);
+  });
+  return box;
+}
+
+function layerTable(layers) {
+  const columns = [['name', 'layer'], ['type', 'type'], ['params', 'params'],
+                   ['flops', 'FLOPs / micro-batch'], ['memory_bytes', 'memory'],
+                   ['time_s', 'time / micro-batch'], ['stage', 'stage']];
+  const table = el('table', {class: 'layers'});
+  let key = 'time_s', descending = true;
+  const draw = () => {
+    const sorted = [...layers].sort((a, b) => {
+      const d = a[key] < b[key] ? -1 : a[key] > b[key] ? 1 : 0;
+      return descending ? -d : d;
+    });
+    table.replaceChildren(el('tr', {}, ...columns.map(([k, name]) => {
+      const th = el('th', {'data-key': k}, name + (k === key ? (descending ? ' ▼' : ' ▲') : ''));
+      th.onclick = () => { descending = k === key ? !descending : true; key = k; draw(); };
+      return th;
+    })), ...sorted.map((l) => el('tr', {},
+        el('td', {}, l.name), el('td', {}, l.type), el('td', {}, l.params.toLocaleString()),
+        el('td', {}, l.flops.toExponential(3)), el('td', {}, bytes(l.memory_bytes)),
+        el('td', {}, seconds(l.time_s)), el('td', {}, String(l.stage)))));
+  };
+  draw();
+  return table;
+}
+
+async function showRun(run, container) {
+  container.textContent = 'Loading...';
+  const a = await getJson('./analysis?run=' + encodeURIComponent(run));
+  const plan = a.plan;
+  const compare = el('div', {});
+  const picked = new Set([0, 1].filter((i) => i < a.candidates.length));
+  const redraw = () => compare.replaceChildren(
+      breakdownBars([...picked].sort((x, y) => x - y).map((i) => a.candidates[i])));
+  const candidates = el('table', {class: 'candidates'},
+      el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'peak memory', 'fits']
+          .map((h) => el('th', {}, h))),
+      ...a.candidates.map((c, i) => {
+        const box = el('input', {type: 'checkbox'});
+        box.checked = picked.has(i);
+        box.onchange = () => { box.checked ? picked.add(i) : picked.delete(i); redraw(); };
+        const peak = Math.max(...Object.values(c.predicted.peak_memory_bytes_per_device));
+        return el('tr', {}, el('td', {}, box), el('td', {}, String(i + 1)),
+                  el('td', {}, (c.name === plan.name ? '* ' : '') + c.name),
+                  el('td', {}, seconds(c.predicted.step_time_s)), el('td', {}, bytes(peak)),
+                  el('td', {}, c.predicted.fits ? 'yes' : 'NO'));
+      }));
+  redraw();
+  container.replaceChildren(
+      el('h2', {}, `Chosen: ${plan.name}`),
+      el('p', {class: 'summary'}, `Model ${plan.model.name} on ${plan.cluster.name}, global ` +
+         `batch ${plan.global_batch}: predicted ${seconds(plan.predicted.step_time_s)} per ` +
+         `step, ${plan.predicted.samples_per_s.toFixed(1)} samples/s.`),
+      el('p', {class: 'reason'}, plan.reason || ''),
+      el('h3', {}, 'Candidates (tick to compare)'), candidates,
+      el('h3', {}, 'Step time breakdown'), compare,
+      el('h3', {}, 'Memory per device'), memoryBars(plan),
+      el('h3', {}, 'Device mesh and placement'), meshTable(plan),
+      el('h3', {}, `Pipeline schedule (${plan.strategy.schedule}, ` +
+         `${a.schedule.num_microbatches} micro-batches)`),
+      timeline(a.schedule, plan.strategy.pp),
+      el('h3', {}, 'Layers (click a column to sort)'), layerTable(a.layers));
+}
+
+export async function render() {
+  const style = el('style', {}, `
+    body { font-family: Roboto, sans-serif; margin: 16px; color: #212121; }
+    table { border-collapse: collapse; font-size: 13px; margin: 6px 0; }
+    th, td { border: 1px solid #ddd; padding: 2px 8px; }
+    th { background: #f5f5f5; cursor: pointer; }`);
+  const title = el('h1', {}, 'Parallel plan');
+  const selector = el('select', {class: 'run-selector'});
+  const container = el('div', {class: 'run'});
+  document.body.append(style, title, selector, container);
+  const runs = await getJson('./runs');
+  if (!runs.length) {
+    container.textContent = 'No run with a parallel plan under the logdir: run plan analyze ' +
+        '--out DIR and point TensorBoard at DIR/tensorboard.';
+    return;
+  }
+  runs.forEach((r) => selector.append(el('option', {value: r.run},
+                                          `${r.run}: ${r.model}, ${r.plan}`)));
+  selector.onchange = () => showRun(selector.value, container);
+  await showRun(runs[0].run, container);
+}
