@@ -1,0 +1,72 @@
+"""Predicted against measured while a wrapped model trains: a Keras callback that writes
+both into a TensorBoard run.
+
+Pipeline position: ``apply.wrap(model, plan, logdir=DIR)`` adds ``PlanMonitor`` to
+every ``fit`` of the wrapped model (``apply.planned_model``); anyone can also pass it
+to ``fit(callbacks=[...])`` themselves. Per training step it writes, under DIR:
+
+* ``measured/step_time_s`` and ``measured/samples_per_s`` -- wall time between the
+  step's begin and end callbacks (Keras runs one step per callback pair with the
+  default ``steps_per_execution=1``) and the batch over it;
+* ``predicted/step_time_s`` and ``predicted/samples_per_s`` -- the plan's prediction
+  (constant), so the two curves share a chart in the Scalars tab;
+* ``measured/over_predicted`` -- their ratio.
+
+The first ``warmup_steps`` steps (tracing and compiling the step function) are not
+written. Step times are measured on the host, so they include the framework's per-step
+overhead the plan predicts only when it was calibrated (``plan analyze --measured``).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import keras
+
+from planner.plan import Plan
+
+
+class PlanMonitor(keras.callbacks.Callback):
+    """Writes the plan's predicted and the measured step time per training step."""
+
+    def __init__(self, plan: Plan, logdir: str | os.PathLike, warmup_steps: int = 1) -> None:
+        super().__init__()
+        self.plan = plan
+        self.logdir = os.fspath(logdir)
+        self.warmup_steps = warmup_steps
+        self._writer = None
+        self._start = 0.0
+        self._step = 0
+        self.step_times_s: list[float] = []
+
+    def _summary_writer(self):
+        if self._writer is None:
+            import tensorflow as tf
+            self._writer = tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
+        return self._writer
+
+    def on_train_batch_begin(self, batch: int, logs=None) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs=None) -> None:
+        import tensorflow as tf
+
+        elapsed = time.perf_counter() - self._start
+        self._step += 1
+        if self._step <= self.warmup_steps:
+            return
+        self.step_times_s.append(elapsed)
+        predicted = self.plan.predicted
+        with self._summary_writer().as_default():
+            step = self._step
+            tf.summary.scalar("measured/step_time_s", elapsed, step=step)
+            tf.summary.scalar("measured/samples_per_s", self.plan.global_batch / elapsed,
+                              step=step)
+            tf.summary.scalar("predicted/step_time_s", predicted.step_time_s, step=step)
+            tf.summary.scalar("predicted/samples_per_s", predicted.samples_per_s, step=step)
+            tf.summary.scalar("measured/over_predicted", elapsed / predicted.step_time_s,
+                              step=step)
+
+    def on_train_end(self, logs=None) -> None:
+        if self._writer is not None:
+            self._writer.flush()
