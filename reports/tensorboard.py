@@ -114,3 +114,23 @@ def write_plugin_analysis(logdir: str | os.PathLike, profile: ModelProfile, chos
     with open(path, "w", encoding="utf-8") as f:
         json.dump(plugin_analysis(profile, chosen, candidates), f)
     return path
+
+
+def attach_capture(logdir: str | os.PathLike, trace_files: Sequence[str]) -> list[str]:
+    """Copy a measured run's XProf capture (``MeasuredProfile.trace_files``, each
+    ``.../plugins/profile/<run>/<host>.xplane.pb``) under ``logdir/plugins/profile`` so the
+    Profile tab shows it in the same TensorBoard run as the plan; return the copies.
+    Files that no longer exist are skipped."""
+    import shutil
+
+    out = []
+    for path in trace_files:
+        if not os.path.isfile(path):
+            continue
+        run = os.path.basename(os.path.dirname(path))
+        dest_dir = os.path.join(os.fspath(logdir), "plugins", "profile", run)
+        os.makedirs(dest_dir, exist_ok=True)
+        dest = os.path.join(dest_dir, os.path.basename(path))
+        shutil.copyfile(path, dest)
+        out.append(dest)
+    return out

@@ -89,3 +89,16 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
     width, height, png = event.tensor_proto.string_val[:3]
     image = Image.open(io.BytesIO(png))
     assert image.size == (int(width), int(height)) == (960, 320)
+
+
+def test_a_measured_capture_is_attached_to_the_analysis_run(tmp_path):
+    from reports.tensorboard import attach_capture
+    capture = tmp_path / "measure" / "plugins" / "profile" / "2026_12_02_14_00_00"
+    capture.mkdir(parents=True)
+    (capture / "host.xplane.pb").write_bytes(b"xplane")
+    run = tmp_path / "analysis" / "tensorboard"
+    copies = attach_capture(run, [str(capture / "host.xplane.pb"), str(tmp_path / "gone.pb")])
+    assert copies == [str(run / "plugins" / "profile" / "2026_12_02_14_00_00" /
+                          "host.xplane.pb")]
+    assert (run / "plugins" / "profile" / "2026_12_02_14_00_00" / "host.xplane.pb"
+            ).read_bytes() == b"xplane"
