@@ -4,16 +4,21 @@ Pipeline position: third stage, in the user's training script, after
 ``planner.load_plan``. ``ensure_devices(plan)`` makes the plan's devices exist
 (call it before building the model); ``wrap(model, plan)`` returns the
 keras.Model to compile and fit; ``variable_devices(model)`` says where each
-variable and optimizer slot lives. Modes: single device and pipeline
-(``apply.pipeline``), data parallel (``apply.data_parallel``). Importing
-``apply`` imports TensorFlow and Keras (and registers the wrapped model classes,
-so ``keras.models.load_model`` can read files a wrapped model saved).
+variable and optimizer slot lives. ``auto(model, global_batch)`` plans for this
+process's devices and wraps in one call (``apply.auto``; ``PLAN_FILE`` loads a
+plan instead; ``auto_devices()`` before building the model makes its devices).
+Modes: single device and pipeline (``apply.pipeline``), data parallel
+(``apply.data_parallel``), data parallel across worker processes
+(``apply.multi_worker``; ``plan launch`` starts them). Importing ``apply`` imports TensorFlow and Keras (and
+registers the wrapped model classes, so ``keras.models.load_model`` can read
+files a wrapped model saved).
 """
 from __future__ import annotations
 
-from apply import data_parallel, pipeline  # noqa: F401  (register the model classes)
+from apply import data_parallel, multi_worker, pipeline  # noqa: F401  (register the models)
+from apply.auto import auto, auto_devices
 from apply.devices import ensure_devices
 from apply.placement import variable_devices
 from apply.wrap import wrap
 
-__all__ = ["ensure_devices", "variable_devices", "wrap"]
+__all__ = ["auto", "auto_devices", "ensure_devices", "variable_devices", "wrap"]

@@ -11,8 +11,9 @@ model starts it.
   process already has enough, do nothing; otherwise raise PlanMismatchError
   listing what exists.
 * ``/device:GPU:i`` plans: check that the GPUs exist (nothing is configured).
-* ``/job:worker/...`` names (multi-node plans): a PlannerError; multi-worker
-  training comes with ``plan launch``.
+* ``/job:worker/task:w/...`` names on several workers (multi-node plans):
+  ``apply.multi_worker.ensure_cluster`` checks them against TF_CONFIG and makes
+  the MultiWorkerMirroredStrategy (``plan launch`` starts such workers).
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def parse_device(name: str) -> LocalDevice:
             or spec.replica not in (None, 0):
         raise PlannerError(
             f"The plan names device {name!r} on another worker: it was made for a "
-            "multi-node cluster. `apply.wrap` trains on the devices of this process only; "
-            "multi-worker training comes with `plan launch` (a later release). Plan for one "
-            "node (e.g. --cluster 8xA100-80GB) to train with `apply.wrap` now.")
+            "multi-node cluster, and only data-parallel plans over several workers are applied "
+            "(`plan launch --workers W`). Plan for one node (e.g. --cluster 8xA100-80GB), "
+            "or data parallel across the workers (e.g. --cluster 2xcpu:1 --fix dp=2).")
     device_type = (spec.device_type or "").upper()
     if device_type not in DEVICE_TYPES or spec.device_index is None:
         raise PlanMismatchError(
@@ -62,13 +63,17 @@ def parse_device(name: str) -> LocalDevice:
 
 
 def short_name(device: str) -> str:
-    """``/job:localhost/replica:0/task:0/device:CPU:1`` -> ``/device:CPU:1``."""
+    """``/job:localhost/replica:0/task:0/device:CPU:1`` -> ``/device:CPU:1``; a worker's
+    device keeps its job and task, as plans name it: ``/job:worker/task:1/device:CPU:0``."""
     import tensorflow as tf
 
     spec = tf.DeviceSpec.from_string(device)
     if spec.device_type is None or spec.device_index is None:
         return device
-    return f"/device:{spec.device_type.upper()}:{spec.device_index}"
+    local = f"/device:{spec.device_type.upper()}:{spec.device_index}"
+    if spec.job not in (None, "localhost") and spec.task is not None:
+        return f"/job:{spec.job}/task:{spec.task}{local}"
+    return local
 
 
 def _existing(device_type: str) -> list[str]:
@@ -90,13 +95,18 @@ def _mismatch(needed: list[LocalDevice], device_type: str, why: str, fix: str) -
 def ensure_devices(plan: Plan) -> tuple[str, ...]:
     """Make the plan's devices exist (CPU) or check that they do (GPU); return their names.
 
-    Raises PlanMismatchError when they cannot exist, PlannerError for multi-node plans.
+    Raises PlanMismatchError when they cannot exist; multi-worker plans go to
+    ``apply.multi_worker.ensure_cluster``.
     """
     import tensorflow as tf
 
     if not plan.devices:
         raise PlanMismatchError(f"Plan {plan.name!r} names no devices (its stages are empty). "
                                 "Regenerate the plan.")
+    from apply import multi_worker
+
+    if multi_worker.spans_workers(plan):
+        return multi_worker.ensure_cluster(plan)
     parsed = [parse_device(d) for d in plan.devices]
     types = sorted({d.device_type for d in parsed})
     if len(types) > 1:

@@ -28,7 +28,9 @@ TensorFlow's own placer doing the rest:
   averaged before one update (GPipe; ``apply.planned_model``). TensorFlow's
   executor overlaps micro-batch ``i`` on stage ``s+1`` with micro-batch
   ``i+1`` on stage ``s``, since they do not depend on each other; there is no
-  explicit 1F1B schedule yet.
+  explicit 1F1B schedule yet;
+* recomputation (``strategy.recompute``): the layers ``apply.recompute`` picks
+  run through ``tf.recompute_grad`` where each layer is called.
 
 Placed models are not compiled with XLA (``jit_compile``) when they span more
 than one device: one XLA cluster runs on one device.
@@ -36,7 +38,7 @@ than one device: one XLA cluster runs on one device.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import keras
 import tensorflow as tf
@@ -45,6 +47,7 @@ from apply.cloning import clone_graph, copy_weights
 from apply.placement import (build_optimizer_on_devices, operation_devices,
                              updates_on_variable_devices)
 from apply.planned_model import PlannedModel
+from apply.recompute import recompute_call
 
 
 @keras.saving.register_keras_serializable(package="apply")
@@ -53,8 +56,10 @@ class PlacedModel(PlannedModel):
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  device_of_layer: Mapping[str, str] | None = None,
-                 default_device: str = "", **kwargs: Any) -> None:
+                 default_device: str = "", recompute_layers: Collection[str] = (),
+                 **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
+        self.recompute_layers = frozenset(recompute_layers)  # apply.recompute
         device_of_layer = dict(device_of_layer or {})
         self._op_device = operation_devices(self, device_of_layer, default_device)
         self.stage_devices = tuple(dict.fromkeys(device_of_layer.values()))
@@ -71,6 +76,8 @@ class PlacedModel(PlannedModel):
 
         def placed(op: Any) -> Any:
             fn = operation_fn(op)
+            if getattr(op, "name", None) in self.recompute_layers:
+                fn = recompute_call(fn)
             device = devices.get(id(op))
             if device is None:
                 return fn
@@ -127,13 +134,13 @@ class PlacedModel(PlannedModel):
 
 
 def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
-                num_microbatches: int) -> PlacedModel:
+                num_microbatches: int, recompute_layers: Collection[str] = ()) -> PlacedModel:
     """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights."""
     stages = tuple(dict.fromkeys(device_of_layer.values()))
     clone = clone_graph(view, device_of_layer)
     model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
                         device_of_layer=device_of_layer, default_device=stages[0],
                         plan_name=plan_name, num_microbatches=num_microbatches,
-                        num_replicas=1)
+                        num_replicas=1, recompute_layers=recompute_layers)
     copy_weights(view, model)
     return model

@@ -108,8 +108,7 @@ class PlannedModel(Functional):
 
     def _batch_error(self, size: int, what: str) -> PlanMismatchError:
         m = self.batch_multiple
-        lower, upper = (size // m) * m, (size // m + 1) * m
-        options = f"{lower} or {upper}" if lower else f"{upper}"
+        options = nearest_multiples(size, m)
         return PlanMismatchError(
             f"{what} has {size} samples, but plan {self.plan_name!r} splits every training "
             f"batch into {self.num_replicas} data-parallel replica(s) x "
@@ -125,6 +124,11 @@ class PlannedModel(Functional):
             *args: Any, **kwargs: Any) -> Any:
         self._check_fit_input(x, batch_size, kwargs.get("validation_split", 0.0),
                               kwargs.get("steps_per_epoch"))
+        monitor_dir = getattr(self, "plan_logdir", None)  # apply.wrap(..., logdir=)
+        if monitor_dir is not None and getattr(self, "plan", None) is not None and not args:
+            from reports.training import PlanMonitor
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
+                                   PlanMonitor(self.plan, monitor_dir)]
         try:
             return super().fit(x, y, batch_size, *args, **kwargs)
         except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)
@@ -189,6 +193,12 @@ class PlannedModel(Functional):
             self._apply_gradients(averaged, variables)
         y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def nearest_multiples(size: int, m: int) -> str:
+    """The multiples of ``m`` around ``size``, as an error message offers them."""
+    lower, upper = (size // m) * m, (size // m + 1) * m
+    return f"{lower} or {upper}" if lower else f"{upper}"
 
 
 def _leading_dim(x: Any) -> int | None:

@@ -19,11 +19,21 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    * a general placement (``plan.placement == "general"``: each stage is one
      device's layers, in any pattern, one micro-batch): placement
      (``apply.pipeline`` too; independent branches run at the same time);
+   * ``tp > 1`` (any ``dp`` on one host, any ``pp``): tensor parallel
+     (``apply.tensor_parallel``: ``plan.tp_splits``' layers sharded over their
+     stage's tp devices, one copy per data-parallel replica);
+   * one stage on the devices of several workers (``/job:worker/task:w/...``,
+     a ``Wxcpu:N`` or multi-node cluster): multi-worker data parallel
+     (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
+     the workers with ``plan launch --workers W``);
 
 3. the model is re-created with the plan's placement and the user's current
    weights; if the user's model was compiled, the wrapped one is compiled from
    its compile config (a fresh optimizer; optimizer state is not carried over).
-   Compiling the wrapped model again later works as usual.
+   Compiling the wrapped model again later works as usual;
+4. a plan's ``recompute`` is applied in the placed modes (``apply.recompute``:
+   the recomputed layers run under ``tf.recompute_grad``); under data
+   parallelism it is not applied yet (a warning says so).
 
 Every training batch must split into ``dp * num_microbatches`` equal parts
 (checked before training starts; ``apply.planned_model``).
@@ -62,31 +72,54 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan)
     m = plan.strategy.num_microbatches
-    if mode == "data_parallel":
+    if mode == "multi_worker":
+        from apply.multi_worker import wrap_multi_worker
+
+        wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
+                                    num_microbatches=m)
+    elif mode == "data_parallel":
         from apply.data_parallel import wrap_data_parallel
 
         wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
                                      num_microbatches=m)
-    else:  # single device, pipeline or general placement: each layer on its device
+    else:  # single device, pipeline, general placement, tensor parallel: placed layers
         from apply.pipeline import wrap_placed
+        from apply.recompute import recomputed_layers
 
-        wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
-                              num_microbatches=m)
+        recompute, stateful = recomputed_layers(plan, view)
+        if stateful:
+            warnings.warn(
+                f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
+                f"{list(stateful)}, which hold state a second forward pass would change "
+                "(moving statistics, random seeds); they keep their activations instead "
+                "(apply.recompute).", stacklevel=2)
+        if mode == "tensor_parallel":
+            from apply.tensor_parallel import wrap_tensor_parallel
+
+            wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
+                                           recompute_layers=recompute)
+        else:
+            wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
+                                  num_microbatches=m, recompute_layers=recompute)
     wrapped.plan = plan
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)
     if logdir is not None:
         _write_logdir(plan, wrapped, logdir)
+        # fit() then writes predicted vs measured step times there (reports.training)
+        wrapped.plan_logdir = os.fspath(logdir)
     return wrapped
 
 
 def plan_mode(plan: Plan) -> str:
-    """``single_device``, ``data_parallel``, ``pipeline`` or ``placement`` (a general
-    placement); PlannerError for modes to come."""
+    """``single_device``, ``data_parallel``, ``multi_worker``, ``pipeline`` or ``placement``
+    (a general placement) or ``tensor_parallel``; PlannerError for modes to come."""
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
     not_applied = [what for what, on in (
-        (f"recompute={s.recompute!r}", s.recompute != "none"),
+        # recomputation is applied where each layer is placed (dp = 1: apply.recompute),
+        # not under data parallelism yet
+        (f"recompute={s.recompute!r}", s.recompute != "none" and s.dp > 1),
         ("optimizer_sharding (ZeRO-1)", s.optimizer_sharding),
         (f"schedule={s.schedule!r} (runs as GPipe)", s.schedule in ("1f1b", "interleaved"))
     ) if on]
@@ -96,11 +129,6 @@ def plan_mode(plan: Plan) -> str:
             "model trains with the same results but may need more memory than predicted "
             "(a later release). Re-plan with --recompute none, without "
             "--optimizer-sharding and with --schedule gpipe to match.", stacklevel=3)
-    if s.tp > 1:
-        raise PlannerError(
-            f"Plan {plan.name!r} uses tensor parallelism (tp={s.tp}); apply.wrap does not "
-            "apply tensor-parallel plans yet (a later release). Make a plan without it, "
-            "or wait for that release.")
     if not plan.stages or replicas == {0}:
         raise PlanMismatchError(f"Plan {plan.name!r} has no stages or no devices. "
                                 "Regenerate the plan.")
@@ -110,11 +138,24 @@ def plan_mode(plan: Plan) -> str:
             f"({sorted(replicas)}); every stage needs one device per data-parallel replica. "
             "Regenerate the plan.")
     # an interleaved pipeline has virtual_stages model chunks per device
-    dp, pp = replicas.pop(), len(plan.stages) // max(1, s.virtual_stages)
+    # (a stage lists dp * tp devices, tensor rank innermost: planner.plan)
+    dp, pp = replicas.pop() // max(1, s.tp), len(plan.stages) // max(1, s.virtual_stages)
     if (s.dp, s.pp) != (dp, pp):
         raise PlanMismatchError(
             f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
-            f"dp={dp} (devices per stage) and pp={pp} (stages). Regenerate the plan.")
+            f"dp={dp} (devices per stage / tp) and pp={pp} (stages). Regenerate the plan.")
+    from apply.multi_worker import spans_workers
+
+    if spans_workers(plan):  # devices of several worker processes (apply.multi_worker)
+        if pp > 1 or s.tp > 1 or plan.placement == "general":
+            raise PlannerError(
+                f"Plan {plan.name!r} runs a pipeline, tensor parallelism or a placement "
+                "across worker processes; apply.wrap applies only data-parallel plans across "
+                "workers yet (a later release). Re-plan with --fix dp=<devices> for the "
+                "cluster.")
+        return "multi_worker"
+    if s.tp > 1:  # apply.tensor_parallel: any dp (one host) and pp
+        return "tensor_parallel"
     if dp > 1 and pp > 1:
         raise PlannerError(
             f"Plan {plan.name!r} combines data parallelism (dp={dp}) with a pipeline "

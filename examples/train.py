@@ -8,8 +8,18 @@ steps on batches of the plan's global batch, printing each step's loss.
 Without ``--plan`` it trains on one device: the single-device reference whose
 losses a plan must reproduce.
 
+``--auto`` plans inside the script instead (``apply.auto``: profile, search for
+the devices this process sees, wrap), with no other change to the training
+code; ``--cpus N`` gives the process N logical CPU devices to plan for (on a
+machine without GPUs; before TensorFlow starts). With ``PLAN_FILE=plan.json``
+in the environment, ``--auto`` loads that plan instead of searching (and its
+global batch is the default). Auto is not the default: without ``--plan`` or
+``--auto`` the script stays the single-device reference, whatever the
+environment says.
+
     python examples/train.py --plan out/plan.json [--model examples/mlp.py]
                              [--steps 5] [--seed 0] [--global-batch N] [--json]
+    python examples/train.py --auto [--cpus 4] [--model ...] [--global-batch N] ...
 
 ``--json`` prints one JSON object: ``losses`` (one per step), ``plan`` (its
 name, or null), ``global_batch`` and ``devices`` ({variable path: [device, ...]}
@@ -35,9 +45,17 @@ DEFAULT_GLOBAL_BATCH = 32  # without a plan and without --global-batch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a model file as a plan says "
-                                            "(or on one device without --plan).")
-    p.add_argument("--plan", help="plan.json from `plan analyze` (omit: one device)")
+    p = argparse.ArgumentParser(description="Train a model file as a plan says, as "
+                                            "apply.auto plans it (--auto), or on one "
+                                            "device.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--plan", help="plan.json from `plan analyze` (omit: one device)")
+    mode.add_argument("--auto", action="store_true",
+                      help="plan for this process's devices with apply.auto (PLAN_FILE in the "
+                           "environment: load that plan instead of searching)")
+    p.add_argument("--cpus", type=int, default=None,
+                   help="with --auto: give this process N logical CPU devices to plan for "
+                        "(default: the devices TensorFlow finds; ignored with GPUs)")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model file defining build_model(), loss, optimizer, "
                         "sample_batch(batch_size) (default: examples/mlp.py)")
@@ -77,6 +95,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     plan = load_plan(args.plan) if args.plan else None
     if plan is not None:
         apply.ensure_devices(plan)  # before TensorFlow's runtime starts
+    if args.cpus is not None and not args.auto:
+        raise PlannerError(f"--cpus {args.cpus} is for --auto (the devices it plans for); a "
+                           "--plan makes its own devices, and without either the script trains "
+                           "on one device.")
+    if args.auto:
+        apply.auto_devices(args.cpus)  # before TensorFlow's runtime starts
+        plan_file = os.environ.get("PLAN_FILE")
+        auto_batch = args.global_batch or (load_plan(plan_file).global_batch if plan_file
+                                           else DEFAULT_GLOBAL_BATCH)
 
     import keras
 
@@ -91,6 +118,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model()
     if plan is not None:
         model = apply.wrap(model, plan)
+    elif args.auto:
+        model = apply.auto(model, global_batch=auto_batch, optimizer=_optimizer(source.optimizer))
+        plan = model.plan
     model.compile(optimizer=_optimizer(source.optimizer), loss=source.loss)
 
     batch = args.global_batch or (plan.global_batch if plan else DEFAULT_GLOBAL_BATCH)

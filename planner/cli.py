@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "run under DIR/tensorboard.")
     a.add_argument("model", metavar="MODEL", help=model_help)
     a.add_argument("--cluster", required=True,
-                   help="cpu:N (N logical CPU devices here), a preset such as 8xA100-80GB, "
+                   help="cpu:N (N logical CPU devices here), WORKERSxcpu:N such as 2xcpu:1 "
+                        "(for plan launch), a preset such as 8xA100-80GB, "
                         "NODESxPRESET such as 64x8xA100-80GB, or a .yaml/.json cluster file "
                         "(`plan clusters` lists the presets)")
     a.add_argument("--global-batch", type=_positive_int, required=True,
@@ -113,7 +114,101 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the named cluster presets and their datasheet figures.")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_clusters)
+    _add_launch_parser(sub)
+    _add_report_parser(sub)
     return parser
+
+
+def _add_report_parser(sub: Any) -> None:
+    r = sub.add_parser("report", help="show what `plan analyze --out DIR` found; export HTML",
+                       description="Print the chosen plan, the ranked candidates and the "
+                                   "per-layer profile that `plan analyze --out DIR` wrote; "
+                                   "--html FILE also writes them, with the pictures of the "
+                                   "plan, as one self-contained HTML page.")
+    r.add_argument("dir", metavar="DIR", help="an analysis directory (plan analyze --out)")
+    r.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
+    from reports.report import html_report, load_analysis, summary_lines
+    from reports.tables import CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, profile_rows
+
+    a = load_analysis(args.dir)
+    html_path = None
+    if args.html:
+        html_path = os.path.abspath(args.html)
+        with open(html_path, "w", encoding="utf-8") as f:
+            f.write(html_report(a))
+    if args.json:
+        ui.print_json({"plan": a.chosen.to_dict(),
+                       "candidates": [c.to_dict() for c in a.candidates],
+                       "summary": summary_lines(a), "html": html_path})
+        return 0
+    for line in summary_lines(a):
+        ui.note(line)
+    ui.table("Candidates (ranked by predicted step time; * = chosen)", CANDIDATE_HEADER,
+             candidate_rows(a.candidates, a.chosen), left_columns=3)
+    ui.table(f"{a.profile.model_name}: per-layer profile at batch size {a.profile.batch_size}",
+             PROFILE_HEADER, profile_rows(a.profile))
+    if html_path:
+        ui.note(f"Wrote {html_path}")
+    return 0
+
+
+def _add_launch_parser(sub: Any) -> None:
+    lp = sub.add_parser(
+        "launch", help="run a training script on N local worker processes (multi-worker)",
+        description="Start N local worker processes of SCRIPT ARGS... on 127.0.0.1, each "
+                    "with its TF_CONFIG (and PLAN_FILE with --plan); their output is "
+                    "prefixed [worker i]; the first worker to fail stops the others. With "
+                    "--emit, print the TF_CONFIG of each host (tf-config) or a Kubeflow "
+                    "TFJob manifest (tfjob) instead of starting anything. Options after "
+                    "SCRIPT belong to the script.",
+        epilog="example: plan analyze examples/mlp.py --cluster 2xcpu:1 --fix dp=2 "
+               "--global-batch 32 && plan launch --workers 2 examples/train.py --plan "
+               "out/plan.json")
+    lp.add_argument("--workers", type=int, required=True, metavar="N",
+                    help="number of worker processes (the plan's workers)")
+    lp.add_argument("--plan", metavar="PLAN",
+                    help="plan.json; each worker gets PLAN_FILE=<its absolute path>")
+    lp.add_argument("--emit", choices=("tf-config", "tfjob"),
+                    help="print the per-host TF_CONFIG JSON or a TFJob YAML; start nothing")
+    lp.add_argument("--hosts", metavar="H1,H2",
+                    help="--emit tf-config: one host (or host:port) per worker "
+                         "(default 127.0.0.1 with ports PORT, PORT+1, ...)")
+    lp.add_argument("--port", type=_positive_int, default=12345,
+                    help="--emit tf-config: port for hosts given without one (default 12345)")
+    lp.add_argument("--image", default=None,
+                    help="--emit tfjob: container image (default tensorflow/tensorflow:2.21.0)")
+    lp.add_argument("--name", default="plan-train", help="--emit tfjob: job name")
+    lp.add_argument("script", nargs="?", metavar="SCRIPT",
+                    help="the training script every worker runs (.py or an executable)")
+    lp.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                    help="arguments for SCRIPT")
+    lp.set_defaults(func=cmd_launch)
+
+
+def cmd_launch(args: argparse.Namespace, ui: "UI") -> int:
+    from planner import launch
+
+    launch.check_workers(args.workers)
+    if args.emit == "tf-config":
+        hosts = args.hosts.split(",") if args.hosts else None
+        ui.print_json(launch.tf_configs(args.workers, hosts, args.port))
+        return 0
+    if args.emit == "tfjob":
+        import yaml
+
+        command = (["python", args.script, *args.script_args] if args.script
+                   else ["python", "train.py"])
+        manifest = launch.tfjob_manifest(args.workers, command, name=args.name,
+                                         image=args.image or launch.DEFAULT_IMAGE,
+                                         plan=args.plan)
+        sys.stdout.write(yaml.safe_dump(manifest, sort_keys=False))
+        return 0
+    return launch.launch_local(args.script, args.script_args, args.workers, plan=args.plan)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -269,9 +364,14 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     save_plan(result.chosen, plan_path)
     with open(os.path.join(out_dir, "profile.json"), "w", encoding="utf-8") as f:
         json.dump(profile.to_dict(), f, indent=2)
+    from reports.report import save_candidates
+    save_candidates(result.candidates, out_dir)
     with ui.status("Writing the TensorBoard run"):
         logdir = write_analysis(os.path.join(out_dir, "tensorboard"), profile, result.chosen,
                                 result.candidates)
+        if measured is not None:  # its XProf capture, in the same run (Profile tab)
+            from reports.tensorboard import attach_capture
+            attach_capture(logdir, measured.trace_files)
 
     if args.json:
         ui.print_json({"plan": result.chosen.to_dict(),

@@ -8,7 +8,8 @@ Placement: ``stages[s].devices[r]`` is the device that holds stage ``s`` of
 data-parallel replica ``r``. A data-parallel plan has one stage on ``dp``
 devices; a pipeline plan has ``pp`` stages of one device each. With tensor
 parallelism a stage lists ``dp * tp`` devices, replica-major: ``devices[r * tp + t]``
-is tensor rank t of replica r (``apply`` does not run tp > 1 yet).
+is tensor rank t of replica r; ``tp_splits`` says how each split layer is cut
+(``apply.tensor_parallel``).
 """
 from __future__ import annotations
 
@@ -187,6 +188,10 @@ class Plan:
     # "general": a device per layer, any layers on any device, independent branches run at
     # the same time, one batch (planner.placement_search); stage s holds device s's layers.
     placement: str = "stages"
+    # tensor-parallel split of each split layer ("column", "row", "heads", "vocab"), in
+    # model order; a layer not named is replicated on its stage's tp devices. Empty when
+    # tp == 1, and in plan files written before the field existed.
+    tp_splits: tuple[tuple[str, str], ...] = ()
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     @property
@@ -213,6 +218,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
             "predicted": self.predicted.to_dict(), "reason": self.reason,
             "solver": self.solver, "placement": self.placement,
+            **({"tp_splits": dict(self.tp_splits)} if self.tp_splits else {}),
         }
 
     @classmethod
@@ -250,6 +256,7 @@ class Plan:
             reason=field(d, "reason", k, str, optional=True, default=""),
             solver=field(d, "solver", k, str, optional=True, default=""),
             placement=placement,
+            tp_splits=_tp_splits_from(d),
         )
 
     def check_model(self, signature: tuple[tuple[str, str, int], ...]) -> None:
@@ -265,6 +272,18 @@ class Plan:
             raise PlanMismatchError(
                 f"This plan was made for model {self.model_name!r} with {len(mine)} layers; the "
                 f"model has {len(signature)}. Re-run `plan analyze` for this model.")
+
+
+def _tp_splits_from(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``Plan.tp_splits`` from plan.json's ``{"layer": "split"}`` (absent in older files)."""
+    raw = field(d, "tp_splits", "Plan", dict, optional=True, default={})
+    out = []
+    for layer, split in raw.items():
+        if not isinstance(split, str):
+            raise SchemaError(f"Plan.tp_splits[{layer!r}] is {split!r}; expected a split name "
+                              "(column, row, heads, vocab).")
+        out.append((str(layer), split))
+    return tuple(out)
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:

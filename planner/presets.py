@@ -7,6 +7,8 @@ YAML file is read), so the CLI can list presets instantly.
 Accepted forms of ``parse_cluster(spec)``:
 
 - ``cpu:N``             N logical CPU devices on this host (nominal figures);
+- ``Wxcpu:N``           W worker processes (``/job:worker/task:w``) of N logical CPU
+  devices each, such as ``2xcpu:1`` for ``plan launch --workers 2`` on one host;
 - ``8xA100-80GB`` ...   one server of a named preset (``known_presets()``);
 - ``64x8xA100-80GB``    64 nodes of that server, joined by its inter-node network;
 - ``path.yaml|.yml|.json``  a ClusterSpec dict (``ClusterSpec.to_dict()`` layout;
@@ -19,6 +21,7 @@ bidirectional total, so they are halved too).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -69,6 +72,11 @@ CPU_NOMINAL_LINK_LATENCY_S = 20e-6
 # (`plan profile-hardware` measures ~5 us whatever the size), so this is an upper
 # bound on the time. Latency: one op dispatch, assumed 5 us (the measured hand-over).
 CPU_NOMINAL_P2P_LATENCY_S = 5e-6
+# Between CPU worker processes (``Wxcpu:N``): TensorFlow's collectives go over gRPC on
+# TCP. Assumed 1 GB/s and 100 us per message (loopback or a datacenter network; not
+# measured): nominal figures like the ones above.
+CPU_NOMINAL_NETWORK_BANDWIDTH_BYTES_PER_S = 1e9
+CPU_NOMINAL_NETWORK_LATENCY_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ _PRESETS: dict[str, _Server] = {
 }
 
 FORMS = ("cpu:N (N logical CPU devices on this host)",
+         "Wxcpu:N such as 2xcpu:1 (W worker processes of N logical CPU devices each)",
          "a preset name such as 8xA100-80GB",
          "NODESxPRESET such as 64x8xA100-80GB (64 nodes of that server)",
          "a path to a .yaml/.yml/.json cluster file")
@@ -184,6 +193,10 @@ def parse_cluster(spec: str) -> ClusterSpec:
     cpu = re.fullmatch(r"(?i)cpu:(\S+)", text)
     if cpu:
         return cpu_cluster(_positive_int(cpu.group(1), f"cpu:{cpu.group(1)}", "N"))
+    workers = re.fullmatch(r"(?i)(\S+?)xcpu:(\S+)", text)
+    if workers:
+        return cpu_workers_cluster(_positive_int(workers.group(1), text, "the number of workers"),
+                                   _positive_int(workers.group(2), text, "N"))
     preset = _lookup(text)
     if preset is not None:
         return preset_cluster(preset, 1)
@@ -250,6 +263,26 @@ def cpu_cluster(n: int) -> ClusterSpec:
     return ClusterSpec(name=f"cpu:{n}", num_nodes=1, devices_per_node=n, device=device,
                        intra_node_link=link, intra_node_p2p_link=p2p,
                        devices_per_compute_pool=n)
+
+
+def cpu_workers_cluster(workers: int, n: int) -> ClusterSpec:
+    """``workers`` worker processes of ``n`` logical CPU devices each (``cpu_cluster(n)``
+    per worker, nominal figures), joined by a nominal network
+    (``CPU_NOMINAL_NETWORK_*``). One worker is ``cpu:n``. Device names are
+    ``/job:worker/task:w/device:CPU:i`` (``ClusterSpec.device_names``): the plan
+    ``plan launch --workers W`` trains with (``apply.multi_worker``).
+    """
+    node = cpu_cluster(n)
+    if workers == 1:
+        return node
+    network = LinkSpec(
+        bandwidth_bytes_per_s=CPU_NOMINAL_NETWORK_BANDWIDTH_BYTES_PER_S,
+        latency_s=CPU_NOMINAL_NETWORK_LATENCY_S,
+        source=f"gRPC over TCP between worker processes: "
+               f"{CPU_NOMINAL_NETWORK_BANDWIDTH_BYTES_PER_S / 1e9:g} GB/s, "
+               f"{CPU_NOMINAL_NETWORK_LATENCY_S * 1e6:g} us: nominal figure, not measured")
+    return dataclasses.replace(node, name=f"{workers}xcpu:{n}", num_nodes=workers,
+                               inter_node_link=network)
 
 
 def load_cluster_file(path: str) -> ClusterSpec:
@@ -327,7 +360,7 @@ def _lookup(name: str) -> str | None:
 def _positive_int(text: str, spec: str, what: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ClusterSpecError(f"Cluster {spec!r}: {what} is {text!r}; expected a whole number "
-                               f">= 1 (e.g. cpu:4 or 4x8xA100-80GB).")
+                               f">= 1 (e.g. cpu:4, 2xcpu:1 or 4x8xA100-80GB).")
     return int(text)
 
 

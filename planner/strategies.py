@@ -395,7 +395,9 @@ class Pricer:
                 hardware_tflops_per_device=cm.hardware_tflops_per_device(
                     e.hardware_flops, step, n_dev)),
             solver=f"closed form ({self._split_solver(c.tp)}; stages by min-max bisection "
-                   "over the topological order)")
+                   "over the topological order)",
+            tp_splits=tuple((name, split) for name, split in zip(names, self.splits_for(c.tp))
+                            if split))
 
     def _split_solver(self, tp: int) -> str:
         """How the splits at ``tp`` were chosen, for Plan.solver."""

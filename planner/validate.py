@@ -30,7 +30,8 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
     profiled layer in exactly one stage, stages contiguous in the profile order
     (for ``placement == "general"`` instead: dp = tp = 1 and one micro-batch,
     layers anywhere); pp stages of dp devices each; devices exist in the plan's
-    cluster and are used once; the prediction names the plan's devices and its breakdown sums
+    cluster and are used once; ``tp_splits`` names model layers with known splits (and
+    only when tp > 1); the prediction names the plan's devices and its breakdown sums
     to its step time. ``search`` passes ``error_type=SolverError``.
     """
     def fail(what: str) -> None:
@@ -43,6 +44,7 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
         fail("its model signature differs from the profile's.")
     _check_strategy(plan, fail)
     _check_stages(plan, [name for name, _, _ in signature], fail)
+    _check_tp_splits(plan, [name for name, _, _ in signature], fail)
     _check_devices(plan, fail)
     _check_prediction(plan, fail)
 
@@ -109,6 +111,25 @@ def _check_stages(plan: Plan, order: list[str], fail) -> None:
             fail(f"stage {k} is not contiguous in the model's layer order: layer {name!r} comes "
                  f"where layer {expected!r} (position {i}) belongs. Stages must hold runs of "
                  "consecutive layers, in order.")
+
+
+TP_SPLITS = ("column", "row", "heads", "vocab")  # Plan.tp_splits values (profiler.comm)
+
+
+def _check_tp_splits(plan: Plan, order: list[str], fail) -> None:
+    known, seen = set(order), set()
+    for name, split in plan.tp_splits:
+        if split not in TP_SPLITS:
+            fail(f"tp_splits gives layer {name!r} the split {split!r}; expected one of "
+                 f"{TP_SPLITS} (a replicated layer is left out of tp_splits).")
+        if name not in known:
+            fail(f"tp_splits names layer {name!r}, which the model does not have.")
+        if name in seen:
+            fail(f"tp_splits names layer {name!r} twice; each split layer is named once.")
+        seen.add(name)
+    if plan.tp_splits and plan.strategy.tp == 1:
+        fail(f"tp_splits names {len(plan.tp_splits)} split layer(s) but tp = 1; a plan without "
+             "tensor parallelism splits no layer.")
 
 
 def _check_devices(plan: Plan, fail) -> None:

@@ -247,3 +247,9 @@ def test_measured_file_that_holds_no_measurement_is_refused(tmp_path):
     assert r.returncode == 2
     assert "holds no measurement" in r.stderr and "--measure --json" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_report_on_a_directory_without_an_analysis_says_how_to_make_one(tmp_path):
+    r = run_plan("report", str(tmp_path))
+    assert r.returncode == 2
+    assert "plan analyze MODEL" in r.stderr and "Traceback" not in r.stderr

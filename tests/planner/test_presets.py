@@ -184,3 +184,15 @@ def test_cpu_n_devices_share_one_compute_pool_and_gpus_do_not():
     assert parse_cluster("cpu:1").devices_per_compute_pool == 1
     for name in known_presets():
         assert parse_cluster(name).devices_per_compute_pool == 1
+
+
+def test_cpu_workers_name_one_cpu_per_worker_process():
+    c = parse_cluster("2xcpu:1")
+    assert (c.name, c.num_nodes, c.devices_per_node) == ("2xcpu:1", 2, 1)
+    assert c.device_names() == ("/job:worker/task:0/device:CPU:0",
+                                "/job:worker/task:1/device:CPU:0")
+    assert c.inter_node_link is not None and c.link_between(2) is c.inter_node_link
+    assert parse_cluster("1xcpu:2").device_names() == parse_cluster("cpu:2").device_names()
+    for bad in ("0xcpu:1", "2xcpu:0", "twoxcpu:1"):
+        with pytest.raises(ClusterSpecError):
+            parse_cluster(bad)

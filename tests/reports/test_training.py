@@ -36,3 +36,20 @@ def test_monitor_writes_predicted_and_measured_per_step(tmp_path):
     assert ratios[0][1] == pytest.approx(measured[0][1] / plan.predicted.step_time_s, rel=1e-5)
     samples = values("measured/samples_per_s")
     assert samples[0][1] == pytest.approx(8 / measured[0][1], rel=1e-5)
+
+
+def test_wrap_with_a_logdir_monitors_fit(tmp_path):
+    import apply
+    from tests.apply.helpers import base_model, batches_of, cpus, fresh_optimizer, make_plan
+
+    module, model = base_model("tiny_mlp")
+    plan = make_plan(model, [cpus(0)], global_batch=16)
+    wrapped = apply.wrap(model, plan, logdir=tmp_path)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    (x, y), = batches_of(module, 1, 64)
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "train"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert len(acc.Tensors("measured/step_time_s")) == 3  # 4 steps, the first not written
+    assert (tmp_path / "plan.json").is_file()

@@ -1,0 +1,303 @@
+"""``auto(model, global_batch)``: plan for this process's devices and wrap, in one line.
+
+Pipeline position: the whole pipeline inside a training script. Instead of
+``plan analyze`` + ``load_plan`` + ``apply.wrap``, ``apply.auto``
+
+1. describes the devices this process sees as a ``ClusterSpec``
+   (``local_cluster``): its GPUs if it has any (a preset's datasheet figures when
+   the GPU is a known one), else its logical CPU devices (``cpu:N`` where the
+   process configured N of them; one CPU device plans a single-device run);
+2. profiles the model symbolically (``profiler.static.profile_model`` at batch
+   size 1, as ``plan analyze`` does; nothing runs, no weight is copied), with the
+   given optimizer, else the model's compiled one, else adam;
+3. searches (``planner.search.search``) and takes the chosen plan, or, when
+   ``apply.wrap`` cannot run that plan yet (tensor parallel, dp x pp hybrid) or
+   would leave part of it unapplied (ZeRO-1, a 1F1B schedule), the fastest
+   fitting candidate that it runs in full (``runnable``), and says so;
+4. wraps the model (``apply.wrap``) and prints to stderr which plan it chose and
+   why (the plan's ``reason``).
+
+``PLAN_FILE=plan.json`` in the environment: that plan is loaded instead of
+searching (no profile, no search), and ``apply.wrap`` still checks it against
+the model and the devices. Either way the global batch must split into the
+plan's ``dp * num_microbatches`` parts, checked here before any training.
+
+Multi-worker clusters (``TF_CONFIG`` naming more than one worker) are not
+planned here yet: ``multi_worker_cluster`` is the hook where that goes; for now
+it raises PlannerError unless ``PLAN_FILE`` is given.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+from planner.cluster import ClusterSpec
+from planner.errors import ClusterSpecError, PlanMismatchError, PlannerError
+from planner.plan import Plan, load_plan
+
+PLAN_FILE_ENV = "PLAN_FILE"
+DEFAULT_TIME_LIMIT_S = 10.0  # planner.search's default ILP budget
+PROFILE_BATCH_SIZE = 1  # as `plan analyze`: the cost model scales per sample
+
+
+def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str | None = None,
+         logdir: str | os.PathLike | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+         cluster: ClusterSpec | str | None = None) -> Any:
+    """Plan ``model`` for this process's devices and return it wrapped (see the module doc).
+
+    ``global_batch``: samples per training step (every batch given to ``fit``
+    must be a multiple of the plan's ``dp * num_microbatches``). ``optimizer``:
+    a name or Keras optimizer for the optimizer-state memory (default: the
+    model's compiled optimizer, else adam); it does not compile the model.
+    ``precision``: a dtype policy name (default: the model's own). ``logdir``:
+    passed to ``apply.wrap`` (writes plan.json and placement.json there).
+    ``time_limit_s``: the search's ILP budget. ``cluster``: plan for this
+    ClusterSpec or ``parse_cluster`` text instead of the devices found
+    (``local_cluster()``); the plan's devices must still exist here.
+    """
+    from apply.wrap import wrap
+
+    _check_global_batch_value(global_batch)
+    plan_file = os.environ.get(PLAN_FILE_ENV)
+    if plan_file:
+        plan = load_plan(plan_file)
+        _say(f"loaded plan {plan.name!r} from {PLAN_FILE_ENV}={plan_file} (no search). "
+             f"{plan.reason}".rstrip())
+        if plan.global_batch != global_batch:
+            _say(f"note: the plan was made for global batch {plan.global_batch}; training "
+                 f"with {global_batch}.")
+    else:
+        if cluster is None:
+            workers = tf_config_workers()
+            cluster = multi_worker_cluster(workers) if len(workers) > 1 else local_cluster()
+        elif isinstance(cluster, str):
+            from planner.presets import parse_cluster
+
+            cluster = parse_cluster(cluster)
+        plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
+                        precision=precision, time_limit_s=time_limit_s)
+    check_global_batch(plan, global_batch)
+    return wrap(model, plan, logdir=logdir)
+
+
+def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
+    """Make the devices ``auto`` will plan for exist; call it before building the model.
+
+    Logical CPU devices can only be configured before TensorFlow's runtime starts
+    (``apply.devices``). With ``PLAN_FILE`` set: that plan's devices
+    (``apply.ensure_devices``). Else, ``cpus``: that many logical CPU devices
+    (for planning on a machine without GPUs; ignored when GPUs exist). Returns the
+    names of the devices ``auto`` will see. Raises PlanMismatchError when the
+    runtime has already started with other devices.
+    """
+    import tensorflow as tf
+
+    from apply.devices import ensure_devices, short_name
+
+    plan_file = os.environ.get(PLAN_FILE_ENV)
+    if plan_file:
+        return ensure_devices(load_plan(plan_file))
+    if cpus is not None:
+        if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
+            raise PlannerError(f"cpus={cpus!r}; expected a number of logical CPU devices >= 1.")
+        if not tf.config.list_physical_devices("GPU"):
+            physical = tf.config.list_physical_devices("CPU")[0]
+            configured = tf.config.get_logical_device_configuration(physical)
+            have = len(configured) if configured else 1
+            if have != cpus:
+                try:
+                    tf.config.set_logical_device_configuration(
+                        physical, [tf.config.LogicalDeviceConfiguration()] * cpus)
+                except RuntimeError:
+                    raise PlanMismatchError(
+                        f"{cpus} logical CPU devices were asked for, but TensorFlow's runtime "
+                        f"has already started with {have}. Call apply.auto_devices() before "
+                        "building the model or running any TensorFlow op.") from None
+    gpus = tf.config.list_logical_devices("GPU")
+    return tuple(short_name(d.name) for d in gpus or tf.config.list_logical_devices("CPU"))
+
+
+def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: Any = None,
+             precision: str | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
+    """Profile ``model``, search ``cluster`` and return the plan ``apply.wrap`` will run.
+
+    Prints the choice and its reason to stderr.
+    """
+    from planner.search import search
+    from profiler.static import profile_model
+
+    if optimizer is None and getattr(model, "compiled", False):
+        optimizer = getattr(model, "optimizer", None)
+    profile = profile_model(model, PROFILE_BATCH_SIZE, precision=precision,
+                            optimizer=optimizer)
+    result = search(profile, cluster, global_batch, time_limit_s=time_limit_s)
+    chosen = result.chosen
+    where = f"{cluster.name} ({cluster.num_devices} device(s)), global batch {global_batch}"
+    if runnable(chosen):
+        _say(f"plan {chosen.name!r} for {where}: {chosen.reason}")
+        return chosen
+    why = not_runnable_reason(chosen)
+    fallback = next((p for p in result.candidates if p.predicted.fits and runnable(p)), None)
+    if fallback is None:
+        raise PlannerError(
+            f"The search for {where} chose {chosen.name!r}, which apply.wrap cannot run yet "
+            f"({why}), and none of the {len(result.candidates)} candidates that fit is one it "
+            "runs. Run `plan analyze` with --fix (e.g. --fix dp=1) to pick a plan by hand "
+            f"and set {PLAN_FILE_ENV}=plan.json, or plan for fewer devices.")
+    ratio = fallback.predicted.step_time_s / chosen.predicted.step_time_s
+    _say(f"plan {fallback.name!r} for {where}: the search chose {chosen.name!r}, which "
+         f"apply.wrap cannot run yet ({why}); {fallback.name!r} is the fastest candidate that "
+         f"fits and that it runs (predicted step time {ratio:.2f}x the search's choice).")
+    return fallback.with_reason(
+        f"{fallback.name} is the fastest candidate that fits and that apply.wrap runs; the "
+        f"search chose {chosen.name} ({why}): {chosen.reason}")
+
+
+def runnable(plan: Plan) -> bool:
+    """Whether ``apply.wrap`` runs every part of ``plan`` (no error, nothing left unapplied)."""
+    return not_runnable_reason(plan) is None
+
+
+def not_runnable_reason(plan: Plan) -> str | None:
+    """Why ``apply.wrap`` cannot run ``plan`` in full (None if it can)."""
+    from apply.wrap import plan_mode
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan_mode(plan)
+        except PlannerError as e:
+            return _first_clause(str(e), plan)
+    if caught:
+        return _first_clause(str(caught[0].message), plan)
+    return None
+
+
+def _first_clause(message: str, plan: Plan) -> str:
+    """``Plan 'x': apply.wrap does not apply y yet; ...`` -> ``apply.wrap does not apply y yet``."""
+    text = message.split(";", 1)[0]
+    prefix = f"Plan {plan.name!r}"
+    if text.startswith(prefix):
+        text = text[len(prefix):].lstrip(": ")
+    return text
+
+
+def check_global_batch(plan: Plan, global_batch: int) -> None:
+    """PlanMismatchError unless ``global_batch`` splits into ``dp * num_microbatches`` parts."""
+    s = plan.strategy
+    parts = s.dp * s.num_microbatches
+    if global_batch % parts:
+        from apply.planned_model import nearest_multiples
+        options = nearest_multiples(global_batch, parts)
+        raise PlanMismatchError(
+            f"Global batch {global_batch} does not split into plan {plan.name!r}'s "
+            f"{s.dp} data-parallel replica(s) x {s.num_microbatches} micro-batch(es) = {parts} "
+            f"equal parts. Use a global batch of {options}, or make a plan for "
+            f"{global_batch} (unset {PLAN_FILE_ENV} to let apply.auto plan it).")
+
+
+def _check_global_batch_value(global_batch: Any) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlannerError(f"apply.auto received global_batch={global_batch!r}; expected the "
+                           "number of samples per training step, a whole number >= 1.")
+
+
+# --- the devices of this process ---------------------------------------------------------
+
+def tf_config_workers() -> list[str]:
+    """The worker addresses ``TF_CONFIG`` names (empty when it is unset or names none)."""
+    text = os.environ.get("TF_CONFIG")
+    if not text:
+        return []
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"TF_CONFIG is not JSON ({e}); expected "
+                           '{"cluster": {"worker": [...]}, "task": {...}}.') from None
+    workers = (doc.get("cluster") or {}).get("worker") or [] if isinstance(doc, dict) else []
+    return list(workers)
+
+
+def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
+    """The ClusterSpec of a multi-worker job (TF_CONFIG with several workers).
+
+    Hook for multi-worker planning: not implemented yet, so it raises PlannerError.
+    """
+    raise PlannerError(
+        f"TF_CONFIG names {len(workers)} workers ({', '.join(workers[:4])}"
+        f"{', ...' if len(workers) > 4 else ''}); apply.auto plans for one process's devices "
+        "and cannot plan a multi-worker job yet. Make a plan with `plan analyze` for the "
+        f"cluster and set {PLAN_FILE_ENV}=plan.json on every worker, or unset TF_CONFIG to "
+        "train on this host alone.")
+
+
+def local_cluster() -> ClusterSpec:
+    """The devices this process sees: its GPUs if any, else its logical CPU devices."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return gpu_cluster(len(gpus))
+    from planner.presets import cpu_cluster
+
+    return cpu_cluster(len(tf.config.list_logical_devices("CPU")))
+
+
+def gpu_cluster(n: int) -> ClusterSpec:
+    """``n`` GPUs of this host: the matching preset's figures (``planner.presets``).
+
+    A GPU no preset names is described with the nearest preset of its
+    generation (H100 figures for Hopper and later, A100 for Ampere, V100 before)
+    and the memory TensorFlow reports for it, with a note on stderr.
+    """
+    import dataclasses
+
+    import tensorflow as tf
+
+    from planner.presets import known_presets, preset_cluster
+
+    if n < 1:
+        raise ClusterSpecError(f"gpu_cluster({n}): expected at least one GPU.")
+    physical = tf.config.list_physical_devices("GPU")
+    details = tf.config.experimental.get_device_details(physical[0]) if physical else {}
+    name = str(details.get("device_name", "GPU"))
+    memory = _gpu_memory_bytes()
+    presets = {preset_cluster(p).device.kind: p for p in known_presets()}
+    upper = name.upper().replace(" ", "")
+    matches = [p for kind, p in presets.items() if kind.split("-")[0] in upper]
+    if matches and memory:  # the preset whose memory is closest (A100 40 vs 80 GB)
+        preset = min(matches, key=lambda p: abs(preset_cluster(p).device.memory_bytes - memory))
+    elif matches:
+        preset = matches[0]
+    else:
+        major = int((details.get("compute_capability") or (9, 0))[0])
+        kind = "H100" if major >= 9 else "A100" if major >= 8 else "V100"
+        preset = next(p for k, p in presets.items() if k.startswith(kind))
+        _say(f"note: no cluster preset names GPU {name!r}; planning with {preset}'s "
+             f"figures{' and the memory TensorFlow reports' if memory else ''}. Measure it "
+             "with `plan profile-hardware --out cluster.json` and pass "
+             "cluster='cluster.json' for measured figures.")
+    base = preset_cluster(preset)
+    device = base.device
+    if memory and not matches:
+        device = dataclasses.replace(device, kind=name.replace(" ", "-"), memory_bytes=memory)
+    return dataclasses.replace(base, name=f"{n}x{device.kind}", devices_per_node=n,
+                               device=device)
+
+
+def _gpu_memory_bytes() -> int | None:
+    try:
+        from tensorflow.python.client import device_lib
+
+        limits = [int(d.memory_limit) for d in device_lib.list_local_devices()
+                  if d.device_type == "GPU" and d.memory_limit]
+    except Exception:  # noqa: BLE001  (an internal API: no figure rather than no plan)
+        return None
+    return min(limits) if limits else None
+
+
+def _say(text: str) -> None:
+    print(f"apply.auto: {text}", file=sys.stderr, flush=True)

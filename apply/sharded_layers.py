@@ -1,0 +1,522 @@
+"""Sharded twins of Keras layers, each shard's variables and ops on its tensor-parallel device.
+
+Pipeline position: ``apply.tensor_parallel`` re-creates each layer a plan's
+``tp_splits`` names with ``sharded_clone`` (same config and name, a split and the
+tp devices of its stage) when it clones the user's model. Layout (Megatron-LM,
+Shoeybi et al. 2019, Sec. 3), shard t on ``tf.device`` of rank t, its variables
+built there (DESIGN.md: Keras 3 creates variables where the layer is built); the
+"layer's device" below is the device the layer itself is called under (rank 0 of
+its stage, ``apply.tensor_parallel``):
+
+* ``column`` (Dense, EinsumDense): the kernel's output axis is cut in tp
+  slices; each rank computes its slice of the output (bias and an elementwise
+  activation included), and the slices are concatenated on the layer's device;
+* ``row`` (Dense, EinsumDense): the kernel's input axis is cut; each rank
+  multiplies its slice of the input, and the partial outputs are summed
+  (``tf.add_n``) on the layer's device, where the bias and activation follow. A
+  row layer that reads a column layer's concatenation takes the column shards
+  straight from their ranks (the Megatron column -> row pair moves no activation
+  between ranks; the concatenation is then unused and pruned by TensorFlow);
+* ``heads`` (MultiHeadAttention): rank t holds its heads' Q, K, V and output
+  projections and computes their attention (Keras' own ``_compute_attention``);
+  the partial outputs are summed on the layer's device, where the output bias is;
+* ``vocab`` (Embedding): rank t holds a slice of the vocabulary's rows, looks up
+  the ids that fall in it (the others read row 0 masked to zero), and the
+  lookups are summed on the layer's device.
+
+Shards are nearly equal (``shard_sizes``: the first ones one larger). Every sharded
+layer reads and writes its weights unsplit: ``get_weights``/``set_weights``, weight
+files and saved models have the unsplit layer's arrays, layout, class name and
+config. A split attention layer with dropout draws its masks per shard, so its
+random masks differ from the unsplit layer's (losses match without dropout).
+
+Not split yet (a PlannerError says so): attention with a gate, inputs of rank other
+than 3, custom attention axes or a multi-axis output; EinsumDense equations with
+``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
+input axis (row); subclasses of these layers (their ``call`` may differ).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from planner.errors import PlannerError
+
+# activations that act on each element alone, so each column shard may apply its own
+ELEMENTWISE = frozenset((
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu", "swish", "tanh",
+    "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "softplus", "softsign",
+    "exponential", "mish", "celu", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh",
+    "soft_shrink", "hard_shrink", "threshold", "log_sigmoid"))
+SPLITTABLE = {"column": "Dense, EinsumDense", "row": "Dense, EinsumDense",
+              "heads": "MultiHeadAttention", "vocab": "Embedding"}
+
+
+def shard_sizes(n: int, tp: int) -> list[int]:
+    """Sizes of ``tp`` nearly equal slices of ``n`` (the first ones one larger)."""
+    return [n // tp + (1 if t < n % tp else 0) for t in range(tp)]
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    ends = np.cumsum([0, *sizes])
+    return [(int(ends[t]), int(ends[t + 1])) for t in range(len(sizes))]
+
+
+def _elementwise(activation: Any) -> bool:
+    return activation is None or getattr(activation, "__name__", "") in ELEMENTWISE
+
+
+def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[Any]:
+    """``x`` cut along its last axis in ``sizes``, slice t on devices[t].
+
+    When ``x`` is a concatenation along the last axis of pieces of exactly these sizes
+    (a column layer's output), the pieces themselves are returned: they already sit on
+    their ranks.
+    """
+    op = getattr(x, "op", None) if not tf.executing_eagerly() else None
+    if op is not None and op.type == "ConcatV2" and len(op.inputs) == len(sizes) + 1:
+        axis = tf.get_static_value(op.inputs[-1])
+        pieces = list(op.inputs[:-1])
+        rank = x.shape.rank
+        if axis is not None and rank is not None and int(axis) in (-1, rank - 1) and all(
+                p.shape[-1] == s for p, s in zip(pieces, sizes)):
+            return pieces
+    out = []
+    for (lo, hi), d in zip(_bounds(sizes), devices):
+        with tf.device(d):
+            out.append(x[..., lo:hi])
+    return out
+
+
+class _Sharded:
+    """What every sharded layer shares: its split, its devices and unsplit weights."""
+
+    tp_split: str
+    tp_devices: tuple[str, ...]
+
+    def _init_tp(self, tp_split: str, tp_devices: Sequence[str]) -> None:
+        self.tp_split = tp_split
+        self.tp_devices = tuple(tp_devices)
+
+    def _add_shards(self, name: str, shapes: Sequence[tuple[int, ...]], initializer: Any,
+                    regularizer: Any = None, constraint: Any = None) -> list[Any]:
+        out = []
+        for t, (shape, d) in enumerate(zip(shapes, self.tp_devices)):
+            with tf.device(d):
+                out.append(self.add_weight(name=f"{name}_{t}", shape=tuple(shape),
+                                           initializer=initializer, regularizer=regularizer,
+                                           constraint=constraint))
+        return out
+
+    # unsplit weights, in the original layer's order ------------------------------------
+    def full_weights(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        raise NotImplementedError
+
+    def get_weights(self) -> list[np.ndarray]:
+        return self.full_weights()
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        self.set_full_weights([np.asarray(w) for w in weights])
+
+    def save_own_variables(self, store: Any) -> None:
+        if self.built:
+            for i, w in enumerate(self.full_weights()):
+                store[str(i)] = w
+
+    def load_own_variables(self, store: Any) -> None:
+        self.set_full_weights([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
+
+
+def _assign_pieces(variables: Sequence[Any], full: np.ndarray, axis: int) -> None:
+    sizes = [v.shape[axis] for v in variables]
+    for v, piece in zip(variables, np.split(full, np.cumsum(sizes)[:-1], axis=axis)):
+        v.assign(piece)
+
+
+def _concat(variables: Sequence[Any], axis: int) -> np.ndarray:
+    return np.concatenate([np.asarray(v.numpy()) for v in variables], axis=axis)
+
+
+class ShardedDense(_Sharded, keras.layers.Dense):
+    """A Dense layer split by column (output units) or row (input features)."""
+
+    def __init__(self, units: int, *, tp_split: str = "column",
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(units, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+
+    def build(self, input_shape: Any) -> None:
+        in_dim, tp = int(input_shape[-1]), len(self.tp_devices)
+        self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: in_dim})
+        if self.tp_split == "column":
+            self.sizes = shard_sizes(self.units, tp)
+            self.kernels = self._add_shards("kernel", [(in_dim, s) for s in self.sizes],
+                                            self.kernel_initializer, self.kernel_regularizer,
+                                            self.kernel_constraint)
+            self.biases = self._add_shards("bias", [(s,) for s in self.sizes],
+                                           self.bias_initializer, self.bias_regularizer,
+                                           self.bias_constraint) if self.use_bias else []
+        else:
+            self.sizes = shard_sizes(in_dim, tp)
+            self.kernels = self._add_shards("kernel", [(s, self.units) for s in self.sizes],
+                                            self.kernel_initializer, self.kernel_regularizer,
+                                            self.kernel_constraint)
+            self.biases = [self.add_weight(
+                name="bias", shape=(self.units,), initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer, constraint=self.bias_constraint)
+            ] if self.use_bias else []
+        self._kernel, self.bias = None, None  # the unsplit ones do not exist
+        self.built = True
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        shard_act = _elementwise(self.activation)
+        if self.tp_split == "column":
+            outs = []
+            for t, d in enumerate(self.tp_devices):
+                with tf.device(d):
+                    y = ops.matmul(inputs, self.kernels[t])
+                    if self.biases:
+                        y = ops.add(y, self.biases[t])
+                    if shard_act and self.activation is not None:
+                        y = self.activation(y)
+                    outs.append(y)
+            y = tf.concat(outs, axis=-1)
+            return y if shard_act or self.activation is None else self.activation(y)
+        parts = _input_shards(inputs, self.sizes, self.tp_devices)
+        partial = []
+        for t, d in enumerate(self.tp_devices):
+            with tf.device(d):
+                partial.append(ops.matmul(parts[t], self.kernels[t]))
+        y = tf.add_n(partial)
+        if self.biases:
+            y = ops.add(y, self.biases[0])
+        return y if self.activation is None else self.activation(y)
+
+    def full_weights(self) -> list[np.ndarray]:
+        axis = 1 if self.tp_split == "column" else 0
+        out = [_concat(self.kernels, axis)]
+        if self.biases:
+            out.append(_concat(self.biases, 0) if self.tp_split == "column"
+                       else self.biases[0].numpy())
+        return out
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        _assign_pieces(self.kernels, weights[0], 1 if self.tp_split == "column" else 0)
+        if self.biases:
+            if self.tp_split == "column":
+                _assign_pieces(self.biases, weights[1], 0)
+            else:
+                self.biases[0].assign(weights[1])
+
+
+class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
+    """An EinsumDense split along the kernel axis of the output's last axis (column) or
+    of the input's last axis, when that axis is contracted (row)."""
+
+    def __init__(self, equation: str, output_shape: Any, *, tp_split: str = "column",
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(equation, output_shape, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+        inp, rest = equation.split(",")
+        ker, out = rest.split("->")
+        self._specs = (inp, ker, out)
+
+    def split_axis(self) -> int:
+        """The kernel axis this split cuts; PlannerError when the equation cannot be cut."""
+        inp, ker, out = self._specs
+        char = out[-1] if self.tp_split == "column" else inp[-1]
+        ok = "." not in self.equation and char in ker and (
+            char not in inp if self.tp_split == "column" else char not in out)
+        if not ok:
+            raise PlannerError(
+                f"EinsumDense layer {self.name!r} (equation {self.equation!r}) cannot be split "
+                f"by {self.tp_split!r}: a column split needs the output's last axis to come "
+                "from the kernel alone, a row split needs the input's last axis contracted "
+                "with the kernel, and neither may use '...'. Re-plan with that layer "
+                "replicated (remove it from tp_splits).")
+        return ker.index(char)
+
+    def build(self, input_shape: Any) -> None:
+        from keras.src.layers.core.einsum_dense import _analyze_einsum_string
+
+        kernel_shape, bias_shape, full_output_shape, _, _ = _analyze_einsum_string(
+            self.equation, self.bias_axes, input_shape, self.partial_output_shape)
+        self.full_output_shape = tuple(full_output_shape)
+        self.input_spec = keras.layers.InputSpec(ndim=len(input_shape))
+        axis = self.kernel_axis = self.split_axis()
+        self.sizes = shard_sizes(int(kernel_shape[axis]), len(self.tp_devices))
+        shapes = [tuple(s if i == axis else int(n) for i, n in enumerate(kernel_shape))
+                  for s in self.sizes]
+        self.kernels = self._add_shards("kernel", shapes, self.kernel_initializer,
+                                        self.kernel_regularizer, self.kernel_constraint)
+        # a column split's bias is cut too when it spans the output's last axis
+        self.bias_sharded = bool(bias_shape is not None and self.tp_split == "column"
+                                 and self._specs[2][-1] in (self.bias_axes or ""))
+        if bias_shape is None:
+            self.biases = []
+        elif self.bias_sharded:
+            self.biases = self._add_shards(
+                "bias", [(*bias_shape[:-1], s) for s in self.sizes], self.bias_initializer,
+                self.bias_regularizer, self.bias_constraint)
+        else:
+            self.biases = [self.add_weight(
+                name="bias", shape=tuple(bias_shape), initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer, constraint=self.bias_constraint)]
+        self._kernel, self.bias = None, None
+        self.built = True
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        shard_act = _elementwise(self.activation) and (self.bias_sharded or not self.biases)
+        if self.tp_split == "column":
+            outs = []
+            for t, d in enumerate(self.tp_devices):
+                with tf.device(d):
+                    y = ops.einsum(self.equation, inputs, self.kernels[t])
+                    if self.bias_sharded:
+                        y = ops.add(y, self.biases[t])
+                    if shard_act and self.activation is not None:
+                        y = self.activation(y)
+                    outs.append(y)
+            y = tf.concat(outs, axis=-1)
+            if shard_act:
+                return y
+        else:
+            parts = _input_shards(inputs, self.sizes, self.tp_devices)
+            partial = []
+            for t, d in enumerate(self.tp_devices):
+                with tf.device(d):
+                    partial.append(ops.einsum(self.equation, parts[t], self.kernels[t]))
+            y = tf.add_n(partial)
+        if self.biases and not self.bias_sharded:
+            y = ops.add(y, self.biases[0])
+        return y if self.activation is None else self.activation(y)
+
+    def full_weights(self) -> list[np.ndarray]:
+        out = [_concat(self.kernels, self.kernel_axis)]
+        if self.biases:
+            out.append(_concat(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
+        return out
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        _assign_pieces(self.kernels, weights[0], self.kernel_axis)
+        if self.biases:
+            if self.bias_sharded:
+                _assign_pieces(self.biases, weights[1], len(self.biases[0].shape) - 1)
+            else:
+                self.biases[0].assign(weights[1])
+
+
+class ShardedEmbedding(_Sharded, keras.layers.Embedding):
+    """An Embedding split over the vocabulary: rank t holds rows [lo_t, hi_t)."""
+
+    def __init__(self, input_dim: int, output_dim: int, *, tp_split: str = "vocab",
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(input_dim, output_dim, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+
+    def build(self, input_shape: Any = None) -> None:
+        self.sizes = shard_sizes(self.input_dim, len(self.tp_devices))
+        self.tables = self._add_shards("embeddings", [(s, self.output_dim) for s in self.sizes],
+                                       self.embeddings_initializer,
+                                       self.embeddings_regularizer, self.embeddings_constraint)
+        self._embeddings = None
+        self.built = True
+
+    def call(self, inputs: Any) -> Any:
+        if inputs.dtype != "int32" and inputs.dtype != "int64":
+            inputs = ops.cast(inputs, "int32")
+        parts = []
+        for (lo, hi), table, d in zip(_bounds(self.sizes), self.tables, self.tp_devices):
+            with tf.device(d):
+                inside = tf.logical_and(inputs >= lo, inputs < hi)
+                local = tf.where(inside, inputs - lo, tf.zeros_like(inputs))
+                rows = tf.gather(table, local)
+                parts.append(rows * tf.cast(inside, rows.dtype)[..., None])
+        return ops.cast(tf.add_n(parts), dtype=self.compute_dtype)
+
+    def full_weights(self) -> list[np.ndarray]:
+        return [_concat(self.tables, 0)]
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        _assign_pieces(self.tables, weights[0], 0)
+
+
+class _ProjectionEntry(keras.layers.Layer):
+    """Stands in, in weight files, for one of MultiHeadAttention's EinsumDense sub-layers
+    (``query_dense``, ...): it saves and loads that projection's unsplit kernel and bias."""
+
+    def __init__(self, read: Any, write: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._read, self._write = read, write  # functions: not tracked by Keras
+        self.built = True
+
+    def save_own_variables(self, store: Any) -> None:
+        for i, w in enumerate(self._read()):
+            store[str(i)] = w
+
+    def load_own_variables(self, store: Any) -> None:
+        self._write([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
+
+
+class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
+    """MultiHeadAttention split by heads: rank t holds heads [lo_t, hi_t) of Q, K, V and
+    the output projection; the output bias sits on the layer's device."""
+
+    def __init__(self, num_heads: int, key_dim: int, *, tp_split: str = "heads",
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(num_heads, key_dim, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+
+    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
+        key_shape = value_shape if key_shape is None else key_shape
+        ranks = {len(query_shape), len(value_shape), len(key_shape)}
+        out_shape = self._output_shape
+        if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
+            out_shape = out_shape[0]
+        if getattr(self, "_use_gate", False) or ranks != {3} or self._attention_axes not in (
+                None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
+            raise PlannerError(
+                f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
+                "splits attention over inputs of rank 3 (batch, sequence, features), "
+                "without use_gate, custom attention_axes or a multi-axis output_shape. "
+                "Re-plan with that layer replicated (remove it from tp_splits).")
+        out_dim = int(out_shape or query_shape[-1])
+        self.sizes = sizes = shard_sizes(self._num_heads, len(self.tp_devices))
+        b = self._use_bias
+        kw = dict(initializer=self._kernel_initializer, regularizer=self._kernel_regularizer,
+                  constraint=self._kernel_constraint)
+        bw = dict(initializer=self._bias_initializer, regularizer=self._bias_regularizer,
+                  constraint=self._bias_constraint)
+        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
+        kd, vd = self._key_dim, self._value_dim
+        self.shards = {
+            "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
+            "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
+            "value": self._add_shards("value_kernel", [(dv, h, vd) for h in sizes], **kw),
+            "output": self._add_shards("output_kernel", [(h, vd, out_dim) for h in sizes],
+                                       **kw)}
+        if b:
+            self.shards["query_bias"] = self._add_shards("query_bias", [(h, kd) for h in sizes],
+                                                         **bw)
+            self.shards["key_bias"] = self._add_shards("key_bias", [(h, kd) for h in sizes], **bw)
+            self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
+                                                         **bw)
+            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
+        self._build_attention(4)
+        for part in ("query", "key", "value", "output"):
+            setattr(self, f"_{part}_dense", _ProjectionEntry(
+                lambda part=part: self._projection(part),
+                lambda weights, part=part: self._set_projection(part, weights), name=part))
+        self.built = True
+
+    def _projection(self, part: str) -> list[np.ndarray]:
+        """One projection's unsplit [kernel, bias] (as the unsplit layer's EinsumDense)."""
+        s, b = self.shards, self._use_bias
+        if part == "output":
+            return [_concat(s["output"], 0)] + ([self.output_bias.numpy()] if b else [])
+        return [_concat(s[part], 1)] + ([_concat(s[part + "_bias"], 0)] if b else [])
+
+    def _set_projection(self, part: str, weights: Sequence[Any]) -> None:
+        s = self.shards
+        if part == "output":
+            _assign_pieces(s["output"], weights[0], 0)
+            if self._use_bias:
+                self.output_bias.assign(weights[1])
+            return
+        _assign_pieces(s[part], weights[0], 1)
+        if self._use_bias:
+            _assign_pieces(s[part + "_bias"], weights[1], 0)
+
+    # weight files: the projections' entries above hold the weights, as in the unsplit layer
+    def save_own_variables(self, store: Any) -> None:
+        pass
+
+    def load_own_variables(self, store: Any) -> None:
+        pass
+
+    def full_weights(self) -> list[np.ndarray]:
+        return [w for part in ("query", "key", "value", "output") for w in self._projection(part)]
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        n = 2 if self._use_bias else 1
+        for i, part in enumerate(("query", "key", "value", "output")):
+            self._set_projection(part, weights[i * n:(i + 1) * n])
+
+    def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
+             value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
+             return_attention_scores: bool = False, training: Any = None,
+             use_causal_mask: bool = False) -> Any:
+        from keras.src import backend
+
+        if key is None:
+            key = value
+        query_mask = backend.get_keras_mask(query)
+        attention_mask = self._compute_attention_mask(
+            query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        s, partial, scores = self.shards, [], []
+        for t, d in enumerate(self.tp_devices):
+            with tf.device(d):
+                q = ops.einsum("abc,cde->abde", query, s["query"][t])
+                k = ops.einsum("abc,cde->abde", key, s["key"][t])
+                v = ops.einsum("abc,cde->abde", value, s["value"][t])
+                if self._use_bias:
+                    q, k, v = (q + s["query_bias"][t], k + s["key_bias"][t],
+                               v + s["value_bias"][t])
+                out, score = self._compute_attention(q, k, v, attention_mask, training,
+                                                     return_attention_scores)
+                partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
+                scores.append(score)
+        y = tf.add_n(partial)
+        if self._use_bias:
+            y = y + self.output_bias
+        if query_mask is not None:
+            backend.set_keras_mask(y, query_mask)
+        if return_attention_scores:
+            return y, tf.concat(scores, axis=1)
+        return y
+
+
+# Keras names a weight file's entries after each layer's class (``dense``, ``dense_1``,
+# ...) and a saved model's layers by class and module: the sharded classes carry the
+# unsplit class's name and module and its config (no tp fields), so with their unsplit
+# ``save_own_variables`` a wrapped model's weight file is the user's model's, and
+# ``keras.models.load_model`` reads a saved one back as unsplit Keras layers.
+for _cls, _base in ((ShardedDense, keras.layers.Dense),
+                    (ShardedEinsumDense, keras.layers.EinsumDense),
+                    (ShardedEmbedding, keras.layers.Embedding),
+                    (ShardedMultiHeadAttention, keras.layers.MultiHeadAttention)):
+    _cls.__name__, _cls.__module__ = _base.__name__, _base.__module__
+
+SHARDED = {("Dense", "column"): ShardedDense, ("Dense", "row"): ShardedDense,
+           ("EinsumDense", "column"): ShardedEinsumDense,
+           ("EinsumDense", "row"): ShardedEinsumDense,
+           ("Embedding", "vocab"): ShardedEmbedding,
+           ("MultiHeadAttention", "heads"): ShardedMultiHeadAttention}
+
+
+def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "") -> Any:
+    """A sharded twin of ``layer`` (same config and name), not built yet."""
+    kind = type(layer).__name__
+    cls = SHARDED.get((kind, split))
+    if cls is None or type(layer) is not getattr(keras.layers, kind, None):
+        raise PlannerError(
+            f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}) by {split!r}; apply "
+            f"splits {split!r} only for {SPLITTABLE.get(split, 'no layer type')} layers "
+            "(column/row: Dense, EinsumDense; heads: MultiHeadAttention; vocab: Embedding). "
+            "Re-plan, or edit the plan's tp_splits to leave that layer replicated.")
+    if split == "heads" and len(devices) > layer.num_heads:
+        raise PlannerError(
+            f"Plan {plan_name!r} splits attention layer {layer.name!r} ({layer.num_heads} "
+            f"heads) over tp = {len(devices)} devices; each device needs at least one head. "
+            "Re-plan with a smaller tp.")
+    config = layer.get_config()
+    config.update(tp_split=split, tp_devices=list(devices))
+    return cls.from_config(config)

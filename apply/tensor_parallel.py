@@ -1,0 +1,225 @@
+"""Tensor-parallel plans: split layers whose shards live on their tensor-parallel devices.
+
+Pipeline position: ``apply.wrap`` calls ``wrap_tensor_parallel`` for a plan with
+``strategy.tp > 1``; ``Plan.tp_splits`` says how each split layer is cut
+(``apply.sharded_layers``: column, row, heads, vocab, Megatron-LM's layout), every
+other layer is replicated. Stage ``s`` of the plan lists ``dp * tp`` devices, tensor
+rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
+``planner.plan``).
+
+* Each split layer of replica r is re-created sharded over its stage's
+  ``devices[r * tp:(r + 1) * tp]``; every other layer is built, and runs, on rank
+  0 of its stage (``devices[r * tp]``). Replicated layers are therefore not
+  duplicated on every rank as in Megatron-LM, which changes where work runs, not
+  the result.
+* Everything else is ``apply.pipeline``'s: each operation runs under its layer's
+  device, gradients come from ``tf.gradients`` (colocated with their forward ops,
+  so each shard's backward runs on its rank), optimizer slots and updates sit with
+  each shard's variable (so a shard's slots live on its rank), micro-batches
+  accumulate gradients, pipeline stages (pp > 1) run on their own devices.
+* Data parallelism around it (dp > 1, one host): replica r is a copy of the
+  sharded model on its own devices; each (micro-)batch is cut in dp parts, replica
+  r runs part r, the loss is the whole batch's, and each copy of a weight is
+  updated with the sum of every replica's gradient for it, summed by a placed
+  ``add_n`` on that copy's device (the same sum in the same order everywhere, so
+  the copies stay equal). The model returned is replica 0; ``weights``, weight
+  files and ``get_weights`` hold one copy, ``trainable_variables`` (what is
+  trained, with its optimizer slots) every copy.
+* Weights are copied from the user's model, so training gives the single-device
+  losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
+  saved models are the user's model's (unsplit arrays, in its order).
+
+Not applied yet: tensor parallelism across worker processes (PlannerError), and the
+layer configurations ``apply.sharded_layers`` lists.
+"""
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from apply.cloning import _default_clone, copy_weights
+from apply.pipeline import PlacedModel
+from apply.placement import tf_variable
+from apply.planned_model import split_microbatches
+from apply.sharded_layers import sharded_clone
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+
+@keras.saving.register_keras_serializable(package="apply")
+class TensorParallelModel(PlacedModel):
+    """A PlacedModel whose split layers run on several devices each.
+
+    With dp > 1 it is replica 0 and holds the other replicas (same layers and weights on
+    their own tp devices, ``_Replicas``): see ``wrap_tensor_parallel``.
+    """
+
+    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(inputs, outputs, name=name, **kwargs)
+        # every device the model touches (compile refuses XLA when there are several)
+        self.stage_devices = tuple(dict.fromkeys([*self.stage_devices, *tp_devices]))
+        self._others = _Replicas(())
+
+    # --- data parallel replicas (dp > 1) ---------------------------------------------------
+    def _set_replicas(self, replicas: Sequence[Any]) -> None:
+        self._others = _Replicas(tuple(replicas))  # a plain object: Keras does not track it
+        self.stage_devices = tuple(dict.fromkeys(
+            [*self.stage_devices, *(d for r in replicas for d in r.stage_devices)]))
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """Replica 0's trainable variables, then each other replica's, in the same order
+        (what the train step differentiates and the optimizer updates)."""
+        own = list(super().trainable_variables)
+        return own + [v for r in self._others.models for v in r.trainable_variables]
+
+    def _forward_loss(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        if not self._others.models:
+            return super()._forward_loss(x, y, sample_weight)
+        replicas = (self, *self._others.models)
+        parts = split_microbatches((x, None, None), len(replicas), self._batch_error)
+        predictions = []
+        for model, (xr, _, _) in zip(replicas, parts):
+            predictions.append(model(xr, training=True))
+        with tf.device(self.output_device):  # the loss of the whole (micro-)batch
+            y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+            loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+        return y_pred, loss, scaled
+
+    def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
+        dp = 1 + len(self._others.models)
+        if dp > 1:  # each copy of a weight gets the sum of all replicas' gradients for it
+            n = len(variables) // dp
+            summed = list(gradients)
+            for i in range(n):
+                grads = [gradients[r * n + i] for r in range(dp)]
+                if any(g is None for g in grads):
+                    continue
+                for r in range(dp):  # the same sum, in the same order, on each replica
+                    with tf.device(tf_variable(variables[r * n + i]).device):
+                        summed[r * n + i] = _sum(grads)
+            gradients = summed
+        super()._apply_gradients(gradients, variables)
+
+    # the user's model's weights, in its order and shapes (layer by layer, unsplit)
+    def get_weights(self) -> list[np.ndarray]:
+        return [w for layer in self.layers for w in layer.get_weights()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        weights, start = list(weights), 0
+        counts = [len(layer.get_weights()) for layer in self.layers]
+        if sum(counts) != len(weights):
+            raise ValueError(f"Model {self.name!r} has {sum(counts)} weight arrays (unsplit, "
+                             f"as the original model); set_weights received {len(weights)}.")
+        for layer, n in zip(self.layers, counts):
+            if n:
+                layer.set_weights(weights[start:start + n])
+            start += n
+        self._sync_replicas()
+
+    def load_weights(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().load_weights(*args, **kwargs)
+        self._sync_replicas()
+        return out
+
+    def _sync_replicas(self) -> None:
+        """Copy replica 0's weights to the others (after set_weights / load_weights)."""
+        for replica in self._others.models:
+            for mine, theirs in zip(self.weights, replica.weights):
+                theirs.assign(mine)
+
+
+class _Replicas:
+    """The other data-parallel replicas of a TensorParallelModel, out of Keras' sight (their
+    weights are replica 0's: weight files and ``model.weights`` hold one copy)."""
+
+    def __init__(self, models: tuple[Any, ...]) -> None:
+        self.models = models
+
+
+def _sum(grads: Sequence[Any]) -> Any:
+    if all(isinstance(g, tf.IndexedSlices) for g in grads):
+        return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                                tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in grads])
+
+
+def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str], *,
+                         recompute_layers: Collection[str] = ()) -> TensorParallelModel:
+    """Clone ``view`` with ``plan.tp_splits``' layers sharded over their stage's tp
+    devices, every other layer on its stage's rank 0, once per data-parallel replica
+    (replica r on ``devices[r * tp:(r + 1) * tp]`` of each stage); copy the weights.
+
+    dp > 1: replica 0 is the model returned; each training (micro-)batch is cut in dp
+    parts, replica r runs part r, the loss is the whole batch's, and every copy of a
+    weight is updated with the sum of all replicas' gradients for it (placed ``add_n``
+    on each copy's device), so the copies stay equal and train like one device.
+    """
+    tp, dp = plan.strategy.tp, plan.strategy.dp
+    from apply.multi_worker import spans_workers
+
+    if spans_workers(plan):
+        raise PlannerError(
+            f"Plan {plan.name!r} runs tensor parallelism across worker processes; apply.wrap "
+            "applies tensor-parallel plans on one host's devices only (a later release). "
+            "Re-plan for one node.")
+    splits = dict(plan.tp_splits)
+    nested = [name for name in splits if "/" in name]
+    if nested:
+        raise PlannerError(
+            f"Plan {plan.name!r} splits layer {nested[0]!r} inside a nested model; apply "
+            "splits top-level layers only. Flatten the model or leave that layer replicated.")
+    names = {layer.name for layer in view.layers}
+    missing = [name for name in splits if name not in names]
+    if missing:
+        raise PlannerError(f"Plan {plan.name!r} splits layer {missing[0]!r}, which model "
+                           f"{view.name!r} does not have. Re-plan for this model.")
+    models = []
+    for r in range(dp):
+        shift = {stage.devices[0]: stage.devices[r * tp] for stage in plan.stages}
+        models.append(_replica(view, plan, r, {k: shift[d] for k, d in device_of_layer.items()},
+                               splits, recompute_layers))
+    model = models[0]
+    if dp > 1:
+        model._set_replicas(models[1:])
+        model.num_replicas = dp  # batches must split in dp x num_microbatches parts
+    return model
+
+
+def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
+             splits: dict[str, str], recompute_layers: Collection[str]) -> TensorParallelModel:
+    tp = plan.strategy.tp
+    shard_devices = {name: tuple(stage.devices[r * tp:(r + 1) * tp])
+                     for stage in plan.stages for name in stage.layers}
+
+    def where(layer: Any) -> Any:
+        return tf.device(device_of_layer.get(layer.name, ""))
+
+    def clone_function(layer: Any) -> Any:
+        with where(layer):
+            split = splits.get(layer.name, "")
+            if split:
+                return sharded_clone(layer, split, shard_devices[layer.name], plan.name)
+            return _default_clone(layer)
+
+    def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        with where(layer):
+            return layer(*args, **kwargs)
+
+    clone = keras.models.clone_model(view, clone_function=clone_function,
+                                     call_function=call_function)
+    stages = tuple(dict.fromkeys(device_of_layer.values()))
+    model = TensorParallelModel(
+        clone.inputs, clone.outputs, name=view.name, device_of_layer=device_of_layer,
+        default_device=stages[0], plan_name=plan.name,
+        num_microbatches=plan.strategy.num_microbatches, num_replicas=1,
+        recompute_layers=recompute_layers,
+        tp_devices=[d for stage in plan.stages for d in stage.devices[r * tp:(r + 1) * tp]])
+    copy_weights(view, model)
+    return model

@@ -1,0 +1,240 @@
+"""``plan launch``: start the worker processes of a multi-worker plan, or describe them.
+
+Pipeline position: after ``plan analyze`` wrote a plan for several workers
+(``--cluster 2xcpu:1 --fix dp=2``, or ``NxPRESET``); the training script then
+applies it with ``apply.wrap`` (``apply.multi_worker``, MultiWorkerMirroredStrategy
+configured from ``TF_CONFIG``). Imports nothing heavy: no TensorFlow here.
+
+* ``launch_local(script, args, workers)`` picks ``workers`` free ports on
+  127.0.0.1, starts one process per worker (``python SCRIPT ARGS...`` for a .py
+  file, else the executable itself) with its ``TF_CONFIG`` (and ``PLAN_FILE``
+  when a plan is given), streams each one's stdout and stderr line by line
+  with a ``[worker i]`` prefix, and fails fast: as soon as one worker exits
+  non-zero, the others (and their children) are stopped and that exit code is
+  returned. 0 when every worker succeeds. Ctrl-C or SIGTERM stops every worker.
+* ``tf_configs(workers, hosts, port)``: the TF_CONFIG of each worker of a real
+  cluster (``--emit tf-config``); ``tfjob_manifest(...)``: a Kubeflow TFJob
+  (``kubeflow.org/v1``) running the script on ``workers`` pods; the training
+  operator sets TF_CONFIG in each pod itself (``--emit tfjob``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Sequence
+
+from planner.errors import PlannerError
+
+LOCALHOST = "127.0.0.1"
+DEFAULT_PORT = 12345  # --emit tf-config: worker i on host i listens here (or port + i)
+DEFAULT_IMAGE = "tensorflow/tensorflow:2.21.0"
+STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
+POLL_S = 0.05
+
+
+def free_ports(n: int, host: str = LOCALHOST) -> list[int]:
+    """``n`` distinct ports on ``host`` that were free a moment ago (all bound at once)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_config(addresses: Sequence[str], index: int) -> dict[str, Any]:
+    """TensorFlow's cluster description for worker ``index`` of ``addresses``."""
+    return {"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": index}}
+
+
+def check_workers(workers: int) -> int:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise PlannerError(f"--workers is {workers!r}; expected a whole number >= 1 (e.g. "
+                           "--workers 2).")
+    return workers
+
+
+def worker_command(script: str, args: Sequence[str], python: str = sys.executable
+                   ) -> list[str]:
+    """``[python, script, *args]`` for a .py file, ``[script, *args]`` for an executable."""
+    if not script:
+        raise PlannerError("plan launch needs a SCRIPT to run on every worker, e.g. "
+                           "plan launch --workers 2 examples/train.py --plan out/plan.json.")
+    if not os.path.isfile(script):
+        raise PlannerError(f"Script {script!r} does not exist (looked in {os.getcwd()}). "
+                           "Give the path of the training script each worker runs.")
+    if script.endswith(".py"):
+        return [python, script, *args]
+    if not os.access(script, os.X_OK):
+        raise PlannerError(f"Script {script!r} is neither a .py file nor executable; "
+                           "name a Python script or make it executable (chmod +x).")
+    return [os.path.abspath(script), *args]
+
+
+def launch_local(script: str, args: Sequence[str], workers: int, *, plan: str | None = None,
+                 python: str = sys.executable, stdout: IO[str] | None = None,
+                 stderr: IO[str] | None = None) -> int:
+    """Run ``script`` on ``workers`` local processes (see the module docstring)."""
+    check_workers(workers)
+    command = worker_command(script, args, python)
+    plan_file = None
+    if plan is not None:
+        if not os.path.isfile(plan):
+            raise PlannerError(f"--plan {plan!r} does not exist. Make one with plan analyze "
+                               "MODEL --cluster 2xcpu:1 --fix dp=2 --global-batch B.")
+        plan_file = os.path.abspath(plan)
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    addresses = [f"{LOCALHOST}:{p}" for p in free_ports(workers)]
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    lock = threading.Lock()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        for i in range(workers):
+            env = dict(os.environ, TF_CONFIG=json.dumps(tf_config(addresses, i)),
+                       PYTHONUNBUFFERED="1")
+            if plan_file is not None:
+                env["PLAN_FILE"] = plan_file
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, errors="replace",
+                                    start_new_session=True)  # its own group: stop children too
+            procs.append(proc)
+            for pipe, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
+                t = threading.Thread(target=_pump, args=(pipe, out, f"[worker {i}] ", lock),
+                                     daemon=True)
+                t.start()
+                readers.append(t)
+        code = _wait_fail_fast(procs, stderr, lock)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        _stop(procs)
+        for t in readers:
+            t.join(timeout=2.0)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return code
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM to ``plan launch`` stops its workers too (as Ctrl-C does)."""
+    raise KeyboardInterrupt
+
+
+def _pump(pipe: IO[str], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    for line in pipe:
+        with lock:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+    pipe.close()
+
+
+def _wait_fail_fast(procs: list[subprocess.Popen], stderr: IO[str],
+                    lock: threading.Lock) -> int:
+    while True:
+        running = 0
+        for i, proc in enumerate(procs):
+            rc = proc.poll()
+            if rc is None:
+                running += 1
+            elif rc != 0:
+                others = [j for j, p in enumerate(procs) if j != i and p.poll() is None]
+                with lock:
+                    stderr.write(f"plan launch: worker {i} exited with code {rc}"
+                                 + (f"; stopping worker(s) {others}" if others else "") + "\n")
+                    stderr.flush()
+                return rc if rc > 0 else 128 - rc  # killed by signal n: 128 + n
+        if not running:
+            return 0
+        time.sleep(POLL_S)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every running worker's process group; SIGKILL what is left after a grace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- describing a real cluster --------------------------------------------------------------
+
+def worker_addresses(workers: int, hosts: Sequence[str] | None, port: int = DEFAULT_PORT
+                     ) -> list[str]:
+    """``host:port`` of each worker: one per host (``--hosts``), or 127.0.0.1:port+i."""
+    check_workers(workers)
+    if not hosts:
+        return [f"{LOCALHOST}:{port + i}" for i in range(workers)]
+    hosts = [h.strip() for h in hosts if h.strip()]
+    if len(hosts) != workers:
+        raise PlannerError(f"--hosts names {len(hosts)} host(s) ({', '.join(hosts)}) for "
+                           f"--workers {workers}; give one host per worker.")
+    return [h if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+def tf_configs(workers: int, hosts: Sequence[str] | None = None, port: int = DEFAULT_PORT
+               ) -> dict[str, Any]:
+    """``{"cluster": ..., "workers": [{"address", "TF_CONFIG"}, ...]}`` (``--emit tf-config``).
+
+    Set worker i's TF_CONFIG (a JSON string) in its environment, then start the same
+    script on every host.
+    """
+    addresses = worker_addresses(workers, hosts, port)
+    return {"cluster": {"worker": addresses},
+            "workers": [{"index": i, "address": a, "TF_CONFIG": tf_config(addresses, i)}
+                        for i, a in enumerate(addresses)]}
+
+
+def tfjob_manifest(workers: int, command: Sequence[str], *, name: str = "plan-train",
+                   image: str = DEFAULT_IMAGE, plan: str | None = None) -> dict[str, Any]:
+    """A Kubeflow TFJob (kubeflow.org/v1) with ``workers`` Worker replicas.
+
+    The training operator writes TF_CONFIG into each pod (container name
+    ``tensorflow``, port 2222); ``plan`` becomes PLAN_FILE (a path inside the image).
+    """
+    check_workers(workers)
+    container: dict[str, Any] = {"name": "tensorflow", "image": image,
+                                 "command": list(command)}
+    if plan is not None:
+        container["env"] = [{"name": "PLAN_FILE", "value": plan}]
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "TFJob",
+        "metadata": {"name": name},
+        "spec": {
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "tfReplicaSpecs": {
+                "Worker": {
+                    "replicas": workers,
+                    "restartPolicy": "OnFailure",
+                    "template": {"spec": {"containers": [container]}},
+                },
+            },
+        },
+    }

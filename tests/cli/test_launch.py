@@ -1,0 +1,130 @@
+"""`plan launch`: local worker processes, fail-fast, and the cluster descriptions it emits.
+
+The workers here are tiny Python scripts (no TensorFlow): what is checked is the
+launcher (TF_CONFIG, PLAN_FILE, prefixes, exit codes, stopping the others).
+Training across workers is tests/apply/test_multi_worker.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PRINT_TASK = """\
+import json, os, sys
+config = json.loads(os.environ["TF_CONFIG"])
+print("task", config["task"]["index"], "of", json.dumps(config["cluster"]["worker"]))
+print("argv", json.dumps(sys.argv[1:]), "plan", os.environ.get("PLAN_FILE"))
+print("to stderr", config["task"]["index"], file=sys.stderr)
+"""
+
+ONE_FAILS = """\
+import json, os, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+pid_file = os.path.join(sys.argv[1], "worker0.pid")
+if index == 0:
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
+    time.sleep(60)
+    sys.exit(0)
+for _ in range(400):  # worker 1 fails once worker 0 is surely running
+    if os.path.exists(pid_file):
+        break
+    time.sleep(0.05)
+print("worker 1 gives up", flush=True)
+sys.exit(3)
+"""
+
+
+def run_plan(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_workers_get_their_tf_config_and_prefixes(tmp_path):
+    script = tmp_path / "print_task.py"
+    script.write_text(PRINT_TASK)
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")  # the launcher only passes its path on
+    r = run_plan("launch", "--workers", "2", "--plan", str(plan), str(script),
+                 "--plan", "theirs.json", "-x")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    tasks = {line.split()[3]: line for line in lines if line.split()[2:3] == ["task"]}
+    assert set(tasks) == {"0", "1"}
+    assert tasks["0"].startswith("[worker 0] task 0 of ")
+    assert tasks["1"].startswith("[worker 1] task 1 of ")
+    workers = [json.loads(line.split(" of ", 1)[1]) for line in tasks.values()]
+    assert workers[0] == workers[1] and len(set(workers[0])) == 2  # one cluster, two ports
+    assert all(a.startswith("127.0.0.1:") for a in workers[0])
+    # options after SCRIPT belong to the script; --plan before it becomes PLAN_FILE
+    for i in (0, 1):
+        assert f'[worker {i}] argv ["--plan", "theirs.json", "-x"] plan {plan}' in lines
+        assert f"[worker {i}] to stderr {i}" in r.stderr.splitlines()
+
+
+def test_a_failing_worker_stops_the_others(tmp_path):
+    script = tmp_path / "one_fails.py"
+    script.write_text(ONE_FAILS)
+    start = time.monotonic()
+    r = run_plan("launch", "--workers", "2", str(script), str(tmp_path), timeout=50)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert elapsed < 20  # worker 0 would sleep 60 s
+    assert "[worker 1] worker 1 gives up" in r.stdout
+    assert "worker 1 exited with code 3" in r.stderr and "stopping worker(s) [0]" in r.stderr
+    pid = int((tmp_path / "worker0.pid").read_text())
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, f"worker 0 (pid {pid}) is still running"
+
+
+def test_emit_tf_config_is_json_per_host():
+    r = run_plan("launch", "--workers", "2", "--emit", "tf-config", "--hosts",
+                 "host-a,host-b:2000")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["cluster"] == {"worker": ["host-a:12345", "host-b:2000"]}
+    assert [w["TF_CONFIG"]["task"] for w in doc["workers"]] == [
+        {"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert all(w["TF_CONFIG"]["cluster"] == doc["cluster"] for w in doc["workers"])
+
+
+def test_emit_tfjob_is_a_manifest_for_n_workers():
+    r = run_plan("launch", "--workers", "2", "--emit", "tfjob", "--plan", "plan.json",
+                 "--image", "registry.local/train:1", "examples/train.py", "--steps", "3")
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(r.stdout)
+    assert doc["apiVersion"] == "kubeflow.org/v1" and doc["kind"] == "TFJob"
+    worker = doc["spec"]["tfReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["name"] == "tensorflow" and container["image"] == "registry.local/train:1"
+    assert container["command"] == ["python", "examples/train.py", "--steps", "3"]
+    assert container["env"] == [{"name": "PLAN_FILE", "value": "plan.json"}]
+
+
+def test_launch_errors_are_clear(tmp_path):
+    r = run_plan("launch", "--workers", "0", "x.py")
+    assert r.returncode == 2 and "--workers is 0" in r.stderr and "Traceback" not in r.stderr
+    r = run_plan("launch", "--workers", "2", str(tmp_path / "missing.py"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "missing.py" in r.stderr
+    r = run_plan("launch", "--workers", "2")
+    assert r.returncode == 2 and "needs a SCRIPT" in r.stderr
+    r = run_plan("launch", "--workers", "3", "--emit", "tf-config", "--hosts", "a,b")
+    assert r.returncode == 2 and "one host per worker" in r.stderr
+    script = tmp_path / "ok.py"
+    script.write_text("")
+    r = run_plan("launch", "--workers", "2", "--plan", str(tmp_path / "nope.json"),
+                 str(script))
+    assert r.returncode == 2 and "--plan" in r.stderr and "does not exist" in r.stderr
