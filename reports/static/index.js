@@ -160,8 +160,11 @@ async function showRun(run, container) {
   const plan = a.plan;
   const compare = el('div', {});
   const picked = new Set([0, 1].filter((i) => i < a.candidates.length));
-  const redraw = () => compare.replaceChildren(
-      breakdownBars([...picked].sort((x, y) => x - y).map((i) => a.candidates[i])));
+  const redraw = () => {
+    const plans = [...picked].sort((x, y) => x - y).map((i) => a.candidates[i]);
+    compare.replaceChildren(breakdownBars(plans), ...plans.map((p) => el('div', {},
+        el('h4', {}, `Memory per device: ${p.name}`), memoryBars(p))));
+  };
   const candidates = el('table', {class: 'candidates'},
       el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'peak memory', 'fits']
           .map((h) => el('th', {}, h))),
@@ -183,7 +186,7 @@ async function showRun(run, container) {
          `step, ${plan.predicted.samples_per_s.toFixed(1)} samples/s.`),
       el('p', {class: 'reason'}, plan.reason || ''),
       el('h3', {}, 'Candidates (tick to compare)'), candidates,
-      el('h3', {}, 'Step time breakdown'), compare,
+      el('h3', {}, 'Side by side: step time breakdown and memory'), compare,
       el('h3', {}, 'Memory per device'), memoryBars(plan),
       el('h3', {}, 'Device mesh and placement'), meshTable(plan),
       el('h3', {}, `Pipeline schedule (${plan.strategy.schedule}, ` +

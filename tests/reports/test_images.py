@@ -85,6 +85,19 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
     # tf.summary.image is written as a tensor summary of encoded PNGs (TF2)
     assert {"plan/pipeline_schedule", "plan/memory_per_device",
             "plan/layer_graph"} <= set(tags["tensors"])
+    import tensorflow as tf
+    chosen = result.chosen
+    scalar = float(tf.make_ndarray(acc.Tensors("predicted/step_time_s")[0].tensor_proto))
+    assert scalar == pytest.approx(chosen.predicted.step_time_s, rel=1e-6)
+    per_device = [float(tf.make_ndarray(acc.Tensors(f"predicted/peak_memory_bytes/device_{i}")[0]
+                                        .tensor_proto))
+                  for i in range(len(chosen.predicted.peak_memory_bytes_per_device))]
+    assert per_device == pytest.approx(
+        [n for _, n in chosen.predicted.peak_memory_bytes_per_device], rel=1e-6)
+    text = tf.make_ndarray(acc.Tensors("plan/chosen")[0].tensor_proto).item().decode()
+    assert chosen.name in text and f"pp={chosen.strategy.pp}" in text
+    ranked = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("candidates/step_time_s")]
+    assert ranked == pytest.approx([c.predicted.step_time_s for c in result.candidates])
     event = acc.Tensors("plan/memory_per_device")[0]
     width, height, png = event.tensor_proto.string_val[:3]
     image = Image.open(io.BytesIO(png))
