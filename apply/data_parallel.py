@@ -72,6 +72,22 @@ class DataParallelModel(PlannedModel):
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
+    def reset_metrics(self) -> None:
+        """Reset every metric in one compiled call. Keras resets each metric variable with
+        an eager assign, and on mirrored variables each is a cross-replica op (about 7 ms
+        per ``train_on_batch`` on four logical CPUs, a sixth of an MLP step); one
+        ``tf.function`` does them all. Rebuilt when the metrics' variables change."""
+        metrics = list(self.metrics)
+        key = tuple(id(v) for m in metrics for v in m.variables)
+        if getattr(self, "_reset_key", None) != key:
+            def reset() -> None:
+                for m in metrics:
+                    m.reset_state()
+            with self.distribute_strategy.scope():
+                self._reset_fn = tf.function(reset)
+            self._reset_key = key
+        self._reset_fn()
+
     # --- one-batch methods that split the batch across the replicas -----------------------
     def _splits_evenly(self, x: Any) -> bool:
         n = _leading_dim(x)
