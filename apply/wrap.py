@@ -154,13 +154,10 @@ def plan_mode(plan: Plan) -> str:
                 "workers yet (a later release). Re-plan with --fix dp=<devices> for the "
                 "cluster.")
         return "multi_worker"
-    if s.tp > 1:  # apply.tensor_parallel: any dp (one host) and pp
+    if s.tp > 1 or (dp > 1 and pp > 1):
+        # apply.tensor_parallel: any dp (one host) and pp; with tp = 1 and dp x pp it is a
+        # pipeline replicated dp times, the gradients summed across the replicas
         return "tensor_parallel"
-    if dp > 1 and pp > 1:
-        raise PlannerError(
-            f"Plan {plan.name!r} combines data parallelism (dp={dp}) with a pipeline "
-            f"(pp={pp}); apply.wrap does not apply hybrid plans yet (a later release). "
-            "Make a plan without it, or wait for that release.")
     if plan.placement == "general":
         if dp > 1 or s.num_microbatches != 1:
             raise PlanMismatchError(

@@ -82,7 +82,14 @@ def test_auto_with_the_process_devices_and_the_compiled_optimizer(capsys):
 
 
 def hybrid_and_data_parallel(model):
-    hybrid = make_plan(model, [cpus(0, 1), cpus(2, 3)], name="hybrid dp=2 pp=2")
+    """A plan apply.wrap cannot run yet (a pipeline across two worker processes) and one
+    it can."""
+    import dataclasses
+
+    from planner.presets import parse_cluster
+    workers = [[f"/job:worker/task:{w}/device:CPU:0"] for w in range(2)]
+    hybrid = dataclasses.replace(make_plan(model, workers, name="pipeline across workers"),
+                                 cluster=parse_cluster("2xcpu:1"))
     dp = make_plan(model, [cpus(0, 1)], name="data parallel dp=2")
     return hybrid, dp
 
@@ -94,10 +101,10 @@ def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, ca
         chosen=hybrid.with_reason("fastest"), candidates=(hybrid, dp)))
     wrapped = apply.auto(model, GLOBAL_BATCH, cluster=cpu_cluster(4))
     assert wrapped.plan.name == "data parallel dp=2"
-    assert "search chose hybrid dp=2 pp=2" in wrapped.plan.reason
+    assert "search chose pipeline across workers" in wrapped.plan.reason
     err = capsys.readouterr().err
-    assert "the search chose 'hybrid dp=2 pp=2', which apply.wrap cannot run yet" in err
-    assert "(combines data parallelism (dp=2) with a pipeline (pp=2))" in err
+    assert "the search chose 'pipeline across workers', which apply.wrap cannot run yet" in err
+    assert "across worker processes" in err
     assert "'data parallel dp=2' is the fastest" in err
     assert_losses_match(train(wrapped, module), reference_losses("tiny_mlp"))
 

@@ -40,15 +40,6 @@ def test_plan_naming_a_device_that_does_not_exist_lists_the_devices():
     assert all(f"/device:CPU:{i}" in message for i in range(8))
 
 
-def test_modes_still_to_come_are_planner_errors():
-    # data parallel across pipeline stages (dp x pp) is not applied yet
-    _, mlp = base_model("tiny_mlp")
-    plan = make_plan(mlp, [cpus(0, 1), cpus(2, 3)])
-    with pytest.raises(PlannerError, match="does not apply") as err:
-        apply.wrap(mlp, plan)
-    assert not isinstance(err.value, PlanMismatchError)
-
-
 def test_a_tensor_parallel_plan_with_too_few_devices_per_stage_is_a_mismatch():
     _, mlp = base_model("tiny_mlp")
     plan = make_plan(mlp, [cpus(0)])  # one device per stage, but tp=2 needs two
