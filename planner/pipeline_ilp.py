@@ -20,8 +20,12 @@ crosses a boundary once.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -232,11 +236,43 @@ class _Milp:
             constraints.append(LinearConstraint(
                 coo_array((v, (r, c)), shape=shape).tocsr(),
                 np.array([row[2] for row in self.rows]), np.array([row[3] for row in self.rows])))
-        return milp(np.array(self.cost), integrality=np.array(self.integer),
-                    bounds=Bounds(np.array(self.lower), np.array(self.upper)),
-                    constraints=constraints,
-                    options={"time_limit": max(time_limit_s, 0.01), "mip_rel_gap": 1e-7,
-                             "presolve": True})
+        with _solver_chatter_to_stderr():  # every ILP: plan ... --json keeps stdout clean
+            return milp(np.array(self.cost), integrality=np.array(self.integer),
+                        bounds=Bounds(np.array(self.lower), np.array(self.upper)),
+                        constraints=constraints,
+                        options={"time_limit": max(time_limit_s, 0.01), "mip_rel_gap": 1e-7,
+                                 "presolve": True})
+
+
+@contextlib.contextmanager
+def _solver_chatter_to_stderr():
+    """Send what C code prints to stdout while inside to stderr instead.
+
+    HiGHS (scipy 1.x) prints some MIP diagnostics with printf even with its display
+    off (e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+    on this formulation); `plan ... --json` promises one JSON object on stdout and
+    nothing else. File descriptor 1 points at stderr meanwhile; C's buffers are
+    flushed before it is restored.
+    """
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no real stdout: nothing to protect
+        yield
+        return
+    libc = None
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no C library by that name (not a POSIX system)
+        pass
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        if libc is not None:
+            libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _lin(*terms: Iterable[tuple[int, float]]) -> dict[int, float]:

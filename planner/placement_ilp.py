@@ -18,11 +18,7 @@ ILP (``planner.pipeline_ilp``).
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
-import os
-import sys
 from dataclasses import dataclass
 
 import networkx as nx
@@ -267,8 +263,7 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
                 [(x[v, d], problem.layer_memory_bytes[v] / norm) for v in layers]),
                 hi=cap / norm * (1 - _MEMORY_SLACK))
 
-    with _solver_chatter_to_stderr():
-        res = m.solve(time_limit_s)
+    res = m.solve(time_limit_s)
     name = "MILP (HiGHS via scipy.optimize.milp)"
     if res.status == 2:
         raise InfeasiblePlanError(_explain_infeasible(problem))
@@ -298,37 +293,6 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
         raise SolverError(f"{name} reported a makespan of {res.x[c_max] * unit_s:.6g} s but "
                           f"its schedule takes {placement.makespan_s:.6g} s.")
     return placement
-
-
-@contextlib.contextmanager
-def _solver_chatter_to_stderr():
-    """Send what C code prints to stdout while inside to stderr instead.
-
-    HiGHS (scipy 1.x) prints some MIP diagnostics with printf even with its display
-    off (e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-    on this formulation); `plan ... --json` promises one JSON object on stdout and
-    nothing else. File descriptor 1 points at stderr meanwhile; C's buffers are
-    flushed before it is restored.
-    """
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):  # no real stdout: nothing to protect
-        yield
-        return
-    libc = None
-    try:
-        libc = ctypes.CDLL(None)
-    except (OSError, TypeError):  # no C library by that name (not a POSIX system)
-        pass
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        if libc is not None:
-            libc.fflush(None)
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _chain_bounds(problem: PlacementProblem) -> tuple[list[float], list[float]]:

@@ -145,7 +145,7 @@ def test_a_violating_solver_answer_is_caught(monkeypatch):
 
 def test_solver_chatter_goes_to_stderr(capfd):
     # HiGHS prints some MIP diagnostics with C printf; `plan --json` owns stdout.
-    from planner.placement_ilp import _solver_chatter_to_stderr
+    from planner.pipeline_ilp import _solver_chatter_to_stderr
 
     with _solver_chatter_to_stderr():
         os.write(1, b"chatter from C\n")
