@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--virtual-stages", type=_positive_int, metavar="V",
                    help="what-if: model chunks per pipeline device under --schedule "
                         "interleaved (default: searched, 2 or 4)")
+    a.add_argument("--layout", choices=("tp-dp-pp", "tp-pp-dp"),
+                   help="what-if: device order of a dp x pp hybrid, innermost first: "
+                        "tp-dp-pp (Megatron-LM's: pipeline stages across nodes) or tp-pp-dp "
+                        "(dp outermost, 'dp-outer': each replica's stages inside one node, "
+                        "the all-reduce across nodes) (default: searched)")
     a.add_argument("--optimizer-sharding", action="store_true", default=None,
                    help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
     a.add_argument("--measured", metavar="FILE",
@@ -337,7 +342,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     fix = parse_fix(args.fix)
     knobs = {"microbatch_size": args.microbatch_size, "recompute": args.recompute,
              "schedule": args.schedule, "optimizer_sharding": args.optimizer_sharding,
-             "virtual_stages": args.virtual_stages}
+             "virtual_stages": args.virtual_stages, "layout": args.layout}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     if knobs:  # with --fix: evaluate that strategy; without: search under these settings
         fix = {**(fix or {}), **knobs}
@@ -390,9 +395,24 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
              "(ranked by predicted step time; * = chosen)",
              CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen), left_columns=3)
     ui.note(f"Chosen: {result.chosen.name}. {result.chosen.reason}")
+    layout = _layout_note(result.chosen)
+    if layout:
+        ui.note(layout)
     ui.note(f"Wrote {plan_path}")
     ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0
+
+
+def _layout_note(plan: Any) -> str | None:
+    """Where a dp x pp hybrid's replicas and stages sit (None when the layouts agree)."""
+    s = plan.strategy
+    if s.dp == 1 or s.pp == 1:
+        return None
+    if s.layout == "tp-pp-dp":
+        return (f"Layout: {s.layout} (dp outermost): replica r's {s.pp} stages on devices "
+                f"[r*{s.tp * s.pp}, (r+1)*{s.tp * s.pp}), the gradient all-reduce across them.")
+    return (f"Layout: {s.layout} (Megatron-LM's): each stage's {s.dp} replicas side by side, "
+            "the pipeline outermost.")
 
 
 def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:

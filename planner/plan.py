@@ -10,6 +10,20 @@ devices; a pipeline plan has ``pp`` stages of one device each. With tensor
 parallelism a stage lists ``dp * tp`` devices, replica-major: ``devices[r * tp + t]``
 is tensor rank t of replica r; ``tp_splits`` says how each split layer is cut
 (``apply.tensor_parallel``).
+
+Layout (``Strategy.layout``): which global devices (``ClusterSpec.device_names``,
+node-major) a hybrid's stage s, replica r, tensor rank t sits on:
+
+- ``"tp-dp-pp"`` (default; Megatron-LM's order, tp innermost, pp outermost):
+  device ``s * dp * tp + r * tp + t`` -- a stage's replicas side by side, so the
+  pipeline crosses nodes and the data-parallel all-reduce stays inside one when it can;
+- ``"tp-pp-dp"`` (dp outermost, "dp-outer"): device ``r * tp * pp + s * tp + t`` --
+  replica r's whole pipeline on devices [r tp pp, (r + 1) tp pp), inside one node when
+  tp * pp divides devices_per_node, so only the data-parallel all-reduce crosses nodes
+  (what a multi-worker hybrid in ``apply`` needs: every replica inside one worker).
+
+Either way ``stages[s].devices`` keeps the order above (replica-major, tensor rank
+innermost); only which devices they are differs. ``stage_devices`` computes them.
 """
 from __future__ import annotations
 
@@ -24,6 +38,21 @@ from planner.schema import SCHEMA_VERSION, check_version, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+LAYOUTS = ("tp-dp-pp", "tp-pp-dp")  # Strategy.layout: innermost to outermost
+DEFAULT_LAYOUT = "tp-dp-pp"
+
+
+def stage_devices(devices: tuple[str, ...], layout: str, dp: int, tp: int, pp: int,
+                  stage: int) -> tuple[str, ...]:
+    """The ``dp * tp`` devices of pipeline stage ``stage`` (< pp) out of ``devices``
+    (node-major), replica-major with tensor rank innermost, under ``layout``
+    (module docstring: tp-dp-pp puts them at s dp tp + r tp + t, tp-pp-dp at
+    r tp pp + s tp + t)."""
+    if layout == "tp-dp-pp":
+        return tuple(devices[stage * dp * tp:(stage + 1) * dp * tp])
+    if layout == "tp-pp-dp":
+        return tuple(devices[r * tp * pp + stage * tp + t] for r in range(dp) for t in range(tp))
+    raise ValueError(f"layout {layout!r}; expected one of {LAYOUTS}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +68,8 @@ class Strategy:
     # model chunks per pipeline device under the "interleaved" schedule (1 otherwise):
     # the plan then has pp * virtual_stages stages, stage k on the devices of stage k % pp
     virtual_stages: int = 1
+    # device order of the dp x tp x pp grid, innermost first (LAYOUTS, module docstring)
+    layout: str = DEFAULT_LAYOUT
 
     @property
     def num_devices(self) -> int:
@@ -49,7 +80,7 @@ class Strategy:
                 "microbatch_size": self.microbatch_size,
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule,
                 "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding,
-                "virtual_stages": self.virtual_stages}
+                "virtual_stages": self.virtual_stages, "layout": self.layout}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
@@ -61,7 +92,11 @@ class Strategy:
             optimizer_sharding=field(d, "optimizer_sharding", k, bool, where=w, optional=True,
                                      default=False),
             virtual_stages=field(d, "virtual_stages", k, int, where=w, optional=True, default=1,
-                                 minimum=1))
+                                 minimum=1),
+            layout=field(d, "layout", k, str, where=w, optional=True, default=DEFAULT_LAYOUT))
+        if s.layout not in LAYOUTS:
+            raise SchemaError(f"Plan.strategy.layout is {s.layout!r}; expected one of {LAYOUTS} "
+                              f"(plan files without it are {DEFAULT_LAYOUT!r}).")
         if s.schedule not in SCHEDULES:
             raise SchemaError(f"Plan.strategy.schedule is {s.schedule!r}; expected one of "
                               f"{SCHEDULES}.")
@@ -202,6 +237,24 @@ class Plan:
 
     def device_of_layer(self, replica: int = 0) -> dict[str, str]:
         return {layer: s.devices[replica] for s in self.stages for layer in s.layers}
+
+    def replica_devices(self, replica: int) -> tuple[str, ...]:
+        """Every device of data-parallel replica ``replica``: its tensor ranks of every
+        stage (``stages[s].devices[replica * tp:(replica + 1) * tp]``), in stage order,
+        once each."""
+        tp = max(1, self.strategy.tp)
+        return tuple(dict.fromkeys(d for s in self.stages
+                                   for d in s.devices[replica * tp:(replica + 1) * tp]))
+
+    def replicas_inside_nodes(self) -> bool:
+        """Whether every data-parallel replica's devices lie inside one node of the plan's
+        cluster (a worker process of a ``Wxcpu:N`` cluster): what a hybrid across workers
+        needs, data parallel between them and the rest inside each (layout tp-pp-dp with
+        tp * pp dividing devices_per_node, or a single-node plan)."""
+        per_node = self.cluster.devices_per_node
+        node = {d: i // per_node for i, d in enumerate(self.cluster.device_names())}
+        return all(len({node.get(d, -1) for d in self.replica_devices(r)}) == 1
+                   for r in range(self.strategy.dp))
 
     def with_reason(self, reason: str) -> "Plan":
         from dataclasses import replace

@@ -24,8 +24,14 @@ Candidates in this first cut:
 - hybrids (``planner.strategies``): every dp x tp x pp factorization of all the
   devices (tp dividing devices_per_node, pp <= layers), micro-batch sizes (powers of
   two up to MAX_MICROBATCH_SIZE), GPipe or 1F1B, recomputation none/selective/full,
-  ZeRO-1 on/off, priced in closed form; the KEEP_PER_SHAPE fastest that fit per
-  (dp, tp, pp) are kept and the MAX_RANKED fastest fitting candidates listed.
+  ZeRO-1 on/off, on Megatron-LM's device layout (tp-dp-pp) and, on several nodes,
+  also dp outermost (tp-pp-dp, "dp-outer": each replica's pipeline inside one node;
+  ``strategies.dp_outer_differs``), priced in closed form; the KEEP_PER_SHAPE fastest
+  that fit per (dp, tp, pp, layout) are kept and the MAX_RANKED fastest fitting
+  candidates listed.
+
+Knobs (``fix`` without a shape; ``plan analyze --schedule``, ``--layout``, ...) restrict
+that hybrid search to the given settings; with a shape they fix one strategy.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ from planner.graph import input_edges, layer_graph, topological_layers
 from planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                   min_max_stage_memory, min_stages_to_fit)
 from planner.units import fmt_bytes, fmt_seconds
-from planner.plan import RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage, Strategy
+from planner.plan import (LAYOUTS, RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage,
+                          Strategy)
 from planner.strategies import Estimate, Pricer, best_per_shape, hybrid_choices
 from planner.validate import validate_plan
 from profiler.model_profile import ModelProfile
@@ -49,7 +56,7 @@ MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of th
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
 SHAPE_KEYS = ("dp", "tp", "pp", "num_microbatches")
 KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "optimizer_sharding",
-             "virtual_stages")
+             "virtual_stages", "layout")
 FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
 MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
 # A simple plan (``_is_simple``) within 3% of the fastest is chosen over it: the cost
@@ -353,6 +360,10 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
             if value not in ("gpipe", "1f1b", "interleaved"):
                 raise PlannerError(f"fix schedule={value!r}; expected gpipe, 1f1b or "
                                    "interleaved.")
+        elif key == "layout":
+            if value not in LAYOUTS:
+                raise PlannerError(f"fix layout={value!r}; expected one of {LAYOUTS} (device "
+                                   "order, innermost first: planner.plan).")
         elif key == "optimizer_sharding":
             if not isinstance(value, bool):
                 raise PlannerError(f"fix optimizer_sharding={value!r}; expected true or false.")

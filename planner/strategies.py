@@ -7,10 +7,10 @@ single-device, plain data-parallel and plain GPipe ones (those keep their own
 pricing in ``search``), and for a strategy fixed with ``--fix``. Reads the
 per-layer numbers of a ``ModelProfile`` and prices them with ``planner.cost_model``.
 
-Model of a strategy (device layout tp innermost, then dp, then pp, as Megatron-LM
-lays out its groups: Narayanan et al., SC'21, Sec. 3):
+Model of a strategy (device layout ``Choice.layout``, innermost first: "tp-dp-pp",
+Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" below):
 
-- Tensor parallelism splits the *splittable* layers (Dense/EinsumDense column or
+- Tensor parallelism splits the *splittable* layers (Dense/EinsumDense/Conv1-3D column or
   row, attention by heads, Embedding by vocabulary: ``profiler.comm``) over tp
   devices: their FLOPs, weights, gradients, optimizer state and saved activations
   are divided by tp; every other layer is replicated. Which layers split, and how,
@@ -43,6 +43,32 @@ lays out its groups: Narayanan et al., SC'21, Sec. 3):
   working memory when a stage holds many blocks).
 - ZeRO-1 (Rajbhandari et al., SC'20): optimizer state and its update divided by
   dp; reduce-scatter + all-gather instead of the all-reduce, the same bytes.
+
+Device layouts (``planner.plan.stage_devices``; devices node-major, d devices per node):
+
+- "tp-dp-pp" (Megatron-LM's order): stage s, replica r, tensor rank t on device
+  s dp tp + r tp + t. The dp group of a stage has stride tp: a ring inside a node
+  when dp tp <= d, else hierarchical with d / tp members per node. The pipeline is
+  outermost, so a stage boundary crosses nodes when its two stages' groups are on
+  different nodes. Megatron-LM chooses this because a boundary moves only one
+  micro-batch's activations point to point, 2 m A / tp bytes per rank per step
+  (A: boundary activation bytes per micro-batch; forward and back), while the
+  all-reduce moves every gradient of the stage, 2 (n-1)/n G bytes per device
+  (Narayanan et al., SC'21, Sec. 3, takeaways #1 and #2: tensor parallelism inside a
+  node, pipeline parallelism to scale across nodes, data parallelism on top).
+- "tp-pp-dp" ("dp-outer", dp outermost): device r tp pp + s tp + t, replica r's whole
+  pipeline on devices [r tp pp, (r+1) tp pp). When tp pp divides d every replica is
+  inside one node, every pipeline send stays on the intra-node link, and the
+  alternative's price is paid by the all-reduce instead: its group has stride tp pp,
+  k = d / (tp pp) members per node, so across nodes it is hierarchical,
+  t = RS_intra(G, k) + AR_inter(G / k, dp / k) + AG_intra(G, k)
+  (``cost_model.hierarchical_allreduce_time_s``; k = 1: a plain ring over the
+  inter-node link), G = a pipeline device's gradient bytes; a dp that is not a
+  multiple of k, or tp pp > d, rings over the inter-node link. This is the layout
+  a multi-worker hybrid in ``apply`` needs (each replica inside one worker: dp
+  across workers with MultiWorkerMirroredStrategy, the pipeline and tp inside).
+  The search offers it next to Megatron's where the two differ and it keeps every
+  replica in a node (``dp_outer_differs``).
 """
 from __future__ import annotations
 
@@ -56,7 +82,8 @@ import numpy as np
 
 from planner import cost_model as cm
 from planner.cluster import ClusterSpec
-from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, Stage, Strategy,
+                          stage_devices)
 from profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES, layer_comm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,6 +113,7 @@ class Choice:
     recompute: str = "none"  # "none", "selective", "full"
     optimizer_sharding: bool = False
     virtual_stages: int = 1  # model chunks per pipeline device ("interleaved": > 1)
+    layout: str = DEFAULT_LAYOUT  # planner.plan.LAYOUTS; "tp-pp-dp" shows as "dp-outer"
 
     @property
     def name(self) -> str:
@@ -98,6 +126,8 @@ class Choice:
             parts.append(f"recompute={self.recompute}")
         if self.optimizer_sharding:
             parts.append("zero1")
+        if self.layout == "tp-pp-dp":
+            parts.append("dp-outer")
         return "hybrid " + " ".join(parts)
 
 
@@ -258,13 +288,34 @@ class Pricer:
             self.cache[key] = min(options, key=lambda b: max(device_loads(w, b, pp)))
         return self.cache[key]
 
-    def devices(self, tp: int, mbs: int, pp: int, recompute: str, v: int, dp: int
-                ) -> dict[str, np.ndarray]:
+    def devices(self, tp: int, mbs: int, pp: int, recompute: str, v: int, dp: int,
+                layout: str = DEFAULT_LAYOUT) -> dict[str, np.ndarray]:
         """Per pipeline device, per micro-batch: the sums over its chunks of every
         per-layer number ``estimate`` needs (numpy, one entry per device), cached by
         everything they depend on; ``estimate`` then only applies the schedule, the
-        micro-batch count and ZeRO-1."""
-        key = ("dev", tp, mbs, pp, recompute, v, dp)
+        micro-batch count and ZeRO-1. Only the boundary sends ("send") depend on dp and
+        the layout: the rest is computed once per (tp, mbs, pp, recompute, v)."""
+        key = ("dev", tp, mbs, pp, recompute, v, dp, layout)
+        if key in self.cache:
+            return self.cache[key]
+        base = self._chunk_sums(tp, mbs, pp, recompute, v)
+        cluster = self.ctx.cluster
+        send = np.zeros(pp * v)
+        for k, nbytes in enumerate(base["boundary_bytes"]):
+            if nbytes:
+                s = k % pp
+                link = _stage_link(cluster, layout, dp, tp, pp, s, (s + 1) % pp)
+                send[k] = 2 * cm.pipeline_send_time_s(nbytes, tp, link, cluster.intra_node_link)
+        d = dict(base)
+        d["send"] = send.reshape(v, pp).sum(axis=0)  # chunk k on device k % pp
+        self.cache[key] = d
+        return d
+
+    def _chunk_sums(self, tp: int, mbs: int, pp: int, recompute: str, v: int
+                    ) -> dict[str, np.ndarray]:
+        """``devices`` without the sends, plus each chunk's boundary bytes per micro-batch
+        (0 for the last chunk); cached."""
+        key = ("sums", tp, mbs, pp, recompute, v)
         if key in self.cache:
             return self.cache[key]
         a = self.arrays(tp, mbs)
@@ -299,18 +350,9 @@ class Pricer:
             d["working"] = per_device(np.maximum.reduceat(a["act"] * rc, lo), np.max)
         else:
             d["kept"], d["working"] = d["act"], np.zeros(pp)
-        # boundary transfers: each chunk's output forward, its gradient back
-        group = dp * tp
-        cluster = self.ctx.cluster
-        send = np.zeros(pp * v)
-        for k, end in enumerate(hi):
-            if end < self.n:
-                s = k % pp
-                link = _link_between(cluster, s, (s + 1) % pp, group)
-                send[k] = 2 * cm.pipeline_send_time_s(
-                    float(self.layers[end - 1].activation_bytes) * mbs / self.b, tp, link,
-                    cluster.intra_node_link)
-        d["send"] = per_device(send)
+        # boundary transfers (``devices``): each chunk's output forward, its gradient back
+        d["boundary_bytes"] = tuple(float(self.layers[end - 1].activation_bytes) * mbs / self.b
+                                    if end < self.n else 0.0 for end in hi)
         # all but the first layer's backward hides the gradient all-reduce
         d["overlap"] = d["bwd"] - a["bwd"][lo[:pp]]
         d["bounds"] = bounds
@@ -320,7 +362,7 @@ class Pricer:
     def estimate(self, c: Choice) -> Estimate:
         ctx = self.ctx
         v, pp, m = c.virtual_stages, c.pp, c.num_microbatches
-        d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.dp)
+        d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.dp, c.layout)
         compute = d["fwd"] + d["bwd"]
         comm = d["tpf"] + d["tpb"] + d["send"]
         stage_times = compute + comm + d["recompute"]
@@ -339,9 +381,12 @@ class Pricer:
                               bubble_s=cm.pipeline_bubble_s(pp, t_stage, v),
                               recompute_s=m * float(d["recompute"][slow]),
                               optimizer_s=float(np.max(opt_s)))
-        busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
-        breakdown = cm.with_shared_cores(breakdown, np.repeat(busy, c.dp * c.tp).tolist(),
-                                         ctx.cluster)
+        if ctx.cluster.devices_per_compute_pool > 1:  # else with_shared_cores changes nothing
+            busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
+            # in device order: stage-major (tp-dp-pp) or replica-major (tp-pp-dp)
+            in_order = np.repeat(busy, c.dp * c.tp) if c.layout != "tp-pp-dp" \
+                else np.tile(np.repeat(busy, c.tp), c.dp)
+            breakdown = cm.with_shared_cores(breakdown, in_order.tolist(), ctx.cluster)
         breakdown = cm.with_step_overhead(breakdown, ctx.profile.measured_step_overhead_s)
         p = ctx.profile
         hw = (self.total_flops + self.recomputed_flops(c.recompute)) / self.b * ctx.global_batch
@@ -351,11 +396,14 @@ class Pricer:
                                                     for k in range(len(bounds))), hw)
 
     def _dp_allreduce_s(self, nbytes: float, c: Choice) -> float:
-        """Gradient all-reduce over the dp group (stride tp): hierarchical when it spans
-        nodes. ZeRO-1's reduce-scatter + all-gather moves the same bytes (SC'20 Sec. 7)."""
+        """Gradient all-reduce over the dp group (stride tp; dp-outer: stride tp pp):
+        hierarchical when it spans nodes (module docstring, "Device layouts"). ZeRO-1's
+        reduce-scatter + all-gather moves the same bytes (SC'20 Sec. 7)."""
         cluster = self.ctx.cluster
         if c.dp == 1:
             return 0.0
+        if c.layout == "tp-pp-dp":
+            return _dp_outer_allreduce_s(cluster, nbytes, c.dp, c.tp * c.pp)
         if c.dp * c.tp <= cluster.devices_per_node or cluster.inter_node_link is None:
             return cm.ring_allreduce_time_s(nbytes, c.dp, cluster.intra_node_link)
         per_node = max(1, cluster.devices_per_node // c.tp)
@@ -367,9 +415,9 @@ class Pricer:
         ctx, c = self.ctx, e.choice
         names = ctx.names
         devices = ctx.cluster.device_names()
-        group = c.dp * c.tp
         stages = tuple(Stage(layers=names[lo:hi],
-                             devices=devices[(k % c.pp) * group:(k % c.pp + 1) * group])
+                             devices=stage_devices(devices, c.layout, c.dp, c.tp, c.pp,
+                                                   k % c.pp))
                        for k, (lo, hi) in enumerate(e.stage_bounds))
         memory = tuple((d, e.stage_memory_bytes[s]) for s, st in enumerate(stages[:c.pp])
                        for d in st.devices)
@@ -384,7 +432,7 @@ class Pricer:
                               num_microbatches=c.num_microbatches, schedule=c.schedule,
                               recompute=c.recompute,
                               optimizer_sharding=c.optimizer_sharding,
-                              virtual_stages=c.virtual_stages),
+                              virtual_stages=c.virtual_stages, layout=c.layout),
             stages=stages,
             predicted=Prediction(
                 step_time_s=step, breakdown=e.breakdown, peak_memory_bytes_per_device=memory,
@@ -411,6 +459,50 @@ def _link_between(cluster: ClusterSpec, a: int, b: int, group: int):
     devices, node-major): inside a node or across nodes."""
     same = a * group // cluster.devices_per_node == b * group // cluster.devices_per_node
     return cluster.p2p_link(same_node=same)
+
+
+def _stage_link(cluster: ClusterSpec, layout: str, dp: int, tp: int, pp: int, a: int, b: int):
+    """Point-to-point link from pipeline stage ``a`` to stage ``b`` under ``layout``.
+    tp-dp-pp: stage groups of dp tp devices (``_link_between``, as before layouts).
+    tp-pp-dp: replica r's stage s starts at r tp pp + s tp; the slowest link over the
+    replicas (inside a node for all of them when tp pp divides devices_per_node)."""
+    if layout != "tp-pp-dp":
+        return _link_between(cluster, a, b, dp * tp)
+    per_node = cluster.devices_per_node
+    same = all((r * tp * pp + a * tp) // per_node == (r * tp * pp + b * tp) // per_node
+               for r in range(dp))
+    return cluster.p2p_link(same_node=same)
+
+
+def _dp_outer_allreduce_s(cluster: ClusterSpec, nbytes: float, dp: int, stride: int) -> float:
+    """All-reduce of ``nbytes`` over ``dp`` devices ``stride`` = tp pp apart (dp-outer):
+    k = devices_per_node // stride of them per node. All in one node (dp <= k): a ring
+    on the intra-node link; dp a multiple of k: hierarchical over dp / k nodes
+    (``cost_model.hierarchical_allreduce_time_s``; k = 1 leaves the inter-node ring);
+    otherwise a ring on the inter-node link."""
+    k = cluster.devices_per_node // stride
+    if cluster.inter_node_link is None or dp <= k:
+        return cm.ring_allreduce_time_s(nbytes, dp, cluster.intra_node_link)
+    if k >= 1 and dp % k == 0:
+        return cm.hierarchical_allreduce_time_s(nbytes, k, dp // k, cluster.intra_node_link,
+                                                cluster.inter_node_link)
+    return cm.ring_allreduce_time_s(nbytes, dp, cluster.inter_node_link)
+
+
+def dp_outer_differs(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> bool:
+    """Whether the search also prices ``dp, tp, pp`` with the dp-outer layout (tp-pp-dp).
+
+    The two layouts put stage s, replica r, rank t on s dp tp + r tp + t and on
+    r tp pp + s tp + t: the same device for every (s, r, t) exactly when dp == 1 or
+    pp == 1 (tp only scales both). When all dp tp pp devices lie in one node (the
+    grid starts at device 0, so dp tp pp <= devices_per_node) every link is the
+    intra-node one and the two are priced alike. Otherwise the grid spans nodes and
+    they differ (Megatron's order sends across nodes or all-reduces with more members
+    per node; dp-outer all-reduces across nodes). It is offered only when tp pp
+    divides devices_per_node, so that every replica sits inside one node, which is
+    what the layout is for."""
+    per_node = cluster.devices_per_node
+    return dp > 1 and pp > 1 and dp * tp * pp > per_node and per_node % (tp * pp) == 0
 
 
 @lru_cache(maxsize=4096)
@@ -497,9 +589,13 @@ def device_loads(weights: np.ndarray, bounds: tuple[tuple[int, int], ...], pp: i
 def hybrid_choices(ctx: "_Context", knobs: Mapping[str, Any], *, skip_classic: bool,
                     shape: tuple[int, int, int] | None = None) -> list[Choice]:
     """Every dp x tp x pp factorization of the devices (tp a divisor of devices_per_node,
-    pp <= layers, dp | global batch) x micro-batch size x schedule x recompute x ZeRO-1,
-    restricted by ``knobs``; ``shape`` fixes (dp, tp, pp) (then it need not use every
-    device). ``skip_classic`` leaves out what the classic candidates already price."""
+    pp <= layers, dp | global batch) x layout x micro-batch size x schedule x recompute x
+    ZeRO-1, restricted by ``knobs``; ``shape`` fixes (dp, tp, pp) (then it need not use
+    every device). ``skip_classic`` leaves out what the classic candidates already price.
+
+    Layout: Megatron's tp-dp-pp, and also dp-outer tp-pp-dp where ``dp_outer_differs``.
+    ``knobs["layout"]`` fixes it for every shape where the two put devices differently
+    (dp > 1 and pp > 1); elsewhere they are the same plan, named tp-dp-pp."""
     cluster, b, layers = ctx.cluster, ctx.global_batch, len(ctx.names)
     n, per_node = cluster.num_devices, cluster.devices_per_node
     if shape is not None:
@@ -520,6 +616,11 @@ def hybrid_choices(ctx: "_Context", knobs: Mapping[str, Any], *, skip_classic: b
                        | ({local} if pp == 1 else set()))
         if "microbatch_size" in knobs:
             sizes = [knobs["microbatch_size"]]
+        if dp > 1 and pp > 1 and "layout" in knobs:
+            layouts: tuple[str, ...] = (knobs["layout"],)
+        else:
+            layouts = (DEFAULT_LAYOUT,) + (("tp-pp-dp",) if "layout" not in knobs and
+                                           dp_outer_differs(cluster, dp, tp, pp) else ())
         for mbs in sizes:
             if local % mbs:
                 continue
@@ -537,7 +638,8 @@ def hybrid_choices(ctx: "_Context", knobs: Mapping[str, Any], *, skip_classic: b
                             (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
                         if skip_classic and classic:
                             continue
-                        out.append(Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero), v))
+                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero), v, layout)
+                                for layout in layouts]
     return out
 
 
@@ -559,10 +661,12 @@ def _with_virtual_stages(schedules: tuple[str, ...], knobs: Mapping[str, Any], p
 
 
 def best_per_shape(estimates: list[Estimate], capacity: int) -> list[Estimate]:
-    """The KEEP_PER_SHAPE fastest that fit for each (dp, tp, pp), else its least-memory one."""
-    groups: dict[tuple[int, int, int], list[Estimate]] = {}
+    """The KEEP_PER_SHAPE fastest that fit for each (dp, tp, pp, layout), else its
+    least-memory one."""
+    groups: dict[tuple[int, int, int, str], list[Estimate]] = {}
     for e in estimates:
-        groups.setdefault((e.choice.dp, e.choice.tp, e.choice.pp), []).append(e)
+        groups.setdefault((e.choice.dp, e.choice.tp, e.choice.pp, e.choice.layout),
+                          []).append(e)
     kept = []
     for key in sorted(groups):
         group = groups[key]

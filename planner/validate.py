@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import PLACEMENTS, Plan
+from planner.plan import LAYOUTS, PLACEMENTS, Plan
 from profiler.model_profile import ModelProfile
 
 
@@ -26,7 +26,7 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
     the model's order), as ``apply.wrap`` passes it.
 
     Checks: the model signature; strategy numbers (dp*tp*pp <= devices,
-    microbatch_size * num_microbatches * dp == global_batch, schedule); every
+    microbatch_size * num_microbatches * dp == global_batch, schedule, layout); every
     profiled layer in exactly one stage, stages contiguous in the profile order
     (for ``placement == "general"`` instead: dp = tp = 1 and one micro-batch,
     layers anywhere); pp stages of dp devices each; devices exist in the plan's
@@ -69,6 +69,8 @@ def _check_strategy(plan: Plan, fail) -> None:
     if (s.schedule == "interleaved") != (s.virtual_stages > 1):
         fail(f"schedule is {s.schedule!r} with virtual_stages = {s.virtual_stages}; the "
              "interleaved schedule and only it has more than one model chunk per device.")
+    if s.layout not in LAYOUTS:
+        fail(f"layout is {s.layout!r}; expected one of {LAYOUTS} (planner.plan).")
     if plan.placement not in PLACEMENTS:
         fail(f"placement is {plan.placement!r}; expected one of {PLACEMENTS}.")
     if plan.placement == "general" and (s.dp, s.tp, s.num_microbatches) != (1, 1, 1):
