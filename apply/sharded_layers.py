@@ -8,10 +8,12 @@ built there (DESIGN.md: Keras 3 creates variables where the layer is built); the
 "layer's device" below is the device the layer itself is called under (rank 0 of
 its stage, ``apply.tensor_parallel``):
 
-* ``column`` (Dense, EinsumDense): the kernel's output axis is cut in tp
-  slices; each rank computes its slice of the output (bias and an elementwise
-  activation included), and the slices are concatenated on the layer's device;
-* ``row`` (Dense, EinsumDense): the kernel's input axis is cut; each rank
+* ``column`` (Dense, EinsumDense, Conv1D/2D/3D): the kernel's output axis (a
+  convolution's filters) is cut in tp slices; each rank computes its slice of the
+  output (bias and an elementwise activation included), and the slices are
+  concatenated on the layer's device;
+* ``row`` (Dense, EinsumDense, Conv1D/2D/3D): the kernel's input axis (a
+  convolution's input channels) is cut; each rank
   multiplies its slice of the input, and the partial outputs are summed
   (``tf.add_n``) on the layer's device, where the bias and activation follow. A
   row layer that reads a column layer's concatenation takes the column shards
@@ -30,7 +32,15 @@ files and saved models have the unsplit layer's arrays, layout, class name and
 config. A split attention layer with dropout draws its masks per shard, so its
 random masks differ from the unsplit layer's (losses match without dropout).
 
-Not split yet (a PlannerError says so): attention with a gate, inputs of rank other
+Convolutions are split the same way because a convolution is a matrix product over
+channels at every spatial position: cutting the filters cuts the output channels
+(column), cutting the input channels leaves partial sums of the whole output (row;
+Megatron-LM's f/g apply unchanged, with the convolution's activations). Strides,
+padding (Conv1D's "causal" too) and dilation act on the spatial axes only, so every
+shard uses the layer's own.
+
+Not split yet (a PlannerError says so): convolutions with ``groups`` > 1, channels
+first data or LoRA enabled; attention with a gate, inputs of rank other
 than 3, custom attention axes or a multi-axis output; EinsumDense equations with
 ``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
 input axis (row); subclasses of these layers (their ``call`` may differ).
@@ -52,7 +62,8 @@ ELEMENTWISE = frozenset((
     "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "softplus", "softsign",
     "exponential", "mish", "celu", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh",
     "soft_shrink", "hard_shrink", "threshold", "log_sigmoid"))
-SPLITTABLE = {"column": "Dense, EinsumDense", "row": "Dense, EinsumDense",
+SPLITTABLE = {"column": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
+              "row": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
               "heads": "MultiHeadAttention", "vocab": "Embedding"}
 
 
@@ -313,6 +324,120 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
                 self.biases[0].assign(weights[1])
 
 
+class _ShardedConv(_Sharded):
+    """A Keras convolution (Conv1D/2D/3D, channels last) split by column (filters) or row
+    (input channels); mixed into a subclass of the Keras class, whose config it keeps."""
+
+    rank: int
+
+    def _check_splittable(self) -> None:
+        problems = []
+        if self.groups != 1:
+            problems.append(f"groups={self.groups} (grouped convolutions)")
+        if self.data_format != "channels_last":
+            problems.append(f"data_format={self.data_format!r}")
+        if self.lora_rank:
+            problems.append(f"lora_rank={self.lora_rank}")
+        if problems:
+            raise PlannerError(
+                f"{type(self).__name__} layer {self.name!r} cannot be split by "
+                f"{self.tp_split!r}: it has {', '.join(problems)}; apply splits convolutions "
+                "with groups=1, data_format='channels_last' and no LoRA. Re-plan with that "
+                "layer replicated (remove it from tp_splits).")
+
+    def build(self, input_shape: Any) -> None:
+        self._check_splittable()
+        in_ch, tp = int(input_shape[-1]), len(self.tp_devices)
+        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={-1: in_ch})
+        self.compute_output_shape(input_shape)  # Keras' own checks of the spatial sizes
+        ks = tuple(self.kernel_size)
+        kw = dict(initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
+                  constraint=self.kernel_constraint)
+        bw = dict(initializer=self.bias_initializer, regularizer=self.bias_regularizer,
+                  constraint=self.bias_constraint)
+        if self.tp_split == "column":
+            self.sizes = shard_sizes(self.filters, tp)
+            self.kernels = self._add_shards("kernel", [(*ks, in_ch, s) for s in self.sizes],
+                                            **kw)
+            self.biases = self._add_shards("bias", [(s,) for s in self.sizes],
+                                           **bw) if self.use_bias else []
+        else:
+            self.sizes = shard_sizes(in_ch, tp)
+            self.kernels = self._add_shards("kernel", [(*ks, s, self.filters)
+                                                       for s in self.sizes], **kw)
+            self.biases = [self.add_weight(name="bias", shape=(self.filters,), **bw)
+                           ] if self.use_bias else []
+        self._kernel, self.bias = None, None  # the unsplit ones do not exist
+        self.built = True
+
+    def _conv(self, x: Any, kernel: Any) -> Any:
+        padding = self.padding
+        if padding == "causal":  # as keras.layers.Conv1D.call
+            x = ops.pad(x, self._compute_causal_padding())
+            padding = "valid"
+        return ops.conv(x, kernel, strides=list(self.strides), padding=padding,
+                        dilation_rate=self.dilation_rate, data_format=self.data_format)
+
+    def call(self, inputs: Any) -> Any:
+        shard_act = _elementwise(self.activation)
+        if self.tp_split == "column":
+            outs = []
+            for t, d in enumerate(self.tp_devices):
+                with tf.device(d):
+                    y = self._conv(inputs, self.kernels[t])
+                    if self.biases:
+                        y = ops.add(y, self.biases[t])  # channels last: broadcasts
+                    if shard_act and self.activation is not None:
+                        y = self.activation(y)
+                    outs.append(y)
+            y = tf.concat(outs, axis=-1)
+            return y if shard_act or self.activation is None else self.activation(y)
+        parts = _input_shards(inputs, self.sizes, self.tp_devices)
+        partial = []
+        for t, d in enumerate(self.tp_devices):
+            with tf.device(d):
+                partial.append(self._conv(parts[t], self.kernels[t]))
+        y = tf.add_n(partial)
+        if self.biases:
+            y = ops.add(y, self.biases[0])
+        return y if self.activation is None else self.activation(y)
+
+    def full_weights(self) -> list[np.ndarray]:
+        column = self.tp_split == "column"
+        out = [_concat(self.kernels, -1 if column else -2)]
+        if self.biases:
+            out.append(_concat(self.biases, 0) if column else self.biases[0].numpy())
+        return out
+
+    def set_full_weights(self, weights: Sequence[Any]) -> None:
+        column = self.tp_split == "column"
+        _assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
+        if self.biases:
+            if column:
+                _assign_pieces(self.biases, weights[1], 0)
+            else:
+                self.biases[0].assign(weights[1])
+
+
+def _conv_class(base: Any) -> Any:
+    """The sharded twin of one Keras convolution class (its __init__ takes filters,
+    kernel_size and the config's other keywords)."""
+
+    class ShardedConv(_ShardedConv, base):
+        def __init__(self, filters: int, kernel_size: Any, *, tp_split: str = "column",
+                     tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+            super().__init__(filters, kernel_size, **kwargs)
+            self._init_tp(tp_split, tp_devices)
+
+    ShardedConv.__qualname__ = f"Sharded{base.__name__}"
+    return ShardedConv
+
+
+ShardedConv1D = _conv_class(keras.layers.Conv1D)
+ShardedConv2D = _conv_class(keras.layers.Conv2D)
+ShardedConv3D = _conv_class(keras.layers.Conv3D)
+
+
 class ShardedEmbedding(_Sharded, keras.layers.Embedding):
     """An Embedding split over the vocabulary: rank t holds rows [lo_t, hi_t)."""
 
@@ -492,14 +617,18 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
 for _cls, _base in ((ShardedDense, keras.layers.Dense),
                     (ShardedEinsumDense, keras.layers.EinsumDense),
                     (ShardedEmbedding, keras.layers.Embedding),
-                    (ShardedMultiHeadAttention, keras.layers.MultiHeadAttention)):
+                    (ShardedMultiHeadAttention, keras.layers.MultiHeadAttention),
+                    (ShardedConv1D, keras.layers.Conv1D), (ShardedConv2D, keras.layers.Conv2D),
+                    (ShardedConv3D, keras.layers.Conv3D)):
     _cls.__name__, _cls.__module__ = _base.__name__, _base.__module__
 
 SHARDED = {("Dense", "column"): ShardedDense, ("Dense", "row"): ShardedDense,
            ("EinsumDense", "column"): ShardedEinsumDense,
            ("EinsumDense", "row"): ShardedEinsumDense,
            ("Embedding", "vocab"): ShardedEmbedding,
-           ("MultiHeadAttention", "heads"): ShardedMultiHeadAttention}
+           ("MultiHeadAttention", "heads"): ShardedMultiHeadAttention,
+           **{(cls.__name__, split): cls for cls in (ShardedConv1D, ShardedConv2D, ShardedConv3D)
+              for split in ("column", "row")}}
 
 
 def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "") -> Any:
@@ -510,7 +639,8 @@ def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str
         raise PlannerError(
             f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}) by {split!r}; apply "
             f"splits {split!r} only for {SPLITTABLE.get(split, 'no layer type')} layers "
-            "(column/row: Dense, EinsumDense; heads: MultiHeadAttention; vocab: Embedding). "
+            "(column/row: Dense, EinsumDense, Conv1D, Conv2D, Conv3D; heads: "
+            "MultiHeadAttention; vocab: Embedding). "
             "Re-plan, or edit the plan's tp_splits to leave that layer replicated.")
     if split == "heads" and len(devices) > layer.num_heads:
         raise PlannerError(

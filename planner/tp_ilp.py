@@ -22,6 +22,10 @@ what layout a layer's output has and what layout it reads its input in:
     heads      R             R                    fwd all-reduce of Y, bwd of dX
     vocab      R (token ids) R                    forward all-reduce of Y
 
+Column and row are offered for ``profiler.comm.COLUMN_ROW_TYPES``: Dense, EinsumDense
+and the channels-last convolutions, whose S layout cuts the channel axis (the last one),
+so the same layouts and resharding rules hold for them.
+
 Resharding on an edge u -> v depends only on (output layout of u, input layout of v),
 for the edge's tensor of n bytes (``RESHARDING``):
 

@@ -16,9 +16,16 @@ contributes), not the bytes on the wire.
   needs no forward collective and all-reduces the gradient of its input in the
   backward pass (operator f); a *row* split all-reduces its output in the
   forward pass and needs nothing backward (operator g). A column layer feeding a
-  row layer (the MLP pair) therefore costs one all-reduce each way. An attention
-  layer split by heads is column for Q/K/V and row for the output projection:
-  one all-reduce of its output forward, one of its input gradient backward. An
+  row layer (the MLP pair) therefore costs one all-reduce each way. A
+  convolution (Conv1D/2D/3D, channels last) is a matrix product over channels at
+  every spatial position, so the same holds with its activations: column cuts its
+  filters (output channels, the last axis), row its input channels, and the
+  f/g all-reduces carry its input gradient and its output (``apply.sharded_layers``
+  splits them so; it refuses grouped and channels-first convolutions, which the
+  profile does not tell apart: a plan splitting one fails there, with a
+  PlannerError). An attention layer split by heads is column for Q/K/V and row
+  for the output projection: one all-reduce of its output forward, one of its
+  input gradient backward. An
   Embedding split over the vocabulary all-reduces its output forward (sec. 3,
   "input embedding"). Every other layer is replicated and moves nothing.
 - Pipeline parallel: if a stage boundary follows the layer, its output
@@ -32,7 +39,7 @@ from typing import Any
 
 from profiler.model_profile import LayerProfile, ModelProfile
 
-COLUMN_ROW_TYPES = ("Dense", "EinsumDense")
+COLUMN_ROW_TYPES = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D")
 HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
 VOCAB_SPLIT_TYPES = ("Embedding",)
 

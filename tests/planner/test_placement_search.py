@@ -97,9 +97,9 @@ def test_placement_wins_when_the_model_says_it_is_faster(searched):
 
 
 def test_heavy_branches_with_nothing_else_to_split_choose_the_placement():
-    # batch 1: no data parallelism, no micro-batches; Conv2D branches: no tensor split.
+    # batch 1: no data parallelism, no micro-batches; DepthwiseConv2D branches: no tensor split.
     # One device runs the two equal branches in turn; the placement runs them at once.
-    fan = _fan_out(2, branch_flops=10**10, branch_type="Conv2D")
+    fan = _fan_out(2, branch_flops=10**10, branch_type="DepthwiseConv2D")
     result = search(fan, _cpu("cpu:2"), 1)
     chosen, runner = result.candidates[:2]
     assert chosen.placement == "general" and chosen is result.chosen
@@ -109,7 +109,7 @@ def test_heavy_branches_with_nothing_else_to_split_choose_the_placement():
     assert chosen.reason.startswith("general placement on 2 devices is predicted 2.0x faster")
     assert f"x faster than the runner-up {runner.name} (" in chosen.reason
     # the same layers in a chain: nothing can overlap, no placement is offered
-    chain = _fan_out(2, branch_flops=10**10, branch_type="Conv2D", chain=True)
+    chain = _fan_out(2, branch_flops=10**10, branch_type="DepthwiseConv2D", chain=True)
     assert not _general(search(chain, _cpu("cpu:2"), 1))
 
 

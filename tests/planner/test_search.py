@@ -171,7 +171,7 @@ def test_gradient_accumulation_fits_when_activations_bind():
 def test_one_sample_too_big_names_the_memory_needed():
     # 40 MB of activations per sample on 30 MB devices: no batch or split helps
     profile = chain_profile(n_layers=1, params=1000, activation_bytes=40 * MB, batch_size=1,
-                            layer_type="Conv2D")
+                            layer_type="DepthwiseConv2D")
     with pytest.raises(InfeasiblePlanError) as e:
         search(profile, make_cluster(num_devices=2, memory_bytes=30 * MB), 16)
     assert "Memory binds" in str(e.value)

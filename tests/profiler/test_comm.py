@@ -31,7 +31,7 @@ def test_attention_embedding_and_replicated_layers():
     emb = layer_comm(_layer("tok", "Embedding", params=1000, act=2048), input_bytes=64)
     assert [(s.split, s.fwd_allreduce_bytes, s.bwd_allreduce_bytes) for s in emb.tp_splits] == \
         [("vocab", 2048, 0)]
-    conv = layer_comm(_layer("conv", "Conv2D", params=5, act=100), input_bytes=100)
+    conv = layer_comm(_layer("conv", "DepthwiseConv2D", params=5, act=100), input_bytes=100)
     assert conv.tp_splits == () and conv.dp_allreduce_bytes == 20 and conv.pp_send_bytes == 100
 
 
