@@ -1,0 +1,129 @@
+"""ZeRO-1 on one host: each data-parallel replica holds and updates its share of the
+optimizer state.
+
+Pipeline position: ``apply.tensor_parallel`` calls it for a plan with ``dp > 1`` and
+``strategy.optimizer_sharding`` (``apply.wrap`` routes such plans there, with any tp
+and pp). ``planner.zero`` names the owner replica of each weight group (the dp copies
+of one variable: same stage, same tensor rank, one per replica).
+
+How it works (ZeRO stage 1, P_os: Rajbhandari et al., SC'20, Sec. 5.1 and 7.1):
+
+* slots: the optimizer is built on the owners' copies only, each slot under its
+  owner's device (``apply.placement.build_optimizer_on_devices``); the other copies
+  have no optimizer state;
+* gradients: each group's gradient sum over the replicas runs on the owner's
+  device only (a reduce, where plain data parallelism all-reduces: the
+  reduce-scatter half of ZeRO's collective);
+* update: ``optimizer.apply_gradients`` gets the (sum, owner copy) pairs, so its
+  update math runs on the owners' devices and ``optimizer.iterations`` advances
+  once per step;
+* broadcast: the new value of each owner copy is read on its device and assigned
+  to the other copies on theirs (the all-gather half). Inside the traced train
+  step TensorFlow's automatic control dependencies run a variable's reads after
+  the writes that precede them in the program (the tf.function guide, "Automatic
+  control dependencies"), so the copies get the updated value; eagerly, the code
+  runs in order.
+
+The same sum in the same order on one device, one update, exact copies: the result
+is the single-device one, and after each step every copy of a weight is equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from apply.devices import short_name
+from apply.placement import tf_variable
+from apply.tensor_parallel import _sum
+from planner.errors import PlannerError
+from planner.zero import owners_by_device_group
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """The dp copies of one trainable variable and the replica that owns its state."""
+
+    index: int  # position in each replica's trainable variables
+    path: str
+    copies: tuple[Any, ...]  # replica r's keras.Variable at position r
+    devices: tuple[str, ...]  # short device names, replica order
+    size_bytes: int
+    owner: int  # replica index (planner.zero)
+
+    @property
+    def owner_copy(self) -> Any:
+        return self.copies[self.owner]
+
+    @property
+    def owner_device(self) -> str:
+        return self.devices[self.owner]
+
+
+def weight_groups(variables: Sequence[Any], dp: int) -> list[WeightGroup]:
+    """Group ``variables`` (replica 0's trainable variables, then replica 1's, ...: what
+    ``TensorParallelModel.trainable_variables`` returns) into weight groups with owners."""
+    variables = list(variables)
+    if dp < 1 or len(variables) % dp:
+        raise PlannerError(f"ZeRO-1 needs the same trainable variables in each of the {dp} "
+                           f"replicas; received {len(variables)} variables in all. Keep the "
+                           "replicas' trainable flags equal (set them before apply.wrap).")
+    n = len(variables) // dp
+    copies = [tuple(variables[r * n + i] for r in range(dp)) for i in range(n)]
+    for group in copies:
+        shapes = {tuple(v.shape) for v in group}
+        if len(shapes) > 1:
+            raise PlannerError(f"Weight {group[0].path!r} has shapes {sorted(shapes)} in the "
+                               "data-parallel replicas; expected one shape. Keep the "
+                               "replicas' trainable flags equal (set them before apply.wrap).")
+    devices = [tuple(short_name(tf_variable(v).device) for v in group) for group in copies]
+    sizes = [_size_bytes(group[0]) for group in copies]
+    owners = owners_by_device_group(list(zip(devices, sizes)))
+    return [WeightGroup(index=i, path=copies[i][0].path, copies=copies[i], devices=devices[i],
+                        size_bytes=sizes[i], owner=owners[i]) for i in range(n)]
+
+
+def owned_variables(variables: Sequence[Any], dp: int) -> list[Any]:
+    """The owner copy of each weight group: what the optimizer is built on."""
+    return [g.owner_copy for g in weight_groups(variables, dp)]
+
+
+def apply_sharded(apply: Callable[[list[Any], list[Any]], None], gradients: Sequence[Any],
+                  variables: Sequence[Any], dp: int) -> None:
+    """One ZeRO-1 update: reduce each group's gradients on its owner's device, ``apply``
+    the sums to the owner copies, copy the new values to the other replicas.
+
+    ``apply(gradients, variables)`` is the model's own placed update
+    (``PlacedModel._apply_gradients``: slots and update math on each variable's device).
+    """
+    groups = weight_groups(variables, dp)
+    n = len(groups)
+    sums = []
+    for g in groups:
+        parts = [gradients[r * n + g.index] for r in range(dp)]
+        present = [p for p in parts if p is not None]
+        if not present:
+            sums.append(None)  # not trained by this loss: Keras skips it, nothing to copy
+            continue
+        with tf.device(tf_variable(g.owner_copy).device):  # a reduce, not an all-reduce
+            sums.append(_sum(present))  # apply.tensor_parallel's sum, in replica order
+    apply(sums, [g.owner_copy for g in groups])
+    for g, summed in zip(groups, sums):
+        if summed is None:
+            continue
+        owner = tf_variable(g.owner_copy)
+        with tf.device(owner.device):
+            value = owner.read_value()
+        for r, copy in enumerate(g.copies):
+            if r != g.owner:
+                target = tf_variable(copy)
+                with tf.device(target.device):
+                    target.assign(value)
+
+
+def _size_bytes(variable: Any) -> int:
+    count = 1
+    for dim in variable.shape:
+        count *= int(dim)
+    return count * tf.as_dtype(variable.dtype).size

@@ -1,0 +1,152 @@
+"""ZeRO-1 (apply.zero): plans with ``optimizer_sharding`` keep each weight's optimizer
+slots on one replica, the owner ``planner.zero`` names, and train exactly like one device.
+
+Runs on the logical CPU devices of tests/conftest.py with hand-made plans: the tiny MLP
+with dp = 2 and dp = 4, the tiny transformer with dp = 2, a hybrid dp = 2 x pp = 2 (two
+micro-batches) and dp = 2 x tp = 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import collections
+from collections import defaultdict
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import apply
+from apply.devices import short_name
+from apply.placement import tf_variable
+from apply.tensor_parallel import TensorParallelModel
+from apply.wrap import plan_mode
+from apply.zero import weight_groups
+from planner.zero import owners_by_device_group
+from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
+                                 cpus, fresh_optimizer, make_plan, step_losses)
+
+STEPS = 10
+MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
+              ("head", "row"))
+
+# name: (model file, devices of each stage (dp x tp per stage), micro-batches, dp, splits)
+CASES = {
+    "mlp-dp2": ("tiny_mlp", [cpus(0, 1)], 1, 2, ()),
+    "mlp-dp4": ("tiny_mlp", [cpus(0, 1, 2, 3)], 1, 4, ()),
+    "transformer-dp2": ("tiny_transformer", [cpus(2, 3)], 1, 2, ()),
+    "mlp-dp2-pp2-m2": ("tiny_mlp", [cpus(0, 1), cpus(2, 3)], 2, 2, ()),
+    "mlp-dp2-tp2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 2, MLP_SPLITS),
+}
+_REFERENCE: dict[str, list[float]] = {}
+
+
+def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=()):
+    """A hand-made plan (tests/apply/helpers.make_plan) with optimizer_sharding on."""
+    plan = make_plan(model, stage_devices, num_microbatches=num_microbatches)
+    tp = len(stage_devices[0]) // dp
+    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=True,
+                                   microbatch_size=GLOBAL_BATCH // (dp * num_microbatches))
+    return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
+                               name=f"zero dp={dp} tp={tp} pp={len(stage_devices)}")
+
+
+def reference_losses(name: str) -> list[float]:
+    """Single-device losses of STEPS steps from the same weights and batches."""
+    if name not in _REFERENCE:
+        module, model = base_model(name)
+        copy = keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        _REFERENCE[name] = step_losses(copy, batches_of(module, STEPS, GLOBAL_BATCH))
+    return _REFERENCE[name]
+
+
+def _device(variable) -> str:
+    return short_name(tf_variable(variable).device)
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_optimizer_trains_like_one_device(case, recwarn):
+    name, devices, m, dp, splits = CASES[case]
+    module, model = base_model(name)
+    plan = zero_plan(model, devices, num_microbatches=m, dp=dp, splits=splits)
+    assert plan_mode(plan) == "tensor_parallel"
+    wrapped = apply.wrap(model, plan)
+    assert not [w for w in recwarn.list if "optimizer_sharding" in str(w.message)
+                or "ZeRO" in str(w.message)]  # applied, so no "not applied yet" warning
+    assert isinstance(wrapped, TensorParallelModel) and wrapped.optimizer_sharding
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
+                        reference_losses(name))
+    optimizer = wrapped.optimizer
+    assert int(optimizer.iterations.numpy()) == STEPS  # one update per step
+
+    # the owners planner.zero names, from the copies' devices and sizes alone
+    variables = list(wrapped.trainable_variables)
+    n = len(variables) // dp
+    copies = [[variables[r * n + i] for r in range(dp)] for i in range(n)]
+    groups = [(tuple(_device(v) for v in c), _nbytes(c[0])) for c in copies]
+    owners = owners_by_device_group(groups)
+    assert [g.owner for g in weight_groups(variables, dp)] == owners
+    # each weight's dp copies are on dp different devices (of its stage and tp rank)
+    assert all(len(set(devices_)) == dp for devices_, _ in groups)
+
+    # slots: on the owners' copies only, each on its owner's device
+    built = {id(v) for v in optimizer._trainable_variables}
+    assert built == {id(c[o]) for c, o in zip(copies, owners)} and len(built) == n
+    slot_bytes: dict[str, int] = defaultdict(int)
+    for c, o, (devices_, size) in zip(copies, owners, groups):
+        for r, copy in enumerate(c):
+            if r != o:
+                assert optimizer._var_key(copy) not in optimizer._trainable_variables_indices
+        index = optimizer._get_variable_index(c[o])
+        for slots in (optimizer._momentums, optimizer._velocities):
+            assert _device(slots[index]) == devices_[o], (c[o].path, _device(slots[index]))
+            assert tuple(slots[index].shape) == tuple(c[o].shape)
+            slot_bytes[devices_[o]] += _nbytes(slots[index])
+    assert len(optimizer._momentums) == len(optimizer._velocities) == n
+    # Adam holds 2 slots per weight, once (not dp times)
+    assert sum(slot_bytes.values()) == 2 * sum(size for _, size in groups)
+    # balanced within each set of dp devices: at most the largest variable's slots apart
+    for devices_ in {d for d, _ in groups}:
+        loads = [slot_bytes.get(d, 0) for d in devices_]
+        largest = max(2 * size for d, size in groups if d == devices_)
+        assert max(loads) - min(loads) <= largest, (devices_, loads)
+    if dp == 2 and len({d for d, _ in groups}) == 1:
+        assert len(slot_bytes) == 2  # every replica owns some state
+
+    # after training, every copy of every weight is the owner's, exactly
+    for c in copies:
+        first = c[0].numpy()
+        for copy in c[1:]:
+            np.testing.assert_array_equal(copy.numpy(), first)
+
+
+def test_the_train_step_reduces_on_the_owner_only():
+    """Each weight's gradient sum (one AddN over the dp replicas) runs once, on its
+    owner's device: a reduce; without sharding the same model sums on every copy."""
+    module, model = base_model("tiny_mlp")
+    x, y = batches_of(module, 1, GLOBAL_BATCH)[0]
+    counts = {}
+    for sharded in (True, False):
+        wrapped = apply.wrap(model, zero_plan(model, [cpus(0, 1)], dp=2))
+        wrapped.optimizer_sharding = sharded  # False: the all-reduce of apply.tensor_parallel
+        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        step = tf.function(lambda data, model=wrapped: model.train_step(data),
+                           autograph=False)  # as Keras traces it
+        graph = step.get_concrete_function((tf.constant(x), tf.constant(y))).graph
+        sums = [op for op in graph.get_operations()
+                if op.type == "AddN" and op.name.split("/")[0].startswith("AddN")]
+        counts[sharded] = collections.Counter(short_name(op.device) for op in sums)
+        if sharded:
+            groups = weight_groups(wrapped.trainable_variables, 2)
+            assert counts[sharded] == collections.Counter(g.owner_device for g in groups)
+            assert len(wrapped.optimizer._momentums) == len(groups)
+    n = len(model.trainable_variables)
+    assert sum(counts[True].values()) == n
+    assert counts[False] == {"/device:CPU:0": n, "/device:CPU:1": n}
