@@ -25,10 +25,12 @@ TensorFlow's own placer doing the rest:
 * optimizer slots: built eagerly at ``compile()`` (or, failing that, on the
   first step, lifted out of the graph), each under its variable's device;
 * micro-batches: ``strategy.num_microbatches`` equal parts per step, gradients
-  averaged before one update (GPipe; ``apply.planned_model``). TensorFlow's
-  executor overlaps micro-batch ``i`` on stage ``s+1`` with micro-batch
-  ``i+1`` on stage ``s``, since they do not depend on each other; there is no
-  explicit 1F1B schedule yet;
+  averaged before one update (``apply.planned_model``). TensorFlow's executor
+  overlaps micro-batch ``i`` on stage ``s+1`` with micro-batch ``i+1`` on stage
+  ``s``, since they do not depend on each other. Under GPipe nothing else orders
+  them; a 1F1B or interleaved plan (``schedule=``, ``apply.schedule``) makes each
+  stage's forward of a micro-batch wait for the backward passes the schedule puts
+  before it (control dependencies), which bounds the micro-batches in flight;
 * recomputation (``strategy.recompute``): the layers ``apply.recompute`` picks
   run through ``tf.recompute_grad`` where each layer is called.
 
@@ -37,6 +39,7 @@ than one device: one XLA cluster runs on one device.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Collection, Mapping
 
@@ -48,6 +51,7 @@ from apply.placement import (build_optimizer_on_devices, operation_devices,
                              updates_on_variable_devices)
 from apply.planned_model import PlannedModel
 from apply.recompute import recompute_call
+from apply.schedule import PipelineSchedule, active_trace, operation_stages, tracing
 
 
 @keras.saving.register_keras_serializable(package="apply")
@@ -57,9 +61,12 @@ class PlacedModel(PlannedModel):
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  device_of_layer: Mapping[str, str] | None = None,
                  default_device: str = "", recompute_layers: Collection[str] = (),
-                 **kwargs: Any) -> None:
+                 schedule: PipelineSchedule | None = None, **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
         self.recompute_layers = frozenset(recompute_layers)  # apply.recompute
+        self.pipeline_schedule = schedule  # None: no order beyond the data flow (GPipe)
+        self._op_stage = (operation_stages(self, dict(schedule.stage_of_layer))
+                          if schedule is not None else {})
         device_of_layer = dict(device_of_layer or {})
         self._op_device = operation_devices(self, device_of_layer, default_device)
         self.stage_devices = tuple(dict.fromkeys(device_of_layer.values()))
@@ -73,6 +80,7 @@ class PlacedModel(PlannedModel):
             return super()._run_through_graph(inputs, operation_fn=operation_fn,
                                               call_fn=call_fn)
         devices = self._op_device
+        trace = active_trace() if self._op_stage else None  # a 1F1B/interleaved train step
 
         def placed(op: Any) -> Any:
             fn = operation_fn(op)
@@ -81,10 +89,17 @@ class PlacedModel(PlannedModel):
             device = devices.get(id(op))
             if device is None:
                 return fn
+            stage = self._op_stage.get(id(op))
 
             def run(*args: Any, **kwargs: Any) -> Any:
                 with tf.device(device):
-                    return fn(*args, **kwargs)
+                    if trace is None or stage is None:
+                        return fn(*args, **kwargs)
+                    with tf.control_dependencies(trace.control_inputs(stage)):
+                        out = fn(*args, **kwargs)
+                    trace.record_forward(stage, op, keras.tree.flatten((args, kwargs)),
+                                         keras.tree.flatten(out))
+                    return out
             return run
 
         return super()._run_through_graph(inputs, operation_fn=placed)
@@ -106,6 +121,16 @@ class PlacedModel(PlannedModel):
     def _uses_microbatch_step(self) -> bool:
         return True  # always: it is the step that places gradients and updates
 
+    def _step_schedule(self) -> Any:
+        if self.pipeline_schedule is None or tf.executing_eagerly():
+            return super()._step_schedule()  # run_eagerly: no graph to add edges to
+
+        @contextlib.contextmanager
+        def scheduled() -> Any:
+            with tracing(self.pipeline_schedule) as trace:
+                yield trace.start_microbatch
+        return scheduled()
+
     def train_step(self, data: Any) -> Any:
         with tf.device(self.output_device):  # loss, metrics: where the output is
             return super().train_step(data)
@@ -123,9 +148,14 @@ class PlacedModel(PlannedModel):
         if tf.executing_eagerly():  # run_eagerly=True: no graph for tf.gradients
             return super()._loss_and_gradients(x, y, sample_weight, variables)
         y_pred, loss, scaled = self._forward_loss(x, y, sample_weight)
-        grads = tf.gradients(scaled, [v.value for v in variables],
+        trace = active_trace()  # 1F1B / interleaved: also the gradients at stage boundaries
+        received = trace.received_activations() if trace is not None else []
+        grads = tf.gradients(scaled, [v.value for v in variables] + received,
                              unconnected_gradients=tf.UnconnectedGradients.NONE)
-        return y_pred, loss, grads
+        n = len(variables)
+        if trace is not None:
+            trace.record_backward(variables, grads[:n], grads[n:])
+        return y_pred, loss, grads[:n]
 
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         build_optimizer_on_devices(self.optimizer, variables)  # no-op once built
@@ -134,13 +164,18 @@ class PlacedModel(PlannedModel):
 
 
 def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
-                num_microbatches: int, recompute_layers: Collection[str] = ()) -> PlacedModel:
-    """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights."""
+                num_microbatches: int, recompute_layers: Collection[str] = (),
+                schedule: PipelineSchedule | None = None) -> PlacedModel:
+    """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights.
+
+    ``schedule`` (``apply.schedule.schedule_of(plan)``): a 1F1B or interleaved order to
+    enforce; None trains without one (GPipe)."""
     stages = tuple(dict.fromkeys(device_of_layer.values()))
     clone = clone_graph(view, device_of_layer)
     model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
                         device_of_layer=device_of_layer, default_device=stages[0],
                         plan_name=plan_name, num_microbatches=num_microbatches,
-                        num_replicas=1, recompute_layers=recompute_layers)
+                        num_replicas=1, recompute_layers=recompute_layers,
+                        schedule=schedule)
     copy_weights(view, model)
     return model

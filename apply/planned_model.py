@@ -16,7 +16,8 @@ order as the user's model, so weight files load either way) that adds:
   mean, so the loss and the update equal one step on the whole batch (for
   models without batch statistics such as BatchNormalization). All micro-batches
   live in one ``tf.function`` graph, so TensorFlow's executor overlaps stages
-  that do not depend on each other;
+  that do not depend on each other; a placed model with a 1F1B or interleaved
+  plan adds control dependencies that fix the planned order (``apply.schedule``);
 * ``model.save(...)`` files that ``keras.models.load_model`` reads back as a
   plain Functional model once ``apply`` is imported (the subclasses are
   registered with Keras under the package name ``apply``);
@@ -87,6 +88,12 @@ class PlannedModel(Functional):
 
     def _uses_microbatch_step(self) -> bool:
         return self.num_microbatches > 1
+
+    def _step_schedule(self) -> Any:
+        """Context around one train step's micro-batches; yields None, or a function called
+        with each micro-batch's index before it is traced (``apply.pipeline`` enforces a
+        1F1B or interleaved order with it: ``apply.schedule``)."""
+        return contextlib.nullcontext(None)
 
     # --- compile ------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -180,14 +187,17 @@ class PlannedModel(Functional):
         parts = split_microbatches((x, y, sample_weight), m, self._batch_error)
         total: list[Any] | None = None
         predictions = []
-        for xi, yi, swi in parts:
-            y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
-            self._loss_tracker.update_state(
-                loss_module.unscale_loss_for_distribution(loss),
-                sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
-            total = grads if total is None else [
-                _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
-            predictions.append(y_pred)
+        with self._step_schedule() as start_microbatch:  # in order: 0, 1, ... (apply.schedule)
+            for i, (xi, yi, swi) in enumerate(parts):
+                if start_microbatch is not None:
+                    start_microbatch(i)
+                y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
+                self._loss_tracker.update_state(
+                    loss_module.unscale_loss_for_distribution(loss),
+                    sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
+                total = grads if total is None else [
+                    _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
+                predictions.append(y_pred)
         if variables:
             averaged = [_scale(g, 1.0 / m, v) for g, v in zip(total, variables)]
             self._apply_gradients(averaged, variables)

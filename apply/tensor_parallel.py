@@ -25,6 +25,9 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   the copies stay equal). The model returned is replica 0; ``weights``, weight
   files and ``get_weights`` hold one copy, ``trainable_variables`` (what is
   trained, with its optimizer slots) every copy.
+* ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
+  owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
+  its device, is updated, and is copied to the other replicas.
 * Weights are copied from the user's model, so training gives the single-device
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
@@ -42,8 +45,9 @@ import tensorflow as tf
 
 from apply.cloning import _default_clone, copy_weights
 from apply.pipeline import PlacedModel
-from apply.placement import tf_variable
+from apply.placement import build_optimizer_on_devices, tf_variable
 from apply.planned_model import split_microbatches
+from apply.schedule import schedule_of
 from apply.sharded_layers import sharded_clone
 from planner.errors import PlannerError
 from planner.plan import Plan
@@ -56,6 +60,8 @@ class TensorParallelModel(PlacedModel):
     With dp > 1 it is replica 0 and holds the other replicas (same layers and weights on
     their own tp devices, ``_Replicas``): see ``wrap_tensor_parallel``.
     """
+
+    optimizer_sharding = False  # ZeRO-1 across the dp replicas (apply.zero)
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
@@ -92,8 +98,22 @@ class TensorParallelModel(PlacedModel):
             scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return y_pred, loss, scaled
 
+    def _after_compile(self) -> None:
+        if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
+            from apply.zero import owned_variables
+
+            build_optimizer_on_devices(self.optimizer, owned_variables(
+                self.trainable_variables, 1 + len(self._others.models)))
+            return
+        super()._after_compile()
+
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
+        if dp > 1 and self.optimizer_sharding:  # ZeRO-1: reduce, owner update, copy out
+            from apply.zero import apply_sharded
+
+            apply_sharded(super()._apply_gradients, gradients, variables, dp)
+            return
         if dp > 1:  # each copy of a weight gets the sum of all replicas' gradients for it
             n = len(variables) // dp
             summed = list(gradients)
@@ -189,6 +209,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     if dp > 1:
         model._set_replicas(models[1:])
         model.num_replicas = dp  # batches must split in dp x num_microbatches parts
+        model.optimizer_sharding = plan.strategy.optimizer_sharding  # ZeRO-1: apply.zero
     return model
 
 
@@ -219,7 +240,7 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
         clone.inputs, clone.outputs, name=view.name, device_of_layer=device_of_layer,
         default_device=stages[0], plan_name=plan.name,
         num_microbatches=plan.strategy.num_microbatches, num_replicas=1,
-        recompute_layers=recompute_layers,
+        recompute_layers=recompute_layers, schedule=schedule_of(plan),  # apply.schedule
         tp_devices=[d for stage in plan.stages for d in stage.devices[r * tp:(r + 1) * tp]])
     copy_weights(view, model)
     return model

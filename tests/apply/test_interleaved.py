@@ -1,13 +1,14 @@
 """apply.wrap runs an interleaved-pipeline plan (model chunk k on pipeline device k % pp):
-each layer on its chunk's device, losses equal to one device. The interleaved schedule
-itself is not applied yet (it runs as GPipe) and wrap says so."""
+each layer on its chunk's device, losses equal to one device, in the interleaved order
+(apply.schedule; its order in the graph: tests/apply/test_schedule.py), without a
+warning."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
-import pytest
-
 import apply
+from apply.schedule import schedule_of
 from apply.wrap import plan_mode
 from planner.plan import Stage
 from planner.validate import validate_plan
@@ -36,10 +37,12 @@ def test_interleaved_plan_places_chunks_round_robin_and_trains_like_one_device()
     module, model = base_model(NAME)
     plan = _interleaved_plan(model)
     validate_plan(plan, model_signature(model))
-    with pytest.warns(UserWarning, match="interleaved"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the schedule is applied: nothing to warn about
         assert plan_mode(plan) == "pipeline"
-    with pytest.warns(UserWarning, match="interleaved"):
         wrapped = apply.wrap(model, plan)
+    assert wrapped.pipeline_schedule == schedule_of(plan)
+    assert wrapped.pipeline_schedule.kind == "interleaved"
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
                         reference_losses(NAME))
