@@ -24,31 +24,60 @@ one stage on several devices. Everything is TensorFlow's own machinery:
 * ``train_on_batch``/``test_on_batch``/``predict_on_batch``: Keras' versions
   hand the whole batch to every replica (a train step is then correct but not
   data parallel); here the batch is split into one slice per replica
-  (``experimental_distribute_values_from_function``) and handed to the same
-  step functions ``fit`` uses. A test batch that does not split evenly is
-  evaluated whole by every replica (Keras' own ``test_on_batch``; Keras'
-  ``evaluate`` fails under MirroredStrategy when its first batch leaves a
-  replica empty), a predict batch goes through ``predict``;
+  (``experimental_distribute_values_from_function``; numpy arrays are sliced
+  as numpy views and become tensors when the step is called, as in a
+  hand-written ``strategy.run`` loop, where slicing a tensor copy eagerly
+  costs a quarter of an MLP step) and handed to the same step functions
+  ``fit`` uses, called with the metric resets in one compiled call. A test
+  batch that does not split evenly is evaluated whole by every replica (Keras'
+  own ``test_on_batch``; Keras' ``evaluate`` fails under MirroredStrategy when
+  its first batch leaves a replica empty), a predict batch goes through
+  ``predict``;
 * ``num_microbatches > 1``: each replica accumulates gradients over its
-  micro-batches before the all-reduce (``apply.planned_model``).
+  micro-batches before the all-reduce (``apply.planned_model``);
+* recomputation (``recompute_layers``, from ``apply.recompute``): those layers
+  run through ``tf.recompute_grad`` where each replica calls them, so each
+  replica's backward pass re-runs their forward ops (as ``apply.pipeline``
+  does for placed models).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
 from apply.cloning import clone_graph, copy_weights
 from apply.planned_model import PlannedModel, _leading_dim
+from apply.recompute import recompute_call
 from planner.errors import PlannerError
 
 
 @keras.saving.register_keras_serializable(package="apply")
 class DataParallelModel(PlannedModel):
     """A PlannedModel made inside a MirroredStrategy scope (see the module docstring)."""
+
+    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
+                 recompute_layers: Collection[str] = (), **kwargs: Any) -> None:
+        super().__init__(inputs, outputs, name=name, **kwargs)
+        self.recompute_layers = frozenset(recompute_layers)  # apply.recompute
+
+    # --- forward --------------------------------------------------------------------------
+    def _run_through_graph(self, inputs: Any, operation_fn: Any = lambda op: op,
+                           call_fn: Any = None) -> Any:
+        if call_fn is not None or not self.recompute_layers:  # call_fn: not a forward pass
+            return super()._run_through_graph(inputs, operation_fn=operation_fn,
+                                              call_fn=call_fn)
+
+        def recomputed(op: Any) -> Any:
+            fn = operation_fn(op)
+            return recompute_call(fn) if getattr(op, "name", None) in self.recompute_layers \
+                else fn
+
+        return super()._run_through_graph(inputs, operation_fn=recomputed)
 
     def _compile_scope(self) -> Any:
         return self.distribute_strategy.scope()
@@ -88,6 +117,41 @@ class DataParallelModel(PlannedModel):
             self._reset_key = key
         self._reset_fn()
 
+    def _reset_and_step(self, kind: str, data: Any) -> Any:
+        """Reset the metrics, then run the ``train``/``test`` step function on one
+        PerReplica batch: the logs of that batch alone, as Keras' ``*_on_batch`` gives.
+
+        Both run in one ``tf.function`` that calls the model's own step function
+        (``self.train_function``: Keras' ``strategy.run(train_step)`` and its reduction of
+        the per-replica logs, or a subclass's), so the logs are the step function's own;
+        one compiled call instead of two saves a dispatch per batch. The resets come first
+        because every op on a metric variable runs in program order in a ``tf.function``
+        (automatic control dependencies). Rebuilt when the step function or the metrics'
+        variables change (``compile`` clears the step functions)."""
+        if kind == "train":
+            self.make_train_function()
+        else:
+            self.make_test_function()
+        step = getattr(self, f"{kind}_function")
+        if self.run_eagerly:
+            self.reset_metrics()
+            return step([data])
+        metrics = list(self.metrics)
+        key = (id(step),) + tuple(id(v) for m in metrics for v in m.variables)
+        cached = getattr(self, f"_one_batch_{kind}", None)
+        if cached is None or cached.key != key:
+            strategy = self.distribute_strategy
+
+            def reset_and_step(batch: Any) -> Any:
+                with strategy.scope():
+                    for m in metrics:
+                        m.reset_state()
+                    return step([batch])
+
+            cached = _OneBatchFunction(key, tf.function(reset_and_step, reduce_retracing=True))
+            setattr(self, f"_one_batch_{kind}", cached)
+        return cached.function(data)
+
     # --- one-batch methods that split the batch across the replicas -----------------------
     def _splits_evenly(self, x: Any) -> bool:
         n = _leading_dim(x)
@@ -96,7 +160,7 @@ class DataParallelModel(PlannedModel):
     def _per_replica(self, data: Any) -> Any:
         """``data`` (a batch that splits evenly) as PerReplica values, one slice per replica."""
         n = _leading_dim(data)
-        data = keras.tree.map_structure(tf.convert_to_tensor, data)
+        data = keras.tree.map_structure(_sliceable, data)
         per = n // self.num_replicas
 
         def replica_slice(ctx: Any) -> Any:
@@ -114,9 +178,7 @@ class DataParallelModel(PlannedModel):
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
-        self.make_train_function()
-        self.reset_metrics()
-        logs = self.train_function([self._per_replica(data)])
+        logs = self._reset_and_step("train", self._per_replica(data))
         return self._one_batch_logs(logs, return_dict)
 
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
@@ -126,9 +188,7 @@ class DataParallelModel(PlannedModel):
             return super().test_on_batch(x, y, sample_weight, return_dict)
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
-        self.make_test_function()
-        self.reset_metrics()
-        logs = self.test_function([self._per_replica(data)])
+        logs = self._reset_and_step("test", self._per_replica(data))
         return self._one_batch_logs(logs, return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
@@ -143,6 +203,22 @@ class DataParallelModel(PlannedModel):
         return logs if return_dict else self._flatten_metrics_in_order(logs)
 
 
+class _OneBatchFunction:
+    """A compiled reset-and-step function and the key it was made for (not tracked by
+    Keras: a plain object, so the model's attribute tracking leaves it alone)."""
+
+    def __init__(self, key: tuple[int, ...], function: Any) -> None:
+        self.key, self.function = key, function
+
+
+def _sliceable(leaf: Any) -> Any:
+    """A numpy array stays one (its slices are views; the step call converts them, on
+    each replica's device); a tensor stays a tensor; anything else becomes a tensor."""
+    if isinstance(leaf, np.ndarray) or tf.is_tensor(leaf):
+        return leaf
+    return tf.convert_to_tensor(leaf)
+
+
 def make_strategy(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
     """MirroredStrategy over ``devices``; ReductionToOneDevice when they are CPUs."""
     if all(":CPU:" in d.upper() for d in devices):
@@ -153,13 +229,19 @@ def make_strategy(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
 
 
 def wrap_data_parallel(view: Any, devices: tuple[str, ...], *, plan_name: str,
-                       num_microbatches: int) -> DataParallelModel:
-    """Clone ``view`` (an uncompiled Functional) inside a MirroredStrategy; copy its weights."""
+                       num_microbatches: int,
+                       recompute_layers: Collection[str] = ()) -> DataParallelModel:
+    """Clone ``view`` (an uncompiled Functional) inside a MirroredStrategy; copy its weights.
+
+    ``recompute_layers``: names of ``view``'s top-level layers to run through
+    ``tf.recompute_grad`` (``apply.recompute.recomputed_layers(plan, view)[0]``).
+    """
     strategy = make_strategy(devices)
     with strategy.scope():
         clone = clone_graph(view)
         model = DataParallelModel(clone.inputs, clone.outputs, name=view.name,
                                   plan_name=plan_name, num_microbatches=num_microbatches,
-                                  num_replicas=len(devices))
+                                  num_replicas=len(devices),
+                                  recompute_layers=recompute_layers)
     copy_weights(view, model)
     return model

@@ -135,11 +135,21 @@ def test_layers_with_state_keep_their_activations_and_say_so():
     assert w.recompute_layers == frozenset({"d1", "d2"})
 
 
-def test_data_parallel_recompute_still_warns_that_it_is_not_applied():
-    _, model = base_model("tiny_mlp")
-    plan = with_recompute(make_plan(model, [cpus(0, 1)]), "full")
-    with pytest.warns(UserWarning, match="recompute='full'"):
-        apply.wrap(model, plan)
+def test_data_parallel_plans_recompute_through_apply_wrap(recwarn):
+    """dp = 2 with recompute="full": apply.wrap hands every layer to the data-parallel
+    model's recomputation (tests/apply/test_data_parallel.py counts the recomputed ops),
+    says nothing is left unapplied, and the losses equal no recomputation."""
+    module, model = base_model("tiny_mlp")
+    plan = make_plan(model, [cpus(0, 1)])
+    recomputed = apply.wrap(model, with_recompute(plan, "full"))
+    assert not [w for w in recwarn if "does not apply" in str(w.message)]
+    assert type(recomputed).__name__ == "DataParallelModel"
+    assert recomputed.recompute_layers == {"dense_in", "hidden", "narrow", "head"}
+    recomputed.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    plain = wrapped(model, plan, module)
+    batches = batches_of(module, 3, GLOBAL_BATCH)
+    np.testing.assert_allclose(step_losses(recomputed, batches), step_losses(plain, batches),
+                               rtol=1e-6)
 
 
 def test_recompute_in_an_eager_train_step_gives_the_same_losses():
