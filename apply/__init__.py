@@ -8,14 +8,18 @@ variable and optimizer slot lives. ``auto(model, global_batch)`` plans for this
 process's devices and wraps in one call (``apply.auto``; ``PLAN_FILE`` loads a
 plan instead; ``auto_devices()`` before building the model makes its devices).
 Modes: single device and pipeline (``apply.pipeline``), data parallel
-(``apply.data_parallel``), data parallel across worker processes
-(``apply.multi_worker``; ``plan launch`` starts them). Importing ``apply`` imports TensorFlow and Keras (and
+(``apply.data_parallel``), tensor parallel and one-host hybrids
+(``apply.tensor_parallel``, ZeRO-1 in ``apply.zero``), data parallel across worker
+processes (``apply.multi_worker``) and hybrids across them
+(``apply.multi_worker_hybrid``; ``plan launch`` starts the workers). Importing ``apply`` imports TensorFlow and Keras (and
 registers the wrapped model classes, so ``keras.models.load_model`` can read
 files a wrapped model saved).
 """
 from __future__ import annotations
 
-from apply import data_parallel, multi_worker, pipeline  # noqa: F401  (register the models)
+# imported to register the wrapped model classes with Keras
+from apply import (data_parallel, multi_worker, multi_worker_hybrid,  # noqa: F401
+                   pipeline, tensor_parallel)
 from apply.auto import auto, auto_devices
 from apply.devices import ensure_devices
 from apply.placement import variable_devices

@@ -11,9 +11,10 @@ Pipeline position: the whole pipeline inside a training script. Instead of
    size 1, as ``plan analyze`` does; nothing runs, no weight is copied), with the
    given optimizer, else the model's compiled one, else adam;
 3. searches (``planner.search.search``) and takes the chosen plan, or, when
-   ``apply.wrap`` cannot run that plan yet (tensor parallel, dp x pp hybrid) or
-   would leave part of it unapplied (ZeRO-1, a 1F1B schedule), the fastest
-   fitting candidate that it runs in full (``runnable``), and says so;
+   ``apply.wrap`` cannot run that plan (a replica spanning worker processes, a plan
+   that leaves a worker idle) or would leave part of it unapplied (ZeRO-1 across
+   workers), the fastest fitting candidate that it runs in full (``runnable``), and
+   says so;
 4. wraps the model (``apply.wrap``) and prints to stderr which plan it chose and
    why (the plan's ``reason``).
 
@@ -22,9 +23,13 @@ searching (no profile, no search), and ``apply.wrap`` still checks it against
 the model and the devices. Either way the global batch must split into the
 plan's ``dp * num_microbatches`` parts, checked here before any training.
 
-Multi-worker clusters (``TF_CONFIG`` naming more than one worker) are not
-planned here yet: ``multi_worker_cluster`` is the hook where that goes; for now
-it raises PlannerError unless ``PLAN_FILE`` is given.
+Multi-worker jobs (``TF_CONFIG`` naming more than one worker, e.g. under ``plan
+launch --workers W``): ``auto_devices`` makes the MultiWorkerMirroredStrategy (and
+this worker's logical CPUs) before the runtime starts, and ``auto`` plans for W
+workers of this worker's devices (``multi_worker_cluster``). Every worker plans the
+same model for the same cluster with the same deterministic search, so they choose
+the same plan; ``auto`` checks that they did (a collective over the plan's hash)
+before training. Plans whose replicas span workers are not runnable (``runnable``).
 """
 from __future__ import annotations
 
@@ -70,8 +75,8 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
             _say(f"note: the plan was made for global batch {plan.global_batch}; training "
                  f"with {global_batch}.")
     else:
+        workers = tf_config_workers()
         if cluster is None:
-            workers = tf_config_workers()
             cluster = multi_worker_cluster(workers) if len(workers) > 1 else local_cluster()
         elif isinstance(cluster, str):
             from planner.presets import parse_cluster
@@ -79,6 +84,8 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
             cluster = parse_cluster(cluster)
         plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
                         precision=precision, time_limit_s=time_limit_s)
+        if len(workers) > 1:
+            check_same_plan(plan)
     check_global_batch(plan, global_batch)
     return wrap(model, plan, logdir=logdir)
 
@@ -100,6 +107,15 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
         return ensure_devices(load_plan(plan_file))
+    if len(tf_config_workers()) > 1:  # a multi-worker job: its strategy, before the runtime
+        from apply.multi_worker import ensure_strategy, local_devices
+
+        if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int)
+                                 or cpus < 1):
+            raise PlannerError(f"cpus={cpus!r}; expected a number of logical CPU devices >= 1.")
+        gpu = bool(tf.config.list_physical_devices("GPU"))
+        ensure_strategy("GPU" if gpu else "CPU", cpus or 1)
+        return tuple(short_name(d) for d in local_devices("GPU" if gpu else "CPU"))
     if cpus is not None:
         if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
             raise PlannerError(f"cpus={cpus!r}; expected a number of logical CPU devices >= 1.")
@@ -154,6 +170,29 @@ def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: 
     return fallback.with_reason(
         f"{fallback.name} is the fastest candidate that fits and that apply.wrap runs; the "
         f"search chose {chosen.name} ({why}): {chosen.reason}")
+
+
+def check_same_plan(plan: Plan) -> None:
+    """PlanMismatchError unless every worker of the multi-worker job chose ``plan``: the
+    sum over the workers of a 31-bit hash of the plan's JSON must be W times this
+    worker's (a collective of the MultiWorkerMirroredStrategy)."""
+    import hashlib
+
+    import tensorflow as tf
+
+    from apply.multi_worker import get_strategy
+
+    text = json.dumps(plan.to_dict(), sort_keys=True)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
+    strategy = get_strategy()
+    mine = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(digest, tf.int64))
+    total = int(strategy.reduce(tf.distribute.ReduceOp.SUM, mine, axis=None))
+    if total != digest * strategy.num_replicas_in_sync:
+        raise PlanMismatchError(
+            f"The workers of this multi-worker job planned differently (this worker chose "
+            f"{plan.name!r}). Plan once with `plan analyze` for the cluster and set "
+            f"{PLAN_FILE_ENV}=plan.json on every worker.")
 
 
 def runnable(plan: Plan) -> bool:
@@ -222,16 +261,39 @@ def tf_config_workers() -> list[str]:
 
 
 def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
-    """The ClusterSpec of a multi-worker job (TF_CONFIG with several workers).
+    """The ClusterSpec of a multi-worker job (TF_CONFIG with several workers): this
+    worker's devices (``apply.auto_devices`` made them and the MultiWorkerMirroredStrategy)
+    on each of the ``len(workers)`` workers, joined by a network.
 
-    Hook for multi-worker planning: not implemented yet, so it raises PlannerError.
+    CPUs: ``Wxcpu:N`` (``planner.presets``, nominal figures). GPUs: this host's GPU
+    preset (``gpu_cluster``) on W nodes, with the preset's inter-node network (when the
+    preset has none, a 100 Gb/s InfiniBand-class link is assumed, and said).
     """
-    raise PlannerError(
-        f"TF_CONFIG names {len(workers)} workers ({', '.join(workers[:4])}"
-        f"{', ...' if len(workers) > 4 else ''}); apply.auto plans for one process's devices "
-        "and cannot plan a multi-worker job yet. Make a plan with `plan analyze` for the "
-        f"cluster and set {PLAN_FILE_ENV}=plan.json on every worker, or unset TF_CONFIG to "
-        "train on this host alone.")
+    import dataclasses
+
+    from apply.multi_worker import get_strategy, local_devices
+
+    try:
+        get_strategy()
+    except PlannerError:
+        raise PlannerError(
+            f"TF_CONFIG names {len(workers)} workers, so apply.auto plans a multi-worker job, "
+            "whose strategy must exist before TensorFlow's runtime starts: call "
+            "apply.auto_devices() at the top of the script, before building the model.") from None
+    gpus = local_devices("GPU")
+    if not gpus:
+        from planner.presets import parse_cluster
+
+        return parse_cluster(f"{len(workers)}xcpu:{len(local_devices('CPU'))}")
+    base = gpu_cluster(len(gpus))
+    inter = base.inter_node_link
+    if inter is None:
+        from planner.presets import preset_cluster
+
+        inter = preset_cluster("8xA100-80GB").inter_node_link
+        _say("note: no inter-node network is known for this GPU; assuming the DGX A100's.")
+    return dataclasses.replace(base, name=f"{len(workers)}x{base.name}",
+                               num_nodes=len(workers), inter_node_link=inter)
 
 
 def local_cluster() -> ClusterSpec:

@@ -50,10 +50,10 @@ def parse_device(name: str) -> LocalDevice:
     if spec.job not in (None, "localhost") or spec.task not in (None, 0) \
             or spec.replica not in (None, 0):
         raise PlannerError(
-            f"The plan names device {name!r} on another worker: it was made for a "
-            "multi-node cluster, and only data-parallel plans over several workers are applied "
-            "(`plan launch --workers W`). Plan for one node (e.g. --cluster 8xA100-80GB), "
-            "or data parallel across the workers (e.g. --cluster 2xcpu:1 --fix dp=2).")
+            f"The plan names device {name!r} on a worker of a multi-node cluster, but uses "
+            "only one worker's devices; apply runs such a plan on one host. Plan for one node "
+            "(e.g. --cluster 8xA100-80GB, or cpu:N), or for every worker of the cluster and "
+            "start them with `plan launch --workers W`.")
     device_type = (spec.device_type or "").upper()
     if device_type not in DEVICE_TYPES or spec.device_index is None:
         raise PlanMismatchError(

@@ -14,7 +14,10 @@ parallel (one stage on every device). The worker processes are started with
   ``load_plan`` (``examples/train.py`` does), and ``wrap`` reuses it.
   One strategy per process.
 * Devices: on CPU, one replica per worker (the strategy uses each worker's
-  ``CPU:0``: plan with ``Wxcpu:1``; GPUs are hidden from a CPU plan); on GPUs,
+  ``CPU:0``: plan with ``Wxcpu:1``, or ``Wxcpu:N`` with one device per worker;
+  GPUs are hidden from a CPU plan; a plan with more devices per worker is a
+  hybrid, ``apply.multi_worker_hybrid``, and ``ensure_cluster`` makes this
+  worker's logical CPUs for it); on GPUs,
   every local GPU of each worker (the plan's ``devices_per_node`` must equal the
   visible GPUs).
 * Data: every worker runs the same script on the same data (same seed), and
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Collection
 
 import keras
 import numpy as np
@@ -135,13 +138,14 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
             f"Plan {plan.name!r} gives its workers different devices ({tasks}); every worker "
             "needs the same local devices. Regenerate the plan.")
     device_type = types.pop()
-    if device_type == "CPU" and local != [("CPU", 0)]:
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} uses {len(local)} CPU devices per worker; across workers "
-            "MultiWorkerMirroredStrategy runs one replica per worker on CPU:0. Re-plan with "
-            f"one CPU per worker (--cluster {len(workers)}xcpu:1).")
+    from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
+
+    if is_hybrid(plan):  # a pipeline / tp / several replicas inside each worker
+        plan_replica_tasks(plan)  # PlannerError if a replica spans workers
     if _STRATEGY is None:
-        _STRATEGY = _make_strategy(plan, device_type)
+        if device_type == "CPU":
+            _local_cpus(plan, 1 + max(i for _, i in local))
+        _STRATEGY = _make_strategy(f"Plan {plan.name!r}", device_type)
     strategy = _STRATEGY
     if device_type == "GPU":
         have = len(strategy.extended.worker_devices)
@@ -154,7 +158,55 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     return tuple(plan.devices)
 
 
-def _make_strategy(plan: Plan, device_type: str) -> tf.distribute.MultiWorkerMirroredStrategy:
+def _local_cpus(plan: Plan, need: int) -> None:
+    """Make ``need`` logical CPU devices on this worker (before the runtime starts)."""
+    physical = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(physical)
+    if (len(configured) if configured else 1) >= need:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            physical, [tf.config.LogicalDeviceConfiguration() for _ in range(need)])
+    except RuntimeError:
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} uses {need} CPU devices on each worker, and TensorFlow's "
+            "runtime has already started in this process, so no more can be added. Call "
+            "apply.ensure_devices(plan) right after load_plan(), before building the model "
+            "or running any TensorFlow op.") from None
+
+
+def ensure_strategy(device_type: str, local_cpus: int = 1
+                    ) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """The process's strategy, made from TF_CONFIG without a plan (``apply.auto_devices``
+    plans later): ``local_cpus`` logical CPUs on this worker first, when training on CPUs."""
+    global _STRATEGY
+    if _STRATEGY is None:
+        what = "This multi-worker job (TF_CONFIG)"
+        if device_type == "CPU":
+            physical = tf.config.list_physical_devices("CPU")[0]
+            configured = tf.config.get_logical_device_configuration(physical)
+            if (len(configured) if configured else 1) != local_cpus:
+                try:
+                    tf.config.set_logical_device_configuration(
+                        physical, [tf.config.LogicalDeviceConfiguration()] * local_cpus)
+                except RuntimeError:
+                    raise PlanMismatchError(
+                        f"{what} asks for {local_cpus} logical CPU devices per worker, but "
+                        "TensorFlow's runtime has already started. Call "
+                        "apply.auto_devices() before building the model.") from None
+        _STRATEGY = _make_strategy(what, device_type)
+    return _STRATEGY
+
+
+def local_devices(device_type: str) -> list[str]:
+    """This worker's logical devices of ``device_type`` (a cluster lists every task's)."""
+    _, index = read_tf_config()
+    names = [d.name for d in tf.config.list_logical_devices(device_type)]
+    mine = [n for n in names if tf.DeviceSpec.from_string(n).task in (index, None)]
+    return mine
+
+
+def _make_strategy(what: str, device_type: str) -> tf.distribute.MultiWorkerMirroredStrategy:
     impl = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=impl.RING if device_type == "CPU" else impl.AUTO)
@@ -167,7 +219,7 @@ def _make_strategy(plan: Plan, device_type: str) -> tf.distribute.MultiWorkerMir
         if "startup" not in str(e) and "initialized" not in str(e):
             raise
         raise PlanMismatchError(
-            f"Plan {plan.name!r} trains on several workers, and TensorFlow can set up its "
+            f"{what} trains on several workers, and TensorFlow can set up its "
             "collectives only before its runtime starts, which has already happened in this "
             "process. Call apply.ensure_devices(plan) right after load_plan(), before "
             "building the model, importing a model file that creates TensorFlow objects, or "
@@ -414,8 +466,8 @@ def _batches(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle
         yield parts if sample_weight is not None else parts[:1] if y is None else parts[:2]
 
 
-def wrap_multi_worker(view: Any, *, plan_name: str, dp: int,
-                      num_microbatches: int) -> MultiWorkerModel:
+def wrap_multi_worker(view: Any, *, plan_name: str, dp: int, num_microbatches: int,
+                      recompute_layers: Collection[str] = ()) -> MultiWorkerModel:
     """Clone ``view`` inside the process's MultiWorkerMirroredStrategy; copy its weights.
 
     Every worker builds the same model (same seed), so the copied weights agree; the
@@ -431,6 +483,6 @@ def wrap_multi_worker(view: Any, *, plan_name: str, dp: int,
         clone = clone_graph(view)
         model = MultiWorkerModel(clone.inputs, clone.outputs, name=view.name,
                                  plan_name=plan_name, num_microbatches=num_microbatches,
-                                 num_replicas=dp)
+                                 num_replicas=dp, recompute_layers=recompute_layers)
     copy_weights(view, model)
     return model

@@ -19,21 +19,25 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    * a general placement (``plan.placement == "general"``: each stage is one
      device's layers, in any pattern, one micro-batch): placement
      (``apply.pipeline`` too; independent branches run at the same time);
-   * ``tp > 1`` (any ``dp`` on one host, any ``pp``): tensor parallel
-     (``apply.tensor_parallel``: ``plan.tp_splits``' layers sharded over their
-     stage's tp devices, one copy per data-parallel replica);
-   * one stage on the devices of several workers (``/job:worker/task:w/...``,
+   * ``tp > 1`` (any ``dp`` on one host, any ``pp``), dp x pp, or dp > 1 with
+     ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
+     sharded over their stage's tp devices, one copy per data-parallel replica;
+     ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
+   * one stage on one device of each of several workers (``/job:worker/task:w/...``,
      a ``Wxcpu:N`` or multi-node cluster): multi-worker data parallel
      (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
      the workers with ``plan launch --workers W``);
+   * anything more on several workers, each data-parallel replica inside one
+     worker: a multi-worker hybrid (``apply.multi_worker_hybrid``: the strategy
+     between the workers, the placed modes within each);
 
 3. the model is re-created with the plan's placement and the user's current
    weights; if the user's model was compiled, the wrapped one is compiled from
    its compile config (a fresh optimizer; optimizer state is not carried over).
    Compiling the wrapped model again later works as usual;
-4. a plan's ``recompute`` is applied in the placed modes (``apply.recompute``:
-   the recomputed layers run under ``tf.recompute_grad``); under data
-   parallelism it is not applied yet (a warning says so).
+4. a plan's ``recompute`` is applied in every mode (``apply.recompute``: the
+   recomputed layers run under ``tf.recompute_grad``, in each replica under data
+   parallelism); layers with state keep their activations (a warning says so).
 
 Every training batch must split into ``dp * num_microbatches`` equal parts
 (checked before training starts; ``apply.planned_model``).
@@ -72,35 +76,41 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan)
     m = plan.strategy.num_microbatches
-    if mode == "multi_worker":
+    from apply.recompute import recomputed_layers
+
+    recompute, stateful = recomputed_layers(plan, view)
+    if stateful:
+        warnings.warn(
+            f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
+            f"{list(stateful)}, which hold state a second forward pass would change "
+            "(moving statistics, random seeds); they keep their activations instead "
+            "(apply.recompute).", stacklevel=2)
+    if mode == "multi_worker_hybrid":
+        from apply.multi_worker_hybrid import wrap_multi_worker_hybrid
+
+        wrapped = wrap_multi_worker_hybrid(view, plan, recompute_layers=recompute)
+    elif mode == "multi_worker":
         from apply.multi_worker import wrap_multi_worker
 
         wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
-                                    num_microbatches=m)
+                                    num_microbatches=m, recompute_layers=recompute)
     elif mode == "data_parallel":
         from apply.data_parallel import wrap_data_parallel
 
         wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
-                                     num_microbatches=m)
-    else:  # single device, pipeline, general placement, tensor parallel: placed layers
+                                     num_microbatches=m, recompute_layers=recompute)
+    elif mode == "tensor_parallel":
+        from apply.tensor_parallel import wrap_tensor_parallel
+
+        wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
+                                       recompute_layers=recompute)
+    else:  # single device, pipeline, general placement: placed layers
         from apply.pipeline import wrap_placed
-        from apply.recompute import recomputed_layers
+        from apply.schedule import schedule_of
 
-        recompute, stateful = recomputed_layers(plan, view)
-        if stateful:
-            warnings.warn(
-                f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
-                f"{list(stateful)}, which hold state a second forward pass would change "
-                "(moving statistics, random seeds); they keep their activations instead "
-                "(apply.recompute).", stacklevel=2)
-        if mode == "tensor_parallel":
-            from apply.tensor_parallel import wrap_tensor_parallel
-
-            wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
-                                           recompute_layers=recompute)
-        else:
-            wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
-                                  num_microbatches=m, recompute_layers=recompute)
+        wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
+                              num_microbatches=m, recompute_layers=recompute,
+                              schedule=schedule_of(plan))  # 1F1B/interleaved order
     wrapped.plan = plan
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)
@@ -112,23 +122,19 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
 
 
 def plan_mode(plan: Plan) -> str:
-    """``single_device``, ``data_parallel``, ``multi_worker``, ``pipeline`` or ``placement``
-    (a general placement) or ``tensor_parallel``; PlannerError for modes to come."""
+    """``single_device``, ``data_parallel``, ``multi_worker``, ``multi_worker_hybrid``,
+    ``pipeline``, ``placement`` (a general placement) or ``tensor_parallel``; PlannerError
+    for plans apply cannot run."""
+    from apply.multi_worker import spans_workers
+
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
-    not_applied = [what for what, on in (
-        # recomputation is applied where each layer is placed (dp = 1: apply.recompute),
-        # not under data parallelism yet
-        (f"recompute={s.recompute!r}", s.recompute != "none" and s.dp > 1),
-        ("optimizer_sharding (ZeRO-1)", s.optimizer_sharding),
-        (f"schedule={s.schedule!r} (runs as GPipe)", s.schedule in ("1f1b", "interleaved"))
-    ) if on]
-    if not_applied:
+    if s.optimizer_sharding and spans_workers(plan):
         warnings.warn(
-            f"Plan {plan.name!r}: apply.wrap does not apply {', '.join(not_applied)} yet; the "
-            "model trains with the same results but may need more memory than predicted "
-            "(a later release). Re-plan with --recompute none, without "
-            "--optimizer-sharding and with --schedule gpipe to match.", stacklevel=3)
+            f"Plan {plan.name!r}: apply.wrap does not apply optimizer_sharding (ZeRO-1) "
+            "across workers yet; the model trains with the same results but each replica "
+            "holds the whole optimizer state, more memory than predicted (a later release). "
+            "Re-plan without --optimizer-sharding to match.", stacklevel=3)
     if not plan.stages or replicas == {0}:
         raise PlanMismatchError(f"Plan {plan.name!r} has no stages or no devices. "
                                 "Regenerate the plan.")
@@ -144,19 +150,32 @@ def plan_mode(plan: Plan) -> str:
         raise PlanMismatchError(
             f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
             f"dp={dp} (devices per stage / tp) and pp={pp} (stages). Regenerate the plan.")
-    from apply.multi_worker import spans_workers
+    from apply.multi_worker import plan_tasks
 
+    tasks = plan_tasks(plan)
+    if tasks and len(tasks) < plan.cluster.num_nodes:
+        raise PlannerError(
+            f"Plan {plan.name!r} uses {len(tasks)} of its cluster's {plan.cluster.num_nodes} "
+            "workers; apply runs a multi-worker job on every worker, so the plan must use "
+            "them all. Re-plan for fewer workers (plan launch --workers "
+            f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
+            f"dp={plan.cluster.num_nodes}).")
     if spans_workers(plan):  # devices of several worker processes (apply.multi_worker)
-        if pp > 1 or s.tp > 1 or plan.placement == "general":
+        if plan.placement == "general":
             raise PlannerError(
-                f"Plan {plan.name!r} runs a pipeline, tensor parallelism or a placement "
-                "across worker processes; apply.wrap applies only data-parallel plans across "
-                "workers yet (a later release). Re-plan with --fix dp=<devices> for the "
-                "cluster.")
+                f"Plan {plan.name!r} is a general placement across worker processes; apply "
+                "runs those on one host only. Re-plan for one node.")
+        from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
+
+        if is_hybrid(plan):  # pipeline / tp / several replicas within each worker
+            plan_replica_tasks(plan)  # PlannerError when a replica spans workers
+            return "multi_worker_hybrid"
         return "multi_worker"
-    if s.tp > 1 or (dp > 1 and pp > 1):
+    if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding):
         # apply.tensor_parallel: any dp (one host) and pp; with tp = 1 and dp x pp it is a
-        # pipeline replicated dp times, the gradients summed across the replicas
+        # pipeline replicated dp times, the gradients summed across the replicas; ZeRO-1
+        # (optimizer_sharding) runs there too, each replica updating its share
+        # (apply.zero)
         return "tensor_parallel"
     if plan.placement == "general":
         if dp > 1 or s.num_microbatches != 1:

@@ -13,7 +13,10 @@ the devices this process sees, wrap), with no other change to the training
 code; ``--cpus N`` gives the process N logical CPU devices to plan for (on a
 machine without GPUs; before TensorFlow starts). With ``PLAN_FILE=plan.json``
 in the environment, ``--auto`` loads that plan instead of searching (and its
-global batch is the default). Auto is not the default: without ``--plan`` or
+global batch is the default). Under ``plan launch --workers W`` (TF_CONFIG set),
+``--plan`` trains a multi-worker plan on every worker, and ``--auto`` plans the
+multi-worker job (``--cpus N`` logical CPUs per worker). Auto is not the default:
+without ``--plan`` or
 ``--auto`` the script stays the single-device reference, whatever the
 environment says.
 

@@ -104,7 +104,7 @@ def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, ca
     assert "search chose pipeline across workers" in wrapped.plan.reason
     err = capsys.readouterr().err
     assert "the search chose 'pipeline across workers', which apply.wrap cannot run yet" in err
-    assert "across worker processes" in err
+    assert "span worker processes" in err
     assert "'data parallel dp=2' is the fastest" in err
     assert_losses_match(train(wrapped, module), reference_losses("tiny_mlp"))
 
@@ -168,12 +168,16 @@ def test_a_global_batch_the_plan_cannot_split_fails_before_training(tmp_path, mo
         np.testing.assert_array_equal(a, b)
 
 
-def test_several_workers_in_tf_config_need_a_plan_file(tmp_path, monkeypatch):
+def test_several_workers_in_tf_config_need_auto_devices_first_or_a_plan_file(tmp_path,
+                                                                             monkeypatch):
+    """Planning a multi-worker job needs its strategy, made by apply.auto_devices() before
+    TensorFlow starts (tests/apply/test_multi_worker_hybrid.py runs that for real); here
+    the runtime has started without it, so apply.auto says what to call."""
     _, model = base_model("tiny_mlp")
     monkeypatch.setenv("TF_CONFIG", json.dumps({
         "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
         "task": {"type": "worker", "index": 0}}))
-    with pytest.raises(PlannerError, match="TF_CONFIG names 2 workers.*PLAN_FILE"):
+    with pytest.raises(PlannerError, match="TF_CONFIG names 2 workers.*auto_devices"):
         apply.auto(model, GLOBAL_BATCH)
     path = tmp_path / "plan.json"
     save_plan(make_plan(model, [cpus(0)]), path)

@@ -156,10 +156,20 @@ def test_layer_that_cannot_be_recreated_is_named():
         apply.wrap(model, make_plan(model, [cpus(1)]))
 
 
-def test_memory_savers_apply_cannot_run_yet_are_named_in_a_warning():
+def test_memory_savers_are_applied_on_one_host_and_zero_across_workers_warns(recwarn):
+    from apply.wrap import plan_mode
+    from planner.presets import parse_cluster
+
     _, mlp = base_model("tiny_mlp")
     plan = make_plan(mlp, [cpus(0, 1)])
     saver = dataclasses.replace(plan, strategy=dataclasses.replace(
-        plan.strategy, recompute="full", optimizer_sharding=True))
-    with pytest.warns(UserWarning, match="recompute='full', optimizer_sharding"):
-        apply.wrap(mlp, saver)
+        plan.strategy, recompute="full", optimizer_sharding=True, schedule="1f1b"))
+    assert plan_mode(saver) == "tensor_parallel"  # ZeRO-1 runs on the replicated machinery
+    assert not [w for w in recwarn if "does not apply" in str(w.message)]
+    workers = dataclasses.replace(
+        make_plan(mlp, [[f"/job:worker/task:{w}/device:CPU:0" for w in range(2)]]),
+        cluster=parse_cluster("2xcpu:1"))
+    workers = dataclasses.replace(workers, strategy=dataclasses.replace(
+        workers.strategy, optimizer_sharding=True))
+    with pytest.warns(UserWarning, match="optimizer_sharding \\(ZeRO-1\\) across workers"):
+        assert plan_mode(workers) == "multi_worker"

@@ -1,0 +1,222 @@
+"""Hybrid plans across worker processes: data parallel between workers, placement within.
+
+Pipeline position: ``apply.wrap`` calls ``wrap_multi_worker_hybrid`` for a plan whose
+devices span several workers (``/job:worker/task:w/device:CPU:i``, a ``Wxcpu:N`` or
+multi-node cluster, planned with the dp-outer layout) and whose every data-parallel
+replica -- all its pipeline stages and tensor ranks -- lies on one worker, unless it is
+plain data parallelism with one device per worker (``apply.multi_worker``). The workers
+are started with ``TF_CONFIG`` set (``plan launch --workers W SCRIPT``), and
+``apply.ensure_devices(plan)`` has made the MultiWorkerMirroredStrategy and this worker's
+logical devices (``apply.multi_worker.ensure_cluster``).
+
+* Within a worker: its replicas (``plan_replica_tasks``: replica r's devices at
+  ``stages[s].devices[r*tp:(r+1)*tp]``) are built exactly as on one host by
+  ``apply.tensor_parallel`` (split layers sharded over their tp devices, pipeline
+  stages on their devices, micro-batches, several local replicas summed by placed
+  ``add_n``), from a local copy of the plan whose device names are this worker's
+  (``/device:CPU:i``, which TensorFlow resolves to ``/job:worker/task:w``).
+* Between workers: each training step runs the local step inside
+  ``MultiWorkerMirroredStrategy.run`` (one replica per worker, on its first device),
+  so Keras scales each worker's mean loss by ``1/W`` and the summed gradients are the
+  whole global batch's mean gradient. The gradients of the local replicas are summed
+  on the worker, then all-reduced across the workers (``ReplicaContext.all_reduce``,
+  TensorFlow's collective ops: RING on CPUs), and the optimizer update runs outside
+  ``strategy.run`` on each variable's device (Keras' optimizer would otherwise try a
+  ``merge_call`` of its own). Every worker applies the same sum, so the copies stay
+  equal.
+* Data: every worker runs the same script on the same data and hands the *whole global
+  batch* to the model; worker w trains on rows ``[w*B/W, (w+1)*B/W)`` of it (as
+  ``apply.multi_worker`` does per replica), then its local replicas split that.
+* Metrics: each worker updates its own metric variables with its rows; the step then
+  all-reduces each metric variable's change in the step and adds the sum to the value
+  before it, so every worker holds the metrics of the whole global batch (exact for
+  Keras' metrics, whose states are sums: totals, counts, confusion counts).
+* Keras' own ``fit``/``evaluate``/``predict``/``train_on_batch`` run: the wrapped model
+  is not under a tf.distribute strategy outside the step (Keras' ``fit`` fails under
+  MultiWorkerMirroredStrategy in Keras 3, DESIGN.md), so its loops, callbacks and
+  validation work as on one host. ``evaluate`` and ``predict`` run on each worker's
+  own copy over the whole data (the copies are equal), so every worker gets the full
+  result. ``fit(shuffle=True)`` shuffles with Keras' seeded generator: set the same
+  seed on every worker (``keras.utils.set_random_seed``), as for the model's weights.
+* Files: ``save_weights`` is written by the chief (worker 0), then every worker waits
+  for it; ``load_weights`` reads it on every worker.
+
+Not applied across workers: a replica that spans workers (pipeline stages or tp ranks
+on several workers: PlannerError), ZeRO-1 (warns in ``apply.wrap``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Collection
+
+import keras
+import tensorflow as tf
+
+from apply.multi_worker import get_strategy, plan_tasks, read_tf_config
+from apply.placement import tf_variable
+from apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
+from planner.errors import PlanMismatchError, PlannerError
+from planner.plan import Plan, Stage
+
+
+def plan_replica_tasks(plan: Plan) -> list[int]:
+    """The worker task of each data-parallel replica of a multi-worker plan.
+
+    PlannerError naming the replica when one replica's devices (its stages, its tp
+    ranks) are on several workers: apply runs a replica inside one worker process.
+    """
+    tp = max(1, plan.strategy.tp)
+    tasks = []
+    for r in range(plan.strategy.dp):
+        where = {tf.DeviceSpec.from_string(d).task for stage in plan.stages
+                 for d in stage.devices[r * tp:(r + 1) * tp]}
+        if len(where) != 1:
+            raise PlannerError(
+                f"Plan {plan.name!r} runs data-parallel replica {r} on workers "
+                f"{sorted(w for w in where if w is not None)}: its pipeline stages or tensor "
+                "ranks span worker processes. apply runs each replica inside one worker "
+                "(MultiWorkerMirroredStrategy between workers, placement within). Re-plan "
+                "with the dp-outer layout (plan analyze --layout tp-pp-dp) or with "
+                "pp x tp no larger than one worker's devices.")
+        tasks.append(int(where.pop()))
+    return tasks
+
+
+def is_hybrid(plan: Plan) -> bool:
+    """True for a multi-worker plan that is more than one device per worker doing data
+    parallelism (pipeline, tensor parallel, or several replicas on a worker)."""
+    s = plan.strategy
+    per_worker = {len(devices) for devices in plan_tasks(plan).values()}
+    return s.pp > 1 or s.tp > 1 or per_worker != {1}
+
+
+def local_plan(plan: Plan, task: int) -> Plan:
+    """The part of ``plan`` worker ``task`` runs: its replicas, with local device names."""
+    tasks = plan_replica_tasks(plan)
+    counts = {w: tasks.count(w) for w in set(tasks)}
+    if len(set(counts.values())) != 1 or sorted(counts) != sorted(plan_tasks(plan)):
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} gives its workers different numbers of data-parallel "
+            f"replicas ({dict(sorted(counts.items()))}); every worker needs the same share. "
+            "Regenerate the plan.")
+    tp = max(1, plan.strategy.tp)
+    mine = [r for r, w in enumerate(tasks) if w == task]
+
+    def local(name: str) -> str:
+        spec = tf.DeviceSpec.from_string(name)
+        return f"/device:{spec.device_type}:{spec.device_index}"
+
+    stages = tuple(Stage(layers=stage.layers,
+                         devices=tuple(local(d) for r in mine
+                                       for d in stage.devices[r * tp:(r + 1) * tp]))
+                   for stage in plan.stages)
+    strategy = dataclasses.replace(plan.strategy, dp=len(mine))
+    return dataclasses.replace(plan, stages=stages, strategy=strategy)
+
+
+@keras.saving.register_keras_serializable(package="apply")
+class MultiWorkerHybridModel(TensorParallelModel):
+    """This worker's replicas of a hybrid plan, trained with every other worker's
+    (see the module docstring). ``num_replicas`` is the plan's whole dp."""
+
+    num_workers = 1
+    task = 0
+    _pending: Any = None  # (gradients, variables) from the replica step to the update
+
+    @property
+    def is_chief(self) -> bool:
+        return self.task == 0
+
+    # --- the step -----------------------------------------------------------------------
+    def train_step(self, data: Any) -> Any:
+        strategy = get_strategy()
+        rows = keras.tree.map_structure(self._my_rows, data)
+        strategy.run(self._replica_step, args=(rows,))
+        gradients, variables = self._pending
+        self._pending = None
+        if variables:  # the update, on each variable's device, outside strategy.run
+            super(TensorParallelModel, self)._apply_gradients(gradients, variables)
+        return self.get_metrics_result()
+
+    def _my_rows(self, t: Any) -> Any:
+        if t is None:
+            return None
+        n = t.shape[0]
+        per = n // self.num_workers if n is not None else tf.shape(t)[0] // self.num_workers
+        return t[self.task * per:(self.task + 1) * per]
+
+    def _replica_step(self, data: Any) -> None:
+        """The local step in this worker's replica context: loss, gradients summed over
+        the local replicas and all-reduced over the workers (stashed for the update),
+        metrics updated with the whole global batch."""
+        ctx = tf.distribute.get_replica_context()
+        metric_vars = [tf_variable(v) for m in self.metrics for v in m.variables]
+        before = [v.read_value() for v in metric_vars]
+        self._collecting = True
+        try:
+            TensorParallelModel.train_step(self, data)  # ends in _apply_gradients below
+        finally:
+            self._collecting = False
+        deltas = [v.read_value() - b for v, b in zip(metric_vars, before)]
+        if deltas:
+            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, deltas)
+            for v, b, d in zip(metric_vars, before, summed):
+                v.assign(b + d)
+
+    def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
+        if not getattr(self, "_collecting", False):
+            raise PlannerError("apply: a multi-worker hybrid model updates its weights only "
+                               "inside its own train step (fit/train_on_batch).")
+        dp = 1 + len(self._others.models)
+        n = len(variables) // dp
+        sums: list[Any] = []
+        for i in range(n):  # the local replicas' sum, on replica 0's copy's device
+            grads = [gradients[r * n + i] for r in range(dp)]
+            if any(g is None for g in grads):
+                sums.append(None)
+                continue
+            with tf.device(tf_variable(variables[i]).device):
+                sums.append(_sum(grads))  # IndexedSlices stay sparse (Adam treats them so)
+        present = [s for s in sums if s is not None]
+        reduced = iter(tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, present) if present else [])
+        total = [None if s is None else next(reduced) for s in sums]
+        self._pending = ([total[i] for _ in range(dp) for i in range(n)], list(variables))
+
+    # --- files --------------------------------------------------------------------------
+    def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """The chief (worker 0) writes the file; every worker returns once it is written."""
+        if self.is_chief:
+            super().save_weights(filepath, *args, **kwargs)
+        barrier()
+
+
+def barrier() -> None:
+    """Wait until every worker reaches this point (a collective sum of ones)."""
+    strategy = get_strategy()
+    ones = strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(1.0))
+    strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+
+
+def wrap_multi_worker_hybrid(view: Any, plan: Plan, *,
+                             recompute_layers: Collection[str] = ()) -> MultiWorkerHybridModel:
+    """This worker's replicas of ``plan`` (``local_plan``), built by apply.tensor_parallel,
+    as a MultiWorkerHybridModel that trains with the other workers."""
+    from apply.wrap import top_level_devices
+
+    workers, task = read_tf_config()
+    strategy = get_strategy()
+    if strategy.num_replicas_in_sync != len(workers):
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} trains a hybrid across {len(workers)} workers with one "
+            f"MultiWorkerMirroredStrategy replica each, but the strategy has "
+            f"{strategy.num_replicas_in_sync}. Run each worker on CPUs (GPUs hidden) or "
+            "re-plan.")
+    mine = local_plan(plan, task)
+    model = wrap_tensor_parallel(view, mine, top_level_devices(mine),
+                                 recompute_layers=recompute_layers)
+    model.__class__ = MultiWorkerHybridModel  # replica 0 of this worker drives the step
+    model.num_workers, model.task = len(workers), task
+    model.num_replicas = plan.strategy.dp  # batches split in dp x num_microbatches parts
+    model.plan_name = plan.name
+    return model

@@ -1,0 +1,259 @@
+"""Hybrid plans across two local worker processes (``apply.multi_worker_hybrid``).
+
+``plan launch --workers 2`` starts this file as a script on two workers (TF_CONFIG on
+127.0.0.1, 2 logical CPUs each); each worker wraps the tiny models with hand-made
+plans over ``/job:worker/task:{0,1}/device:CPU:{0,1}`` (a ``2xcpu:2`` cluster, data
+parallel between the workers, the rest inside each) and trains them; the test
+process trains the same models on one device. Losses of 10 ``train_on_batch`` steps
+must agree within 1e-4 (relative), and every variable and optimizer slot must sit on
+the device the plan names for this worker's replicas.
+
+Cases (name: model, plan): dp2xpp2 (a 2-stage pipeline on each worker, 2
+micro-batches; GPipe for the MLP, 1F1B order for the others), dp2xtp2 (the model's Megatron splits over each worker's 2 CPUs), dp4
+(two replicas per worker, four in all) and dp2 (plain data parallel, one CPU per
+worker: ``apply.multi_worker``, in the same processes); the MLP's dp2xpp2 also runs
+``fit``, ``evaluate``, ``predict`` and ``save_weights``/``load_weights``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # a worker: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+
+from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
+                                 make_plan, step_losses)
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKERS, CPUS = 2, 2
+STEPS = 10
+GLOBAL_BATCH = 16
+SPLITS = {
+    "tiny_mlp": (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
+                 ("head", "row")),
+    "tiny_transformer": (("embed", "vocab"), ("attention", "heads"), ("mlp_up", "column"),
+                         ("mlp_down", "row"), ("logits", "column")),
+    "tiny_cnn": (("stem", "row"), ("res_a", "column"), ("res_b", "row"),
+                 ("classifier", "column")),
+}
+CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_mlp", "dp2xtp2"), ("tiny_mlp", "dp4"),
+         ("tiny_transformer", "dp2xpp2"), ("tiny_transformer", "dp2xtp2"),
+         ("tiny_transformer", "dp2"), ("tiny_cnn", "dp2xpp2"), ("tiny_cnn", "dp2xtp2"),
+         ("tiny_cnn", "dp2")]
+SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b"}
+MODE = {"dp2": "MultiWorkerModel"}  # one CPU per worker: apply.multi_worker
+
+
+def dev(task: int, cpu: int) -> str:
+    return f"/job:worker/task:{task}/device:CPU:{cpu}"
+
+
+def worker_plan(model, name: str, kind: str):
+    """A plan for ``2xcpu:2``, data parallel across the workers (dp-outer layout)."""
+    if kind == "dp2xpp2":  # stage s of replica w on worker w's CPU s
+        stages = [[dev(0, s), dev(1, s)] for s in range(CPUS)]
+        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(  # dp outermost;
+            plan.strategy, layout="tp-pp-dp", schedule=SCHEDULE[name]))  # apply.schedule
+    elif kind == "dp2":  # plain data parallel, worker w's CPU 0 (apply.multi_worker)
+        plan = make_plan(model, [[dev(w, 0) for w in range(WORKERS)]], global_batch=GLOBAL_BATCH)
+    elif kind == "dp4":  # replica 2w + i on worker w's CPU i
+        plan = make_plan(model, [[dev(w, i) for w in range(WORKERS) for i in range(CPUS)]],
+                         global_batch=GLOBAL_BATCH)
+    else:  # dp2xtp2: replica w's tp ranks on worker w's CPUs
+        plan = make_plan(model, [[dev(w, i) for w in range(WORKERS) for i in range(CPUS)]],
+                         global_batch=GLOBAL_BATCH)
+        strategy = dataclasses.replace(plan.strategy, dp=WORKERS, tp=CPUS,
+                                       microbatch_size=GLOBAL_BATCH // WORKERS)
+        plan = dataclasses.replace(plan, strategy=strategy, tp_splits=SPLITS[name])
+    one = plan.cluster
+    cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
+                                  devices_per_node=CPUS, inter_node_link=one.intra_node_link)
+    return dataclasses.replace(plan, cluster=cluster, name=f"{name} {kind} over 2 workers")
+
+
+def scenario(model, module, weights_path: str | None) -> dict:
+    """What the wrapped model (on each worker) and the reference (one device) run."""
+    import numpy as np
+
+    result = {"losses": step_losses(model, batches_of(module, STEPS, GLOBAL_BATCH))}
+    if weights_path is None:
+        return result
+    x, y = module.sample_batch(3 * GLOBAL_BATCH)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                        validation_data=module.sample_batch(21))
+    result["fit_losses"] = [float(v) for v in history.history["loss"]]
+    result["val_losses"] = [float(v) for v in history.history["val_loss"]]
+    xe, ye = module.sample_batch(21)
+    result["eval_loss"] = float(model.evaluate(xe, ye, batch_size=8, verbose=0))
+    result["predictions"] = np.asarray(model.predict(xe[:7], batch_size=4, verbose=0)).tolist()
+    model.save_weights(weights_path)
+    model.set_weights([np.zeros_like(w) for w in model.get_weights()])
+    model.load_weights(weights_path)
+    result["reloaded_eval_loss"] = float(model.evaluate(xe, ye, batch_size=8, verbose=0))
+    return result
+
+
+def worker_main(out_dir: str) -> None:
+    import apply
+    from apply.placement import variable_devices
+    from planner.plan import load_plan
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
+    apply.ensure_devices(plans[0])  # the strategy and 2 logical CPUs, before any TF op
+    results = {}
+    for (name, kind), plan in zip(CASES, plans):
+        module, model = base_model(name)
+        wrapped = apply.wrap(model, plan)
+        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        full = (name, kind) == CASES[0]
+        result = scenario(wrapped, module,
+                          os.path.join(out_dir, "model.weights.h5") if full else None)
+        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped))
+        results[f"{name} {kind}"] = result
+    with open(os.path.join(out_dir, f"worker{task}.json"), "w", encoding="utf-8") as f:
+        json.dump({"task": task, "results": results}, f)
+
+
+def _reference(name: str, weights_path: str | None) -> dict:
+    import keras
+
+    module, model = base_model(name)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return scenario(copy, module, weights_path)
+
+
+def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
+    import numpy as np
+
+    from apply.wrap import plan_mode
+    from planner.plan import save_plan
+
+    for i, (name, kind) in enumerate(CASES):  # the workers read them
+        plan = worker_plan(base_model(name)[1], name, kind)
+        assert plan_mode(plan) == ("multi_worker" if kind == "dp2" else "multi_worker_hybrid")
+        save_plan(plan, tmp_path / f"plan{i}.json")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+         os.path.abspath(__file__), str(tmp_path)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the single-device references, while the workers start
+        references = {
+            f"{name} {kind}": _reference(name, str(tmp_path / "reference.weights.h5")
+                                         if (name, kind) == CASES[0] else None)
+            for name, kind in CASES}
+        out, err = launch.communicate(timeout=420)
+    finally:
+        if launch.poll() is None:
+            launch.terminate()
+            launch.wait()
+    assert launch.returncode == 0, out[-2000:] + err[-4000:]
+    for task in range(WORKERS):
+        with open(tmp_path / f"worker{task}.json", encoding="utf-8") as f:
+            doc = json.load(f)
+        assert doc["task"] == task
+        for case, reference in references.items():
+            result = doc["results"][case]
+            assert result["mode"] == MODE.get(case.split()[1], "MultiWorkerHybridModel"), case
+            for key in reference:
+                np.testing.assert_allclose(result[key], reference[key], rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{case}: {key}")
+            name, kind = case.split()
+            _check_devices(result["devices"], worker_plan(base_model(name)[1], name, kind),
+                           task)
+    assert (tmp_path / "model.weights.h5").is_file()  # written once, by the chief
+
+
+def _launch_train_script(tmp_path, *args: str) -> dict:
+    """``plan launch --workers 2 examples/train.py ARGS --json``: each worker's result."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env.pop("PLAN_FILE", None)
+    launch = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+         os.path.join(ROOT, "examples", "train.py"), "--model",
+         os.path.join(HERE, "tiny_mlp.py"), "--json", *args],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert launch.returncode == 0, launch.stdout[-2000:] + launch.stderr[-4000:]
+    results = {}
+    for line in launch.stdout.splitlines():
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("{"):
+            results[int(prefix.split()[-1])] = json.loads(rest)
+    assert sorted(results) == list(range(WORKERS)), launch.stdout[-2000:]
+    return results
+
+
+def test_train_script_with_a_hybrid_plan_under_plan_launch(tmp_path):
+    """``plan launch --workers 2 examples/train.py --plan P`` with a dp2 x pp2 plan: both
+    workers train with the single-device losses (helpers.reference_losses)."""
+    from planner.plan import save_plan
+    from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
+        reference_losses
+
+    _, model = base_model("tiny_mlp")
+    save_plan(worker_plan(model, "tiny_mlp", "dp2xpp2"), tmp_path / "plan.json")
+    results = _launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
+                                   "--steps", str(REFERENCE_STEPS))
+    for task, result in results.items():
+        assert result["plan"] == "tiny_mlp dp2xpp2 over 2 workers"
+        assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
+        assert result["devices"]["dense_in/kernel"] == [dev(task, 0)]
+
+
+def test_apply_auto_plans_the_multi_worker_job(tmp_path):
+    """``plan launch --workers 2 examples/train.py --auto --cpus 2``: each worker plans
+    for ``2xcpu:2`` (apply.auto with TF_CONFIG), both pick the same plan, which runs
+    across the workers, and train with the single-device losses."""
+    from tests.apply.helpers import GLOBAL_BATCH as REFERENCE_BATCH, STEPS as REFERENCE_STEPS, \
+        assert_losses_match, reference_losses
+
+    results = _launch_train_script(tmp_path, "--auto", "--cpus", str(CPUS), "--global-batch",
+                                   str(REFERENCE_BATCH), "--steps", str(REFERENCE_STEPS))
+    plans = {result["plan"] for result in results.values()}
+    assert len(plans) == 1, plans
+    for task, result in results.items():
+        assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
+        used = {d for where in result["devices"].values() for d in where}
+        assert used and all(f"/job:worker/task:{task}/" in d for d in used), used
+
+
+def _check_devices(devices: dict, plan, task: int) -> None:
+    """Every variable and optimizer slot of this worker sits on one of the plan's devices
+    of this worker's replica; a stage's layers on that stage's devices."""
+    mine = {d for d in plan.devices if f"/task:{task}/" in d}
+    for path, where in devices.items():
+        assert where and set(where) <= mine, (path, where, sorted(mine))
+    for stage in plan.stages:
+        allowed = {d for d in stage.devices if f"/task:{task}/" in d}
+        for layer in stage.layers:
+            for path, where in devices.items():
+                if path.startswith(layer + "/") or f"/{layer}_" in path:
+                    assert set(where) <= allowed, (path, where, sorted(allowed))
+
+
+def test_a_replica_across_workers_is_refused():
+    import pytest
+
+    from apply.wrap import plan_mode
+    from planner.errors import PlannerError
+
+    _, model = base_model("tiny_mlp")
+    plan = worker_plan(model, "tiny_mlp", "dp2xpp2")
+    # the Megatron layout: stage s on worker s, so each replica's pipeline spans both
+    stages = tuple(dataclasses.replace(st, devices=(dev(s, 0), dev(s, 1)))
+                   for s, st in enumerate(plan.stages))
+    with pytest.raises(PlannerError, match="replica 0 on workers \\[0, 1\\]"):
+        plan_mode(dataclasses.replace(plan, stages=stages))
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
