@@ -29,7 +29,9 @@ this worker's logical CPUs) before the runtime starts, and ``auto`` plans for W
 workers of this worker's devices (``multi_worker_cluster``). Every worker plans the
 same model for the same cluster with the same deterministic search, so they choose
 the same plan; ``auto`` checks that they did (a collective over the plan's hash)
-before training. Plans whose replicas span workers are not runnable (``runnable``).
+before training. Plans whose replicas span workers are not runnable here
+(``runnable``): ``apply.remote`` runs them from ``PLAN_FILE``, because worker 0 must
+connect to the others before TensorFlow starts, before any plan could be searched.
 """
 from __future__ import annotations
 
@@ -202,8 +204,13 @@ def runnable(plan: Plan) -> bool:
 
 def not_runnable_reason(plan: Plan) -> str | None:
     """Why ``apply.wrap`` cannot run ``plan`` in full (None if it can)."""
+    from apply.remote import needs_remote
     from apply.wrap import plan_mode
 
+    if needs_remote(plan):  # apply.remote: must be set up before TensorFlow starts
+        return ("its replicas span worker processes, which apply.wrap runs only from a "
+                f"saved plan ({PLAN_FILE_ENV}: worker 0 then drives every worker's devices, "
+                "set up before TensorFlow starts)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

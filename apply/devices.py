@@ -13,7 +13,9 @@ model starts it.
 * ``/device:GPU:i`` plans: check that the GPUs exist (nothing is configured).
 * ``/job:worker/task:w/...`` names on several workers (multi-node plans):
   ``apply.multi_worker.ensure_cluster`` checks them against TF_CONFIG and makes
-  the MultiWorkerMirroredStrategy (``plan launch`` starts such workers).
+  the MultiWorkerMirroredStrategy (``plan launch`` starts such workers); when a
+  data-parallel replica spans workers, ``apply.remote.ensure_remote_cluster`` connects
+  worker 0 to them all instead (the others serve their devices).
 """
 from __future__ import annotations
 
@@ -106,6 +108,10 @@ def ensure_devices(plan: Plan) -> tuple[str, ...]:
     from apply import multi_worker
 
     if multi_worker.spans_workers(plan):
+        from apply import remote
+
+        if remote.needs_remote(plan):  # a replica across workers: worker 0 drives them all
+            return remote.ensure_remote_cluster(plan)
         return multi_worker.ensure_cluster(plan)
     parsed = [parse_device(d) for d in plan.devices]
     types = sorted({d.device_type for d in parsed})

@@ -115,6 +115,17 @@ def read_tf_config() -> tuple[list[str], int]:
     return workers, index
 
 
+def check_workers(plan: Plan, tasks: dict[int, list[tuple[str, int]]],
+                  workers: list[str]) -> None:
+    """PlanMismatchError unless the plan uses exactly TF_CONFIG's workers."""
+    if sorted(tasks) != list(range(len(workers))):
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} is for {len(tasks)} worker(s) (tasks {sorted(tasks)}), but "
+            f"TF_CONFIG describes {len(workers)}. Launch as many workers as the plan has "
+            f"(plan launch --workers {len(tasks)}), or re-plan (--cluster "
+            f"{len(workers)}xcpu:1).")
+
+
 def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     """Check the plan against TF_CONFIG and this worker's devices; make the strategy.
 
@@ -124,12 +135,7 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     global _STRATEGY
     tasks = plan_tasks(plan)
     workers, index = read_tf_config()
-    if sorted(tasks) != list(range(len(workers))):
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} is for {len(tasks)} worker(s) (tasks {sorted(tasks)}), but "
-            f"TF_CONFIG describes {len(workers)}. Launch as many workers as the plan has "
-            f"(plan launch --workers {len(tasks)}), or re-plan (--cluster "
-            f"{len(workers)}xcpu:1).")
+    check_workers(plan, tasks, workers)
     local = sorted(tasks[index])
     types = {t for t, _ in local}
     if len(types) != 1 or any(sorted(i for _, i in tasks[t]) != [i for _, i in local]
@@ -138,10 +144,6 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
             f"Plan {plan.name!r} gives its workers different devices ({tasks}); every worker "
             "needs the same local devices. Regenerate the plan.")
     device_type = types.pop()
-    from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
-
-    if is_hybrid(plan):  # a pipeline / tp / several replicas inside each worker
-        plan_replica_tasks(plan)  # PlannerError if a replica spans workers
     if _STRATEGY is None:
         if device_type == "CPU":
             _local_cpus(plan, 1 + max(i for _, i in local))

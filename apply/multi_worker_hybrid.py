@@ -41,8 +41,9 @@ logical devices (``apply.multi_worker.ensure_cluster``).
 * Files: ``save_weights`` is written by the chief (worker 0), then every worker waits
   for it; ``load_weights`` reads it on every worker.
 
-Not applied across workers: a replica that spans workers (pipeline stages or tp ranks
-on several workers: PlannerError), ZeRO-1 (warns in ``apply.wrap``).
+A replica that spans workers (pipeline stages or tp ranks on several workers) is not
+run here but by ``apply.remote`` (worker 0 drives every device). Not applied across
+workers here: ZeRO-1 (warns in ``apply.wrap``).
 """
 from __future__ import annotations
 

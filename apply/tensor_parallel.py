@@ -183,12 +183,13 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     """
     tp, dp = plan.strategy.tp, plan.strategy.dp
     from apply.multi_worker import spans_workers
+    from apply.remote import needs_remote
 
-    if spans_workers(plan):
+    if spans_workers(plan) and not needs_remote(plan):  # one program per worker
         raise PlannerError(
-            f"Plan {plan.name!r} runs tensor parallelism across worker processes; apply.wrap "
-            "applies tensor-parallel plans on one host's devices only (a later release). "
-            "Re-plan for one node.")
+            f"Plan {plan.name!r} keeps each replica inside one worker process; it runs "
+            "through apply.wrap (apply.multi_worker_hybrid builds each worker's part), not "
+            "wrap_tensor_parallel on the whole plan.")
     splits = dict(plan.tp_splits)
     nested = [name for name in splits if "/" in name]
     if nested:

@@ -30,6 +30,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    * anything more on several workers, each data-parallel replica inside one
      worker: a multi-worker hybrid (``apply.multi_worker_hybrid``: the strategy
      between the workers, the placed modes within each);
+   * a replica spanning workers (pipeline stages or tp ranks on several workers),
+     or a general placement across workers: worker 0 drives every worker's devices
+     (``apply.remote``) and the mode is the one-host mode above for the plan's shape;
 
 3. the model is re-created with the plan's placement and the user's current
    weights; if the user's model was compiled, the wrapped one is compiled from
@@ -127,9 +130,11 @@ def plan_mode(plan: Plan) -> str:
     for plans apply cannot run."""
     from apply.multi_worker import spans_workers
 
+    from apply.remote import needs_remote
+
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
-    if s.optimizer_sharding and spans_workers(plan):
+    if s.optimizer_sharding and spans_workers(plan) and not needs_remote(plan):
         warnings.warn(
             f"Plan {plan.name!r}: apply.wrap does not apply optimizer_sharding (ZeRO-1) "
             "across workers yet; the model trains with the same results but each replica "
@@ -160,17 +165,15 @@ def plan_mode(plan: Plan) -> str:
             "them all. Re-plan for fewer workers (plan launch --workers "
             f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
             f"dp={plan.cluster.num_nodes}).")
-    if spans_workers(plan):  # devices of several worker processes (apply.multi_worker)
-        if plan.placement == "general":
-            raise PlannerError(
-                f"Plan {plan.name!r} is a general placement across worker processes; apply "
-                "runs those on one host only. Re-plan for one node.")
+    if spans_workers(plan) and not needs_remote(plan):  # one program per worker
         from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
 
         if is_hybrid(plan):  # pipeline / tp / several replicas within each worker
             plan_replica_tasks(plan)  # PlannerError when a replica spans workers
             return "multi_worker_hybrid"
         return "multi_worker"
+    # below: one process drives every device (one host, or worker 0 of a cluster whose
+    # replicas span workers: apply.remote), with the plan's device names
     if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding):
         # apply.tensor_parallel: any dp (one host) and pp; with tp = 1 and dp x pp it is a
         # pipeline replicated dp times, the gradients summed across the replicas; ZeRO-1

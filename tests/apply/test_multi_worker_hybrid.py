@@ -240,19 +240,24 @@ def _check_devices(devices: dict, plan, task: int) -> None:
                     assert set(where) <= allowed, (path, where, sorted(allowed))
 
 
-def test_a_replica_across_workers_is_refused():
+def test_a_replica_across_workers_is_not_a_hybrid():
     import pytest
 
+    from apply.multi_worker_hybrid import plan_replica_tasks
+    from apply.remote import needs_remote
     from apply.wrap import plan_mode
     from planner.errors import PlannerError
 
     _, model = base_model("tiny_mlp")
     plan = worker_plan(model, "tiny_mlp", "dp2xpp2")
-    # the Megatron layout: stage s on worker s, so each replica's pipeline spans both
+    # the Megatron layout: stage s on worker s, so each replica's pipeline spans both:
+    # worker 0 drives every device (apply.remote, tests/apply/test_remote.py)
     stages = tuple(dataclasses.replace(st, devices=(dev(s, 0), dev(s, 1)))
                    for s, st in enumerate(plan.stages))
+    across = dataclasses.replace(plan, stages=stages)
+    assert needs_remote(across) and plan_mode(across) == "tensor_parallel"
     with pytest.raises(PlannerError, match="replica 0 on workers \\[0, 1\\]"):
-        plan_mode(dataclasses.replace(plan, stages=stages))
+        plan_replica_tasks(across)
 
 
 if __name__ == "__main__":

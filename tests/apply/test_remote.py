@@ -1,0 +1,217 @@
+"""Plans whose replicas span two local worker processes (``apply.remote``).
+
+``plan launch --workers 2`` starts this file as a script on two workers (TF_CONFIG on
+127.0.0.1, 2 logical CPUs each). Worker 1's ``apply.ensure_devices`` serves its devices
+and exits 0 when worker 0 is done; worker 0 connects to both, wraps the tiny models with
+hand-made plans over ``/job:worker/task:{0,1}/device:CPU:{0,1}`` whose replicas span
+the workers, and trains them; the test process trains the same models on one device.
+Losses of 10 ``train_on_batch`` steps must agree within 1e-4 (relative), and every
+variable and optimizer slot must sit on the device the plan names.
+
+Cases: the MLP as a 2-stage pipeline, stage s on worker s (2 micro-batches, GPipe;
+plus ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``); the small
+transformer tensor parallel over one CPU of each worker; the residual CNN as dp2 x pp2
+in the Megatron layout (stage s on worker s, the two replicas on its two CPUs, 1F1B);
+the MLP likewise with ZeRO-1 (one copy of the optimizer state in all); the branchy model as a general placement (its branches on different workers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # a worker: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+
+from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
+                                 make_plan, step_losses)
+from tests.apply.test_multi_worker_hybrid import SPLITS, dev, scenario  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKERS, CPUS = 2, 2
+STEPS = 10
+GLOBAL_BATCH = 16
+CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "tp2"), ("tiny_cnn", "dp2xpp2"),
+         ("tiny_mlp", "dp2xpp2+zero1"), ("branchy", "placement")]
+MODE = {"pp2": "pipeline", "tp2": "tensor_parallel", "dp2xpp2": "tensor_parallel",
+        "dp2xpp2+zero1": "tensor_parallel", "placement": "placement"}
+BRANCHY = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
+
+
+def remote_plan(model, name: str, kind: str):
+    """A plan for ``2xcpu:2`` whose replicas span the two workers."""
+    if kind == "pp2":  # stage s on worker s
+        plan = make_plan(model, [[dev(0, 0)], [dev(1, 0)]], num_microbatches=2,
+                         global_batch=GLOBAL_BATCH)
+    elif kind == "tp2":  # tensor rank t on worker t
+        plan = make_plan(model, [[dev(0, 0), dev(1, 0)]], global_batch=GLOBAL_BATCH)
+        strategy = dataclasses.replace(plan.strategy, dp=1, tp=2, microbatch_size=GLOBAL_BATCH)
+        plan = dataclasses.replace(plan, strategy=strategy, tp_splits=SPLITS[name])
+    elif kind.startswith("dp2xpp2"):  # Megatron layout: stage s on worker s, replica r
+        plan = make_plan(model, [[dev(s, 0), dev(s, 1)] for s in range(WORKERS)],  # on CPU r
+                         num_microbatches=2, global_batch=GLOBAL_BATCH)
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+            plan.strategy, schedule="1f1b", optimizer_sharding=kind.endswith("zero1")))
+    else:  # a general placement, one branch per worker
+        plan = make_plan(model, [[d] for d in BRANCHY], global_batch=GLOBAL_BATCH,
+                         stage_layers=list(BRANCHY.values()))
+        plan = dataclasses.replace(plan, placement="general")
+    one = plan.cluster
+    cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
+                                  devices_per_node=CPUS, inter_node_link=one.intra_node_link)
+    return dataclasses.replace(plan, cluster=cluster, name=f"{name} {kind} across workers")
+
+
+def worker_main(out_dir: str) -> None:
+    import apply
+    from apply.placement import variable_devices
+    from planner.plan import load_plan
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
+    apply.ensure_devices(plans[0])  # worker 1 serves its devices and exits here
+    assert task == 0, "only worker 0 gets past ensure_devices"
+    results = {}
+    for (name, kind), plan in zip(CASES, plans):
+        module, model = base_model(name)
+        wrapped = apply.wrap(model, plan)
+        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        full = (name, kind) == CASES[0]
+        result = scenario(wrapped, module,
+                          os.path.join(out_dir, "model.weights.h5") if full else None)
+        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped),
+                      weights=len(wrapped.trainable_variables),
+                      slots=sum(1 for v in wrapped.optimizer.variables if len(v.shape)))
+        results[f"{name} {kind}"] = result
+    with open(os.path.join(out_dir, f"worker{task}.json"), "w", encoding="utf-8") as f:
+        json.dump({"task": task, "results": results}, f)
+
+
+def _reference(name: str, weights_path: str | None) -> dict:
+    import keras
+
+    module, model = base_model(name)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return scenario(copy, module, weights_path)
+
+
+def test_plans_across_workers_train_like_one_device(tmp_path):
+    import numpy as np
+
+    from apply.remote import needs_remote
+    from apply.wrap import plan_mode
+    from planner.plan import save_plan
+
+    for i, (name, kind) in enumerate(CASES):  # the workers read them
+        plan = remote_plan(base_model(name)[1], name, kind)
+        assert needs_remote(plan) and plan_mode(plan) == MODE[kind], (name, kind)
+        save_plan(plan, tmp_path / f"plan{i}.json")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+         os.path.abspath(__file__), str(tmp_path)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the single-device references, while the workers start
+        references = {
+            f"{name} {kind}": _reference(name, str(tmp_path / "reference.weights.h5")
+                                         if (name, kind) == CASES[0] else None)
+            for name, kind in CASES}
+        out, err = launch.communicate(timeout=420)
+    finally:
+        if launch.poll() is None:
+            launch.terminate()
+            launch.wait()
+    logs = out[-2000:] + err[-4000:]
+    assert launch.returncode == 0, logs
+    assert "worker (1) serves its devices" in out + err, logs
+    assert not (tmp_path / "worker1.json").exists()  # worker 1 ran no training
+    with open(tmp_path / "worker0.json", encoding="utf-8") as f:
+        doc = json.load(f)
+    for case, reference in references.items():
+        result = doc["results"][case]
+        for key in reference:
+            np.testing.assert_allclose(result[key], reference[key], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{case}: {key}")
+        name, kind = case.split()
+        _check_devices(result["devices"], remote_plan(base_model(name)[1], name, kind))
+    # ZeRO-1: the optimizer's slots (its non-scalar variables) for one copy of the MLP's
+    # weights where dp=2 holds two copies; the pp2 case (dp=1) gives slots per weight
+    dense, zero = doc["results"]["tiny_mlp pp2"], doc["results"]["tiny_mlp dp2xpp2+zero1"]
+    assert dense["slots"] >= dense["weights"] > 0
+    assert zero["weights"] == 2 * dense["weights"] and zero["slots"] == dense["slots"]
+    assert (tmp_path / "model.weights.h5").is_file()
+
+
+def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path):
+    """``plan launch --workers 2 examples/train.py --plan P``, P a pipeline with one stage
+    per worker: worker 0 trains with the single-device losses, worker 1 serves and
+    exits 0."""
+    from planner.plan import save_plan
+    from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
+        reference_losses
+
+    _, model = base_model("tiny_mlp")
+    save_plan(remote_plan(model, "tiny_mlp", "pp2"), tmp_path / "plan.json")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env.pop("PLAN_FILE", None)
+    launch = subprocess.run(
+        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+         os.path.join(ROOT, "examples", "train.py"), "--model",
+         os.path.join(HERE, "tiny_mlp.py"), "--json", "--plan", str(tmp_path / "plan.json"),
+         "--steps", str(REFERENCE_STEPS)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert launch.returncode == 0, launch.stdout[-2000:] + launch.stderr[-4000:]
+    results = {}
+    for line in launch.stdout.splitlines():
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("{"):
+            results[int(prefix.split()[-1])] = json.loads(rest)
+    assert list(results) == [0], launch.stdout[-2000:]  # worker 1 only served
+    assert results[0]["plan"] == "tiny_mlp pp2 across workers"
+    assert_losses_match(results[0]["losses"], reference_losses("tiny_mlp"))
+    assert results[0]["devices"]["head/kernel"] == [dev(1, 0)]
+
+
+def _check_devices(devices: dict, plan) -> None:
+    """Every variable and optimizer slot sits on the plan's devices; a stage's layers on
+    that stage's devices, on both workers."""
+    for path, where in devices.items():
+        assert where and set(where) <= set(plan.devices), (path, where)
+    used = {d for where in devices.values() for d in where}
+    assert {d.split("/device")[0] for d in used} == {"/job:worker/task:0",
+                                                     "/job:worker/task:1"}, used
+    for stage in plan.stages:
+        for layer in stage.layers:
+            for path, where in devices.items():
+                if path.startswith(layer + "/") or f"/{layer}_" in path:
+                    assert set(where) <= set(stage.devices), (path, where, stage.devices)
+
+
+def test_plan_mode_and_auto_for_replicas_across_workers():
+    """A replica across workers runs through apply.remote (the one-host modes), and
+    apply.auto does not pick such a plan without PLAN_FILE (it must be set up before
+    TensorFlow starts)."""
+    from apply.auto import not_runnable_reason
+    from apply.multi_worker_hybrid import is_hybrid
+    from apply.remote import needs_remote, replicas_span_workers
+    from apply.wrap import plan_mode
+    from tests.apply.test_multi_worker_hybrid import worker_plan
+
+    _, model = base_model("tiny_mlp")
+    inside = worker_plan(model, "tiny_mlp", "dp2xpp2")  # each replica on one worker
+    assert is_hybrid(inside) and not replicas_span_workers(inside)
+    assert not needs_remote(inside) and plan_mode(inside) == "multi_worker_hybrid"
+    across = remote_plan(model, "tiny_mlp", "pp2")
+    assert replicas_span_workers(across) and needs_remote(across)
+    assert plan_mode(across) == "pipeline"
+    assert "PLAN_FILE" in not_runnable_reason(across)
+    assert not_runnable_reason(inside) is None
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
