@@ -8,9 +8,10 @@ the workers, and trains them; the test process trains the same models on one dev
 Losses of 10 ``train_on_batch`` steps must agree within 1e-4 (relative), and every
 variable and optimizer slot must sit on the device the plan names.
 
-Cases: the MLP as a 2-stage pipeline, stage s on worker s (2 micro-batches, GPipe;
-plus ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``); the small
-transformer tensor parallel over one CPU of each worker; the residual CNN as dp2 x pp2
+Cases: the MLP, the small transformer and the residual CNN each as a 2-stage pipeline,
+stage s on worker s (2 micro-batches; GPipe for the MLP, 1F1B for the others; the MLP
+also runs ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``) and
+tensor parallel with one rank on each worker; the residual CNN as dp2 x pp2
 in the Megatron layout (stage s on worker s, the two replicas on its two CPUs, 1F1B);
 the MLP likewise with ZeRO-1 (one copy of the optimizer state in all); the branchy model as a general placement (its branches on different workers).
 """
@@ -28,14 +29,15 @@ if __name__ == "__main__":  # a worker: make the repository importable
 
 from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
                                  make_plan, step_losses)
-from tests.apply.test_multi_worker_hybrid import SPLITS, dev, scenario  # noqa: E402
+from tests.apply.test_multi_worker_hybrid import SCHEDULE, SPLITS, dev, scenario  # noqa: E402,E501
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, CPUS = 2, 2
 STEPS = 10
 GLOBAL_BATCH = 16
-CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "tp2"), ("tiny_cnn", "dp2xpp2"),
-         ("tiny_mlp", "dp2xpp2+zero1"), ("branchy", "placement")]
+CASES = [("tiny_mlp", "pp2"), ("tiny_mlp", "tp2"), ("tiny_transformer", "pp2"),
+         ("tiny_transformer", "tp2"), ("tiny_cnn", "pp2"), ("tiny_cnn", "tp2"),
+         ("tiny_cnn", "dp2xpp2"), ("tiny_mlp", "dp2xpp2+zero1"), ("branchy", "placement")]
 MODE = {"pp2": "pipeline", "tp2": "tensor_parallel", "dp2xpp2": "tensor_parallel",
         "dp2xpp2+zero1": "tensor_parallel", "placement": "placement"}
 BRANCHY = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
@@ -46,6 +48,8 @@ def remote_plan(model, name: str, kind: str):
     if kind == "pp2":  # stage s on worker s
         plan = make_plan(model, [[dev(0, 0)], [dev(1, 0)]], num_microbatches=2,
                          global_batch=GLOBAL_BATCH)
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+            plan.strategy, schedule=SCHEDULE[name]))
     elif kind == "tp2":  # tensor rank t on worker t
         plan = make_plan(model, [[dev(0, 0), dev(1, 0)]], global_batch=GLOBAL_BATCH)
         strategy = dataclasses.replace(plan.strategy, dp=1, tp=2, microbatch_size=GLOBAL_BATCH)
