@@ -146,7 +146,7 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     device_type = types.pop()
     if _STRATEGY is None:
         if device_type == "CPU":
-            _local_cpus(plan, 1 + max(i for _, i in local))
+            make_local_cpus(plan, 1 + max(i for _, i in local))
         _STRATEGY = _make_strategy(f"Plan {plan.name!r}", device_type)
     strategy = _STRATEGY
     if device_type == "GPU":
@@ -160,7 +160,7 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     return tuple(plan.devices)
 
 
-def _local_cpus(plan: Plan, need: int) -> None:
+def make_local_cpus(plan: Plan, need: int) -> None:
     """Make ``need`` logical CPU devices on this worker (before the runtime starts)."""
     physical = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(physical)

@@ -78,7 +78,8 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
     global _CONNECTED
     import tensorflow as tf
 
-    from apply.multi_worker import check_workers, plan_tasks, read_tf_config
+    from apply.multi_worker import check_workers, make_local_cpus, plan_tasks, \
+        read_tf_config
 
     tasks = plan_tasks(plan)
     workers, index = read_tf_config()
@@ -100,7 +101,7 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
                 "cluster. Use plans made for the same cluster.")
         return _check_devices(plan)
     if device_type == "CPU":
-        _logical_cpus(plan, cpus)
+        make_local_cpus(plan, cpus)
     if index != 0:
         _serve(plan, workers, index, device_type, cpus)  # does not return
     others = [a for i, a in enumerate(workers) if i != 0]
@@ -124,24 +125,6 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
     print(f"[apply] plan {plan.name!r}: this worker (0) drives the devices of all "
           f"{len(workers)} workers ({len(others)} serving)", file=sys.stderr, flush=True)
     return _check_devices(plan)
-
-
-def _logical_cpus(plan: Plan, need: int) -> None:
-    import tensorflow as tf
-
-    physical = tf.config.list_physical_devices("CPU")[0]
-    configured = tf.config.get_logical_device_configuration(physical)
-    if (len(configured) if configured else 1) == need:
-        return
-    try:
-        tf.config.set_logical_device_configuration(
-            physical, [tf.config.LogicalDeviceConfiguration() for _ in range(need)])
-    except RuntimeError:
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} uses {need} CPU devices on each worker, and TensorFlow's "
-            "runtime has already started in this process, so they cannot be made. Call "
-            "apply.ensure_devices(plan) right after load_plan(), before building the model "
-            "or running any TensorFlow op.") from None
 
 
 def _check_devices(plan: Plan) -> tuple[str, ...]:

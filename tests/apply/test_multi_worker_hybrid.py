@@ -99,26 +99,37 @@ def scenario(model, module, weights_path: str | None) -> dict:
     return result
 
 
-def worker_main(out_dir: str) -> None:
+def train_cases(out_dir: str, cases: list, plans: list) -> None:
+    """Wrap and train each case's model with its plan on this worker; write the results
+    (losses, what ``scenario`` runs, mode, variable devices, weight and slot counts) to
+    ``out_dir/worker{task}.json``. The first case also runs fit/evaluate/predict/files."""
     import apply
     from apply.placement import variable_devices
-    from planner.plan import load_plan
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
-    apply.ensure_devices(plans[0])  # the strategy and 2 logical CPUs, before any TF op
     results = {}
-    for (name, kind), plan in zip(CASES, plans):
+    for (name, kind), plan in zip(cases, plans):
         module, model = base_model(name)
         wrapped = apply.wrap(model, plan)
         wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        full = (name, kind) == CASES[0]
+        full = (name, kind) == cases[0]
         result = scenario(wrapped, module,
                           os.path.join(out_dir, "model.weights.h5") if full else None)
-        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped))
+        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped),
+                      weights=len(wrapped.trainable_variables),
+                      slots=sum(1 for v in wrapped.optimizer.variables if len(v.shape)))
         results[f"{name} {kind}"] = result
     with open(os.path.join(out_dir, f"worker{task}.json"), "w", encoding="utf-8") as f:
         json.dump({"task": task, "results": results}, f)
+
+
+def worker_main(out_dir: str) -> None:
+    import apply
+    from planner.plan import load_plan
+
+    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
+    apply.ensure_devices(plans[0])  # the strategy and 2 logical CPUs, before any TF op
+    train_cases(out_dir, CASES, plans)
 
 
 def _reference(name: str, weights_path: str | None) -> dict:
@@ -131,6 +142,28 @@ def _reference(name: str, weights_path: str | None) -> dict:
     return scenario(copy, module, weights_path)
 
 
+def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str, dict]:
+    """``plan launch --workers 2 SCRIPT OUT_DIR``; while the workers run, the cases'
+    single-device references are trained here. Returns (exit code, the end of the
+    launch's output, {case: reference result})."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+         os.path.abspath(script), str(out_dir)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the single-device references, while the workers start
+        references = {
+            f"{name} {kind}": _reference(name, os.path.join(out_dir, "reference.weights.h5")
+                                         if (name, kind) == cases[0] else None)
+            for name, kind in cases}
+        out, err = launch.communicate(timeout=420)
+    finally:
+        if launch.poll() is None:
+            launch.terminate()
+            launch.wait()
+    return launch.returncode, out + err, references
+
+
 def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
     import numpy as np
 
@@ -141,22 +174,8 @@ def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
         plan = worker_plan(base_model(name)[1], name, kind)
         assert plan_mode(plan) == ("multi_worker" if kind == "dp2" else "multi_worker_hybrid")
         save_plan(plan, tmp_path / f"plan{i}.json")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
-         os.path.abspath(__file__), str(tmp_path)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:  # the single-device references, while the workers start
-        references = {
-            f"{name} {kind}": _reference(name, str(tmp_path / "reference.weights.h5")
-                                         if (name, kind) == CASES[0] else None)
-            for name, kind in CASES}
-        out, err = launch.communicate(timeout=420)
-    finally:
-        if launch.poll() is None:
-            launch.terminate()
-            launch.wait()
-    assert launch.returncode == 0, out[-2000:] + err[-4000:]
+    returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
+    assert returncode == 0, logs[-6000:]
     for task in range(WORKERS):
         with open(tmp_path / f"worker{task}.json", encoding="utf-8") as f:
             doc = json.load(f)

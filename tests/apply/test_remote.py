@@ -27,9 +27,9 @@ if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
 
-from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
-                                 make_plan, step_losses)
-from tests.apply.test_multi_worker_hybrid import SCHEDULE, SPLITS, dev, scenario  # noqa: E402,E501
+from tests.apply.helpers import HERE, base_model, make_plan  # noqa: E402
+from tests.apply.test_multi_worker_hybrid import (SCHEDULE, SPLITS, dev,  # noqa: E402
+                                                  launch_with_references, train_cases)
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, CPUS = 2, 2
@@ -71,37 +71,13 @@ def remote_plan(model, name: str, kind: str):
 
 def worker_main(out_dir: str) -> None:
     import apply
-    from apply.placement import variable_devices
     from planner.plan import load_plan
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
     apply.ensure_devices(plans[0])  # worker 1 serves its devices and exits here
     assert task == 0, "only worker 0 gets past ensure_devices"
-    results = {}
-    for (name, kind), plan in zip(CASES, plans):
-        module, model = base_model(name)
-        wrapped = apply.wrap(model, plan)
-        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        full = (name, kind) == CASES[0]
-        result = scenario(wrapped, module,
-                          os.path.join(out_dir, "model.weights.h5") if full else None)
-        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped),
-                      weights=len(wrapped.trainable_variables),
-                      slots=sum(1 for v in wrapped.optimizer.variables if len(v.shape)))
-        results[f"{name} {kind}"] = result
-    with open(os.path.join(out_dir, f"worker{task}.json"), "w", encoding="utf-8") as f:
-        json.dump({"task": task, "results": results}, f)
-
-
-def _reference(name: str, weights_path: str | None) -> dict:
-    import keras
-
-    module, model = base_model(name)
-    copy = keras.models.clone_model(model)
-    copy.set_weights(model.get_weights())
-    copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-    return scenario(copy, module, weights_path)
+    train_cases(out_dir, CASES, plans)
 
 
 def test_plans_across_workers_train_like_one_device(tmp_path):
@@ -115,24 +91,9 @@ def test_plans_across_workers_train_like_one_device(tmp_path):
         plan = remote_plan(base_model(name)[1], name, kind)
         assert needs_remote(plan) and plan_mode(plan) == MODE[kind], (name, kind)
         save_plan(plan, tmp_path / f"plan{i}.json")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
-         os.path.abspath(__file__), str(tmp_path)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:  # the single-device references, while the workers start
-        references = {
-            f"{name} {kind}": _reference(name, str(tmp_path / "reference.weights.h5")
-                                         if (name, kind) == CASES[0] else None)
-            for name, kind in CASES}
-        out, err = launch.communicate(timeout=420)
-    finally:
-        if launch.poll() is None:
-            launch.terminate()
-            launch.wait()
-    logs = out[-2000:] + err[-4000:]
-    assert launch.returncode == 0, logs
-    assert "worker (1) serves its devices" in out + err, logs
+    returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
+    assert returncode == 0, logs[-6000:]
+    assert "worker (1) serves its devices" in logs, logs[-6000:]
     assert not (tmp_path / "worker1.json").exists()  # worker 1 ran no training
     with open(tmp_path / "worker0.json", encoding="utf-8") as f:
         doc = json.load(f)
