@@ -99,17 +99,24 @@ def base_model(name: str) -> tuple[Any, Any]:
     return _CACHE[name]
 
 
-def reference_losses(name: str) -> list[float]:
-    """Single-device per-step losses of a copy of ``base_model(name)`` (the ground truth)."""
-    key = f"{name}/reference"
-    if key not in _CACHE:
-        import keras
+def single_device_copy(name: str) -> tuple[Any, Any]:
+    """(module, a compiled one-device copy of ``base_model(name)``, same weights)."""
+    import keras
 
-        module, model = base_model(name)
-        copy = keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        _CACHE[key] = step_losses(copy, batches_of(module, STEPS, GLOBAL_BATCH))
+    module, model = base_model(name)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return module, copy
+
+
+def reference_losses(name: str, steps: int = STEPS) -> list[float]:
+    """Single-device per-step losses of a copy of ``base_model(name)`` (the ground truth),
+    ``steps`` steps on ``batches_of(module, steps, GLOBAL_BATCH)``."""
+    key = f"{name}/reference/{steps}"
+    if key not in _CACHE:
+        module, copy = single_device_copy(name)
+        _CACHE[key] = step_losses(copy, batches_of(module, steps, GLOBAL_BATCH))
     return _CACHE[key]
 
 

@@ -37,6 +37,7 @@ import tensorflow as tf
 import apply
 from apply.placement import tf_variable
 from apply.sharded_layers import _Sharded
+from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, make_plan, step_losses)
 
@@ -62,18 +63,11 @@ MODES = {
 }
 # the models' optimizers: SGD with momentum (the CNN) keeps one slot, Adam two
 SLOTS_PER_VARIABLE = {"SGD": 1, "Adam": 2}
-_REFERENCE: dict[str, list[float]] = {}
 
 
 def reference_losses(name: str) -> list[float]:
-    """Single-device losses of STEPS steps from the same weights and batches (cached)."""
-    if name not in _REFERENCE:
-        module, model = base_model(name)
-        copy = keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        _REFERENCE[name] = step_losses(copy, batches_of(module, STEPS, GLOBAL_BATCH))
-    return _REFERENCE[name]
+    """Single-device losses of STEPS steps from the same weights and batches."""
+    return helpers.reference_losses(name, STEPS)
 
 
 def plan_for(model: Any, name: str, mode: str):

@@ -27,7 +27,7 @@ if __name__ == "__main__":  # a worker: make the repository importable
         os.path.abspath(__file__)))))
 
 from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
-                                 make_plan, step_losses)
+                                 make_plan, single_device_copy, step_losses)
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, CPUS = 2, 2
@@ -133,12 +133,7 @@ def worker_main(out_dir: str) -> None:
 
 
 def _reference(name: str, weights_path: str | None) -> dict:
-    import keras
-
-    module, model = base_model(name)
-    copy = keras.models.clone_model(model)
-    copy.set_weights(model.get_weights())
-    copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    module, copy = single_device_copy(name)
     return scenario(copy, module, weights_path)
 
 

@@ -24,6 +24,7 @@ from apply.tensor_parallel import TensorParallelModel
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan, load_plan, save_plan
 from planner.validate import validate_plan
+from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan, step_losses)
 
@@ -46,7 +47,6 @@ CASES = {
     "mlp-dp2-tp2-m2": ("tiny_mlp", [cpus(0, 1, 2, 3)], 2, 2),
     "transformer-dp2-tp2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 1, 2),
 }
-_REFERENCE: dict[str, list[float]] = {}
 
 
 def tp_plan(model, stage_devices, splits, *, num_microbatches=1, global_batch=GLOBAL_BATCH,
@@ -63,13 +63,7 @@ def tp_plan(model, stage_devices, splits, *, num_microbatches=1, global_batch=GL
 
 def reference_losses(name: str) -> list[float]:
     """Single-device losses of STEPS_TP steps from the same weights and batches."""
-    if name not in _REFERENCE:
-        module, model = base_model(name)
-        copy = keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        _REFERENCE[name] = step_losses(copy, batches_of(module, STEPS_TP, GLOBAL_BATCH))
-    return _REFERENCE[name]
+    return helpers.reference_losses(name, STEPS_TP)
 
 
 def _short(device: str) -> str:
@@ -266,16 +260,17 @@ def test_too_few_heads_for_tp():
         apply.wrap(model, plan)
 
 
-def test_tp_across_workers_is_refused_for_now():
+def test_a_worker_local_tp_plan_is_not_wrapped_whole():
+    """dp2 x tp2 over two workers with each replica's tp ranks on one worker runs one
+    program per worker (apply.multi_worker_hybrid builds each worker's part); handing
+    the whole plan to wrap_tensor_parallel is refused. (A tp group across workers runs
+    whole, driven by worker 0: tests/apply/test_remote.py.)"""
     _, model = base_model("tiny_mlp")
-    plan = tp_plan(model, [cpus(0, 1)], SPLITS["tiny_mlp"])
-    workers = ("/job:worker/replica:0/task:0/device:CPU:0",
-               "/job:worker/replica:0/task:1/device:CPU:0")
-    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0],
-                                                                 devices=workers),))
+    workers = tuple(f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2))
+    plan = tp_plan(model, [list(workers)], SPLITS["tiny_mlp"], dp=2)
     from apply.tensor_parallel import wrap_tensor_parallel
 
-    with pytest.raises(PlannerError, match="across worker processes"):
+    with pytest.raises(PlannerError, match="runs through apply.wrap"):
         wrap_tensor_parallel(model, plan, {})
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import collections
 from collections import defaultdict
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,6 +22,7 @@ from apply.tensor_parallel import TensorParallelModel
 from apply.wrap import plan_mode
 from apply.zero import weight_groups
 from planner.zero import owners_by_device_group
+from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, make_plan, step_losses)
 
@@ -38,7 +38,6 @@ CASES = {
     "mlp-dp2-pp2-m2": ("tiny_mlp", [cpus(0, 1), cpus(2, 3)], 2, 2, ()),
     "mlp-dp2-tp2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 2, MLP_SPLITS),
 }
-_REFERENCE: dict[str, list[float]] = {}
 
 
 def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=()):
@@ -53,13 +52,7 @@ def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=()):
 
 def reference_losses(name: str) -> list[float]:
     """Single-device losses of STEPS steps from the same weights and batches."""
-    if name not in _REFERENCE:
-        module, model = base_model(name)
-        copy = keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        _REFERENCE[name] = step_losses(copy, batches_of(module, STEPS, GLOBAL_BATCH))
-    return _REFERENCE[name]
+    return helpers.reference_losses(name, STEPS)
 
 
 def _device(variable) -> str:
