@@ -50,6 +50,8 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from apply.clipping import (all_reduced_and_clipped, clips_globally, keras_all_reduce_off,
+                            optimizer_clipping_off)
 from apply.cloning import clone_graph, copy_weights
 from apply.planned_model import PlannedModel, _leading_dim
 from apply.recompute import recompute_call
@@ -81,6 +83,19 @@ class DataParallelModel(PlannedModel):
 
     def _compile_scope(self) -> Any:
         return self.distribute_strategy.scope()
+
+    # --- global_clipnorm: clip the all-reduced gradient (apply.clipping) ------------------
+    def _uses_microbatch_step(self) -> bool:
+        return super()._uses_microbatch_step() or (
+            self.optimizer is not None and clips_globally(self.optimizer))
+
+    def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
+        if not clips_globally(self.optimizer) or tf.distribute.in_cross_replica_context():
+            super()._apply_gradients(gradients, variables)
+            return
+        gradients = all_reduced_and_clipped(self.optimizer, gradients)
+        with keras_all_reduce_off(self.optimizer), optimizer_clipping_off(self.optimizer):
+            super()._apply_gradients(gradients, variables)
 
     def _prepare_optimizer(self, optimizer: Any) -> Any:
         if optimizer is None:

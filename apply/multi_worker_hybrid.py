@@ -53,6 +53,7 @@ from typing import Any, Collection
 import keras
 import tensorflow as tf
 
+from apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from apply.multi_worker import get_strategy, plan_tasks, read_tf_config
 from apply.placement import tf_variable
 from apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
@@ -136,7 +137,10 @@ class MultiWorkerHybridModel(TensorParallelModel):
         gradients, variables = self._pending
         self._pending = None
         if variables:  # the update, on each variable's device, outside strategy.run
-            super(TensorParallelModel, self)._apply_gradients(gradients, variables)
+            copies = 1 + len(self._others.models)  # global_clipnorm over one copy
+            gradients = clipped_over_one_copy(self.optimizer, gradients, variables, copies)
+            with optimizer_clipping_off(self.optimizer):
+                super(TensorParallelModel, self)._apply_gradients(gradients, variables)
         return self.get_metrics_result()
 
     def _my_rows(self, t: Any) -> Any:

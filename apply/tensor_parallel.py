@@ -24,7 +24,8 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   ``add_n`` on that copy's device (the same sum in the same order everywhere, so
   the copies stay equal). The model returned is replica 0; ``weights``, weight
   files and ``get_weights`` hold one copy, ``trainable_variables`` (what is
-  trained, with its optimizer slots) every copy.
+  trained, with its optimizer slots) every copy. ``global_clipnorm`` is computed over
+  one copy (``apply.clipping``), as on one device.
 * ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
   owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
   its device, is updated, and is copied to the other replicas.
@@ -32,8 +33,10 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
 
-Not applied yet: tensor parallelism across worker processes (PlannerError), and the
-layer configurations ``apply.sharded_layers`` lists.
+Across worker processes: each worker's part of a plan whose replicas stay inside a
+worker (``apply.multi_worker_hybrid``), or the whole plan driven by worker 0 when a
+replica spans workers (``apply.remote``). Not applied: the layer configurations
+``apply.sharded_layers`` lists.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from apply.cloning import _default_clone, copy_weights
 from apply.pipeline import PlacedModel
 from apply.placement import build_optimizer_on_devices, tf_variable
@@ -124,7 +128,10 @@ class TensorParallelModel(PlacedModel):
                 for r in range(dp):  # the same sum, in the same order, on each replica
                     with tf.device(tf_variable(variables[r * n + i]).device):
                         summed[r * n + i] = _sum(grads)
-            gradients = summed
+            gradients = clipped_over_one_copy(self.optimizer, summed, variables, dp)
+            with optimizer_clipping_off(self.optimizer):  # global_clipnorm: apply.clipping
+                super()._apply_gradients(gradients, variables)
+            return
         super()._apply_gradients(gradients, variables)
 
     # the user's model's weights, in its order and shapes (layer by layer, unsplit)

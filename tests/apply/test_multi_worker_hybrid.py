@@ -9,10 +9,12 @@ must agree within 1e-4 (relative), and every variable and optimizer slot must si
 the device the plan names for this worker's replicas.
 
 Cases (name: model, plan): dp2xpp2 (a 2-stage pipeline on each worker, 2
-micro-batches; GPipe for the MLP, 1F1B order for the others), dp2xtp2 (the model's Megatron splits over each worker's 2 CPUs), dp4
-(two replicas per worker, four in all) and dp2 (plain data parallel, one CPU per
-worker: ``apply.multi_worker``, in the same processes); the MLP's dp2xpp2 also runs
-``fit``, ``evaluate``, ``predict`` and ``save_weights``/``load_weights``.
+micro-batches; GPipe for the MLP, 1F1B order for the others), dp2xtp2 (the model's
+Megatron splits over each worker's 2 CPUs), dp4 (two replicas per worker, four in all)
+and dp2 (plain data parallel, one CPU per worker: ``apply.multi_worker``, in the same
+processes); the MLP's dp2xpp2 also runs ``fit``, ``evaluate``, ``predict`` and
+``save_weights``/``load_weights``; ``+clip``: the MLP's dp2 and dp4 with an SGD that
+clips by ``global_clipnorm`` every step (``apply.clipping``).
 """
 from __future__ import annotations
 
@@ -44,9 +46,20 @@ SPLITS = {
 CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_mlp", "dp2xtp2"), ("tiny_mlp", "dp4"),
          ("tiny_transformer", "dp2xpp2"), ("tiny_transformer", "dp2xtp2"),
          ("tiny_transformer", "dp2"), ("tiny_cnn", "dp2xpp2"), ("tiny_cnn", "dp2xtp2"),
-         ("tiny_cnn", "dp2")]
+         ("tiny_cnn", "dp2"), ("tiny_mlp", "dp2+clip"), ("tiny_mlp", "dp4+clip")]
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b"}
-MODE = {"dp2": "MultiWorkerModel"}  # one CPU per worker: apply.multi_worker
+MODE = {"dp2": "MultiWorkerModel", "dp2+clip": "MultiWorkerModel"}  # apply.multi_worker
+CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
+
+
+def optimizer_for(module, kind: str):
+    """The case's optimizer: the model file's, or (``+clip``) SGD that clips every step
+    (apply.clipping; Adam would hide a wrong clip: its steps ignore gradient scale)."""
+    import keras
+
+    if kind.endswith("+clip"):
+        return keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=CLIP_NORM)
+    return fresh_optimizer(module)
 
 
 def dev(task: int, cpu: int) -> str:
@@ -55,6 +68,7 @@ def dev(task: int, cpu: int) -> str:
 
 def worker_plan(model, name: str, kind: str):
     """A plan for ``2xcpu:2``, data parallel across the workers (dp-outer layout)."""
+    kind = kind.removesuffix("+clip")
     if kind == "dp2xpp2":  # stage s of replica w on worker w's CPU s
         stages = [[dev(0, s), dev(1, s)] for s in range(CPUS)]
         plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
@@ -111,7 +125,7 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
     for (name, kind), plan in zip(cases, plans):
         module, model = base_model(name)
         wrapped = apply.wrap(model, plan)
-        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        wrapped.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
         full = (name, kind) == cases[0]
         result = scenario(wrapped, module,
                           os.path.join(out_dir, "model.weights.h5") if full else None)
@@ -132,8 +146,9 @@ def worker_main(out_dir: str) -> None:
     train_cases(out_dir, CASES, plans)
 
 
-def _reference(name: str, weights_path: str | None) -> dict:
+def _reference(name: str, kind: str, weights_path: str | None) -> dict:
     module, copy = single_device_copy(name)
+    copy.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
     return scenario(copy, module, weights_path)
 
 
@@ -148,7 +163,8 @@ def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str,
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:  # the single-device references, while the workers start
         references = {
-            f"{name} {kind}": _reference(name, os.path.join(out_dir, "reference.weights.h5")
+            f"{name} {kind}": _reference(name, kind,
+                                         os.path.join(out_dir, "reference.weights.h5")
                                          if (name, kind) == cases[0] else None)
             for name, kind in cases}
         out, err = launch.communicate(timeout=420)
@@ -167,7 +183,8 @@ def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = worker_plan(base_model(name)[1], name, kind)
-        assert plan_mode(plan) == ("multi_worker" if kind == "dp2" else "multi_worker_hybrid")
+        assert plan_mode(plan) == ("multi_worker" if kind.startswith("dp2+") or kind == "dp2"
+                                   else "multi_worker_hybrid")
         save_plan(plan, tmp_path / f"plan{i}.json")
     returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
     assert returncode == 0, logs[-6000:]
