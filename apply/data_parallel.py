@@ -132,41 +132,6 @@ class DataParallelModel(PlannedModel):
             self._reset_key = key
         self._reset_fn()
 
-    def _reset_and_step(self, kind: str, data: Any) -> Any:
-        """Reset the metrics, then run the ``train``/``test`` step function on one
-        PerReplica batch: the logs of that batch alone, as Keras' ``*_on_batch`` gives.
-
-        Both run in one ``tf.function`` that calls the model's own step function
-        (``self.train_function``: Keras' ``strategy.run(train_step)`` and its reduction of
-        the per-replica logs, or a subclass's), so the logs are the step function's own;
-        one compiled call instead of two saves a dispatch per batch. The resets come first
-        because every op on a metric variable runs in program order in a ``tf.function``
-        (automatic control dependencies). Rebuilt when the step function or the metrics'
-        variables change (``compile`` clears the step functions)."""
-        if kind == "train":
-            self.make_train_function()
-        else:
-            self.make_test_function()
-        step = getattr(self, f"{kind}_function")
-        if self.run_eagerly:
-            self.reset_metrics()
-            return step([data])
-        metrics = list(self.metrics)
-        key = (id(step),) + tuple(id(v) for m in metrics for v in m.variables)
-        cached = getattr(self, f"_one_batch_{kind}", None)
-        if cached is None or cached.key != key:
-            strategy = self.distribute_strategy
-
-            def reset_and_step(batch: Any) -> Any:
-                with strategy.scope():
-                    for m in metrics:
-                        m.reset_state()
-                    return step([batch])
-
-            cached = _OneBatchFunction(key, tf.function(reset_and_step, reduce_retracing=True))
-            setattr(self, f"_one_batch_{kind}", cached)
-        return cached.function(data)
-
     # --- one-batch methods that split the batch across the replicas -----------------------
     def _splits_evenly(self, x: Any) -> bool:
         n = _leading_dim(x)
@@ -216,14 +181,6 @@ class DataParallelModel(PlannedModel):
     def _one_batch_logs(self, logs: Any, return_dict: bool) -> Any:
         logs = pythonify_logs(logs)
         return logs if return_dict else self._flatten_metrics_in_order(logs)
-
-
-class _OneBatchFunction:
-    """A compiled reset-and-step function and the key it was made for (not tracked by
-    Keras: a plain object, so the model's attribute tracking leaves it alone)."""
-
-    def __init__(self, key: tuple[int, ...], function: Any) -> None:
-        self.key, self.function = key, function
 
 
 def _sliceable(leaf: Any) -> Any:

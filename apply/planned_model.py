@@ -36,6 +36,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.models.functional import Functional
 from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.utils.python_utils import pythonify_logs
 
 from apply.placement import tf_variable
 from planner.errors import PlanMismatchError
@@ -148,9 +149,59 @@ class PlannedModel(Functional):
                 f"multiple of {self.batch_multiple}. TensorFlow said: "
                 f"{str(e).splitlines()[0][:300]}") from None
 
-    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        """Keras' ``train_on_batch`` (the batch checked first), with the metrics' reset and
+        the step in one compiled call (``_reset_and_step``): Keras resets each metric
+        variable with an eager op before every call, a fixed cost that a loop of
+        ``train_on_batch`` calls pays each time."""
         self._check_batch(_leading_dim(x), "The batch given to train_on_batch")
-        return super().train_on_batch(x, y, *args, **kwargs)
+        self._assert_compile_called("train_on_batch")
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError("Arguments `sample_weight` and `class_weight` cannot be "
+                                 "specified at the same time.")
+            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+        logs = self._reset_and_step("train", (x, y, sample_weight))
+        logs = pythonify_logs(logs)
+        return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+    def _reset_and_step(self, kind: str, data: Any) -> Any:
+        """Reset the metrics, then run the ``train``/``test`` step function on one
+        PerReplica batch: the logs of that batch alone, as Keras' ``*_on_batch`` gives.
+
+        Both run in one ``tf.function`` that calls the model's own step function
+        (``self.train_function``: Keras' ``strategy.run(train_step)`` and its reduction of
+        the per-replica logs, or a subclass's), so the logs are the step function's own;
+        one compiled call instead of two saves a dispatch per batch. The resets come first
+        because every op on a metric variable runs in program order in a ``tf.function``
+        (automatic control dependencies). Rebuilt when the step function or the metrics'
+        variables change (``compile`` clears the step functions)."""
+        if kind == "train":
+            self.make_train_function()
+        else:
+            self.make_test_function()
+        step = getattr(self, f"{kind}_function")
+        if self.run_eagerly:
+            self.reset_metrics()
+            return step([data])
+        metrics = list(self.metrics)
+        key = (id(step),) + tuple(id(v) for m in metrics for v in m.variables)
+        cached = getattr(self, f"_one_batch_{kind}", None)
+        if cached is None or cached.key != key:
+            strategy = self.distribute_strategy
+
+            def reset_and_step(batch: Any) -> Any:
+                with strategy.scope():
+                    for m in metrics:
+                        m.reset_state()
+                    return step([batch])
+
+            cached = _OneBatchFunction(key, tf.function(reset_and_step, reduce_retracing=True))
+            setattr(self, f"_one_batch_{kind}", cached)
+        return cached.function(data)
+
 
     def _check_fit_input(self, x: Any, batch_size: int | None, validation_split: float,
                          steps_per_epoch: int | None) -> None:
@@ -199,10 +250,19 @@ class PlannedModel(Functional):
                     _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
                 predictions.append(y_pred)
         if variables:
-            averaged = [_scale(g, 1.0 / m, v) for g, v in zip(total, variables)]
+            averaged = total if m == 1 else [_scale(g, 1.0 / m, v)
+                                             for g, v in zip(total, variables)]
             self._apply_gradients(averaged, variables)
         y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+class _OneBatchFunction:
+    """A compiled reset-and-step function and the key it was made for (not tracked by
+    Keras: a plain object, so the model's attribute tracking leaves it alone)."""
+
+    def __init__(self, key: tuple[int, ...], function: Any) -> None:
+        self.key, self.function = key, function
 
 
 def nearest_multiples(size: int, m: int) -> str:
