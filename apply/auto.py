@@ -11,10 +11,10 @@ Pipeline position: the whole pipeline inside a training script. Instead of
    size 1, as ``plan analyze`` does; nothing runs, no weight is copied), with the
    given optimizer, else the model's compiled one, else adam;
 3. searches (``planner.search.search``) and takes the chosen plan, or, when
-   ``apply.wrap`` cannot run that plan (a replica spanning worker processes, a plan
-   that leaves a worker idle) or would leave part of it unapplied (ZeRO-1 across
-   workers), the fastest fitting candidate that it runs in full (``runnable``), and
-   says so;
+   ``apply.wrap`` cannot run that plan from inside the script (a replica spanning
+   worker processes, which needs ``PLAN_FILE``; a plan that leaves a worker idle) or
+   would warn that part of it is not applied, the fastest fitting candidate that it
+   runs in full (``runnable``), and says so;
 4. wraps the model (``apply.wrap``) and prints to stderr which plan it chose and
    why (the plan's ``reason``).
 

@@ -41,9 +41,12 @@ logical devices (``apply.multi_worker.ensure_cluster``).
 * Files: ``save_weights`` is written by the chief (worker 0), then every worker waits
   for it; ``load_weights`` reads it on every worker.
 
+* ZeRO-1 (``optimizer_sharding``): over every replica of the job, each weight's
+  optimizer state on one of them (``apply.zero_workers``: owner update, local copies,
+  an all-gather of each worker's updated weights).
+
 A replica that spans workers (pipeline stages or tp ranks on several workers) is not
-run here but by ``apply.remote`` (worker 0 drives every device). Not applied across
-workers here: ZeRO-1 (warns in ``apply.wrap``).
+run here but by ``apply.remote`` (worker 0 drives every device).
 """
 from __future__ import annotations
 
@@ -55,8 +58,9 @@ import tensorflow as tf
 
 from apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from apply.multi_worker import get_strategy, plan_tasks, read_tf_config
-from apply.placement import tf_variable
+from apply.placement import build_optimizer_on_devices, tf_variable
 from apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
+from apply.zero_workers import JobWeight, apply_job_sharded, job_weights, owned_copies
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan, Stage
 
@@ -123,7 +127,22 @@ class MultiWorkerHybridModel(TensorParallelModel):
 
     num_workers = 1
     task = 0
-    _pending: Any = None  # (gradients, variables) from the replica step to the update
+    zero_across_workers = False  # ZeRO-1 over every replica of the job (apply.zero_workers)
+    # (gradients, variables) from the replica step to the update; set with
+    # object.__setattr__: Keras' attribute tracking would count a list of variables
+    # stored on the model as more model variables (trainable_variables grew by them)
+    _pending: Any = None
+
+    def _job_weights(self) -> list[JobWeight]:
+        return job_weights(self.trainable_variables, 1 + len(self._others.models),
+                           self.num_workers)
+
+    def _after_compile(self) -> None:
+        if self.zero_across_workers:  # slots for the copies this worker owns only
+            build_optimizer_on_devices(self.optimizer,
+                                       owned_copies(self._job_weights(), self.task))
+            return
+        super()._after_compile()
 
     @property
     def is_chief(self) -> bool:
@@ -135,12 +154,18 @@ class MultiWorkerHybridModel(TensorParallelModel):
         rows = keras.tree.map_structure(self._my_rows, data)
         strategy.run(self._replica_step, args=(rows,))
         gradients, variables = self._pending
-        self._pending = None
+        object.__setattr__(self, "_pending", None)
         if variables:  # the update, on each variable's device, outside strategy.run
             copies = 1 + len(self._others.models)  # global_clipnorm over one copy
             gradients = clipped_over_one_copy(self.optimizer, gradients, variables, copies)
+            placed_update = super(TensorParallelModel, self)._apply_gradients
             with optimizer_clipping_off(self.optimizer):
-                super(TensorParallelModel, self)._apply_gradients(gradients, variables)
+                if self.zero_across_workers:  # ZeRO-1 over the job (apply.zero_workers)
+                    apply_job_sharded(placed_update, self.optimizer, gradients,
+                                      self._job_weights(), self.task, self.num_workers,
+                                      strategy)
+                else:
+                    placed_update(gradients, variables)
         return self.get_metrics_result()
 
     def _my_rows(self, t: Any) -> Any:
@@ -186,7 +211,8 @@ class MultiWorkerHybridModel(TensorParallelModel):
         reduced = iter(tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, present) if present else [])
         total = [None if s is None else next(reduced) for s in sums]
-        self._pending = ([total[i] for _ in range(dp) for i in range(n)], list(variables))
+        object.__setattr__(self, "_pending", ([total[i] for _ in range(dp) for i in range(n)],
+                                              list(variables)))
 
     # --- files --------------------------------------------------------------------------
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
@@ -217,10 +243,14 @@ def wrap_multi_worker_hybrid(view: Any, plan: Plan, *,
             f"MultiWorkerMirroredStrategy replica each, but the strategy has "
             f"{strategy.num_replicas_in_sync}. Run each worker on CPUs (GPUs hidden) or "
             "re-plan.")
+    zero = plan.strategy.optimizer_sharding  # over the whole job, not per worker
     mine = local_plan(plan, task)
+    mine = dataclasses.replace(mine, strategy=dataclasses.replace(
+        mine.strategy, optimizer_sharding=False))
     model = wrap_tensor_parallel(view, mine, top_level_devices(mine),
                                  recompute_layers=recompute_layers)
     model.__class__ = MultiWorkerHybridModel  # replica 0 of this worker drives the step
+    model.zero_across_workers = zero
     model.num_workers, model.task = len(workers), task
     model.num_replicas = plan.strategy.dp  # batches split in dp x num_microbatches parts
     model.plan_name = plan.name

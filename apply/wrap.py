@@ -28,8 +28,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
      the workers with ``plan launch --workers W``);
    * anything more on several workers, each data-parallel replica inside one
-     worker: a multi-worker hybrid (``apply.multi_worker_hybrid``: the strategy
-     between the workers, the placed modes within each);
+     worker, or ZeRO-1 across workers: a multi-worker hybrid
+     (``apply.multi_worker_hybrid``: the strategy between the workers, the placed
+     modes within each; ZeRO-1 over the job, ``apply.zero_workers``);
    * a replica spanning workers (pipeline stages or tp ranks on several workers),
      or a general placement across workers: worker 0 drives every worker's devices
      (``apply.remote``) and the mode is the one-host mode above for the plan's shape;
@@ -134,12 +135,6 @@ def plan_mode(plan: Plan) -> str:
 
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
-    if s.optimizer_sharding and spans_workers(plan) and not needs_remote(plan):
-        warnings.warn(
-            f"Plan {plan.name!r}: apply.wrap does not apply optimizer_sharding (ZeRO-1) "
-            "across workers yet; the model trains with the same results but each replica "
-            "holds the whole optimizer state, more memory than predicted (a later release). "
-            "Re-plan without --optimizer-sharding to match.", stacklevel=3)
     if not plan.stages or replicas == {0}:
         raise PlanMismatchError(f"Plan {plan.name!r} has no stages or no devices. "
                                 "Regenerate the plan.")
@@ -168,7 +163,7 @@ def plan_mode(plan: Plan) -> str:
     if spans_workers(plan) and not needs_remote(plan):  # one program per worker
         from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
 
-        if is_hybrid(plan):  # pipeline / tp / several replicas within each worker
+        if is_hybrid(plan) or s.optimizer_sharding:  # pp / tp / local replicas / ZeRO-1
             plan_replica_tasks(plan)  # PlannerError when a replica spans workers
             return "multi_worker_hybrid"
         return "multi_worker"

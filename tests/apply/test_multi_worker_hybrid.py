@@ -14,7 +14,9 @@ Megatron splits over each worker's 2 CPUs), dp4 (two replicas per worker, four i
 and dp2 (plain data parallel, one CPU per worker: ``apply.multi_worker``, in the same
 processes); the MLP's dp2xpp2 also runs ``fit``, ``evaluate``, ``predict`` and
 ``save_weights``/``load_weights``; ``+clip``: the MLP's dp2 and dp4 with an SGD that
-clips by ``global_clipnorm`` every step (``apply.clipping``).
+clips by ``global_clipnorm`` every step (``apply.clipping``); ``+zero1``: ZeRO-1 over
+the whole job (``apply.zero_workers``) for the MLP's dp2 and dp4 and the transformer's
+dp2 x tp2.
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ SPLITS = {
 CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_mlp", "dp2xtp2"), ("tiny_mlp", "dp4"),
          ("tiny_transformer", "dp2xpp2"), ("tiny_transformer", "dp2xtp2"),
          ("tiny_transformer", "dp2"), ("tiny_cnn", "dp2xpp2"), ("tiny_cnn", "dp2xtp2"),
-         ("tiny_cnn", "dp2"), ("tiny_mlp", "dp2+clip"), ("tiny_mlp", "dp4+clip")]
+         ("tiny_cnn", "dp2"), ("tiny_mlp", "dp2+clip"), ("tiny_mlp", "dp4+clip"),
+         ("tiny_mlp", "dp2+zero1"), ("tiny_mlp", "dp4+zero1"),
+         ("tiny_transformer", "dp2xtp2+zero1")]
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b"}
 MODE = {"dp2": "MultiWorkerModel", "dp2+clip": "MultiWorkerModel"}  # apply.multi_worker
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
@@ -68,7 +72,8 @@ def dev(task: int, cpu: int) -> str:
 
 def worker_plan(model, name: str, kind: str):
     """A plan for ``2xcpu:2``, data parallel across the workers (dp-outer layout)."""
-    kind = kind.removesuffix("+clip")
+    zero = kind.endswith("+zero1")  # ZeRO-1 over the job (apply.zero_workers)
+    kind = kind.removesuffix("+clip").removesuffix("+zero1")
     if kind == "dp2xpp2":  # stage s of replica w on worker w's CPU s
         stages = [[dev(0, s), dev(1, s)] for s in range(CPUS)]
         plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
@@ -88,7 +93,10 @@ def worker_plan(model, name: str, kind: str):
     one = plan.cluster
     cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
                                   devices_per_node=CPUS, inter_node_link=one.intra_node_link)
-    return dataclasses.replace(plan, cluster=cluster, name=f"{name} {kind} over 2 workers")
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, optimizer_sharding=zero))
+    return dataclasses.replace(plan, cluster=cluster, name=f"{name} {kind}{'+zero1' * zero} "
+                               "over 2 workers")
 
 
 def scenario(model, module, weights_path: str | None) -> dict:
@@ -183,14 +191,16 @@ def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = worker_plan(base_model(name)[1], name, kind)
-        assert plan_mode(plan) == ("multi_worker" if kind.startswith("dp2+") or kind == "dp2"
+        assert plan_mode(plan) == ("multi_worker" if kind in ("dp2", "dp2+clip")
                                    else "multi_worker_hybrid")
         save_plan(plan, tmp_path / f"plan{i}.json")
     returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
     assert returncode == 0, logs[-6000:]
+    docs = []
     for task in range(WORKERS):
         with open(tmp_path / f"worker{task}.json", encoding="utf-8") as f:
             doc = json.load(f)
+        docs.append(doc)
         assert doc["task"] == task
         for case, reference in references.items():
             result = doc["results"][case]
@@ -202,6 +212,16 @@ def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
             _check_devices(result["devices"], worker_plan(base_model(name)[1], name, kind),
                            task)
     assert (tmp_path / "model.weights.h5").is_file()  # written once, by the chief
+    # ZeRO-1 over the job: the workers' optimizer slots (non-scalar variables) add up to
+    # one copy of the state (the same plan without ZeRO holds one per local replica on
+    # every worker), and each worker holds part of it
+    for zero, full, local_dp in (("tiny_mlp dp2+zero1", "tiny_mlp dp4", 2),
+                                 ("tiny_mlp dp4+zero1", "tiny_mlp dp4", 2),
+                                 ("tiny_transformer dp2xtp2+zero1",
+                                  "tiny_transformer dp2xtp2", 1)):
+        held = [doc["results"][zero]["slots"] for doc in docs]
+        one_copy = docs[0]["results"][full]["slots"] // local_dp
+        assert sum(held) == one_copy and all(0 < h < one_copy for h in held), (zero, held)
 
 
 def _launch_train_script(tmp_path, *args: str) -> dict:

@@ -156,7 +156,7 @@ def test_layer_that_cannot_be_recreated_is_named():
         apply.wrap(model, make_plan(model, [cpus(1)]))
 
 
-def test_memory_savers_are_applied_on_one_host_and_zero_across_workers_warns(recwarn):
+def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
     from apply.wrap import plan_mode
     from planner.presets import parse_cluster
 
@@ -171,5 +171,6 @@ def test_memory_savers_are_applied_on_one_host_and_zero_across_workers_warns(rec
         cluster=parse_cluster("2xcpu:1"))
     workers = dataclasses.replace(workers, strategy=dataclasses.replace(
         workers.strategy, optimizer_sharding=True))
-    with pytest.warns(UserWarning, match="optimizer_sharding \\(ZeRO-1\\) across workers"):
-        assert plan_mode(workers) == "multi_worker"
+    # ZeRO-1 across workers: the hybrid machinery (apply.zero_workers), no warning
+    assert plan_mode(workers) == "multi_worker_hybrid"
+    assert not [w for w in recwarn if "does not apply" in str(w.message)]
