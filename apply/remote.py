@@ -42,6 +42,7 @@ from planner.plan import Plan
 
 CONNECT_TIMEOUT_S = 600.0  # how long the chief waits for the others, and they for it
 PROBE_INTERVAL_S = 0.5
+NOTICE_INTERVAL_S = 10.0  # how often a wait says what it waits for
 _CONNECTED: tuple[tuple[str, ...], int] | None = None  # (cluster addresses, CPUs per worker)
 
 
@@ -106,7 +107,8 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
         _serve(plan, workers, index, device_type, cpus)  # does not return
     others = [a for i, a in enumerate(workers) if i != 0]
     for i, address in enumerate(workers):
-        if i and not _wait_until(address, up=True, timeout_s=CONNECT_TIMEOUT_S):
+        if i and not _wait_until(address, up=True, timeout_s=CONNECT_TIMEOUT_S,
+                                 waiting=f"worker {i} ({address}) to serve its devices"):
             raise PlannerError(
                 f"Worker {i} ({address}) did not start serving its devices within "
                 f"{CONNECT_TIMEOUT_S:.0f} s, so plan {plan.name!r} cannot run. Start the same "
@@ -155,7 +157,8 @@ def _serve(plan: Plan, workers: list[str], index: int, device_type: str, cpus: i
           f"worker ({index}) serves its devices to it and exits when worker 0 is done",
           file=sys.stderr, flush=True)
     chief = workers[0]
-    if not _wait_until(chief, up=True, timeout_s=CONNECT_TIMEOUT_S):
+    if not _wait_until(chief, up=True, timeout_s=CONNECT_TIMEOUT_S,
+                       waiting=f"worker 0 ({chief}) to start"):
         print(f"[apply] worker 0 ({chief}) did not come up within "
               f"{CONNECT_TIMEOUT_S:.0f} s; stopping", file=sys.stderr, flush=True)
         os._exit(1)
@@ -166,13 +169,21 @@ def _serve(plan: Plan, workers: list[str], index: int, device_type: str, cpus: i
     os._exit(0)  # TensorFlow's server threads would keep a normal exit waiting
 
 
-def _wait_until(address: str, *, up: bool, timeout_s: float | None) -> bool:
-    """Probe ``host:port`` until it accepts connections (``up``) or refuses them."""
+def _wait_until(address: str, *, up: bool, timeout_s: float | None,
+                waiting: str = "") -> bool:
+    """Probe ``host:port`` until it accepts connections (``up``) or refuses them; says
+    on stderr what it waits for every ``NOTICE_INTERVAL_S`` (when ``waiting`` is given)."""
     host, port = address.rsplit(":", 1)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    next_notice = start + NOTICE_INTERVAL_S
     while deadline is None or time.monotonic() < deadline:
         if _accepts(host.strip("[]"), int(port)) == up:
             return True
+        if waiting and time.monotonic() >= next_notice:
+            print(f"[apply] still waiting for {waiting} ({time.monotonic() - start:.0f} s of "
+                  f"{timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            next_notice += NOTICE_INTERVAL_S
         time.sleep(PROBE_INTERVAL_S)
     return False
 

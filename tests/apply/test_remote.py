@@ -157,6 +157,34 @@ def _check_devices(devices: dict, plan) -> None:
                     assert set(where) <= set(stage.devices), (path, where, stage.devices)
 
 
+def test_worker_0_names_a_worker_that_does_not_come_up(monkeypatch, capsys):
+    """No process serves worker 1's address: worker 0 says what it waits for, then
+    fails with an error naming that worker (timeouts shortened for the test)."""
+    import socket
+
+    import pytest
+
+    import apply
+    from apply import remote
+    from planner.errors import PlannerError
+
+    ports = []
+    for _ in range(2):  # two free ports on 127.0.0.1, nothing listening after
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": workers},
+                                                "task": {"type": "worker", "index": 0}}))
+    monkeypatch.setattr(remote, "CONNECT_TIMEOUT_S", 1.2)
+    monkeypatch.setattr(remote, "NOTICE_INTERVAL_S", 0.5)
+    plan = remote_plan(base_model("tiny_mlp")[1], "tiny_mlp", "pp2")
+    with pytest.raises(PlannerError, match=f"Worker 1 \\(127.0.0.1:{ports[1]}\\) did not "
+                                           "start serving its devices within 1 s"):
+        apply.ensure_devices(plan)
+    assert f"still waiting for worker 1 (127.0.0.1:{ports[1]})" in capsys.readouterr().err
+
+
 def test_plan_mode_and_auto_for_replicas_across_workers():
     """A replica across workers runs through apply.remote (the one-host modes), and
     apply.auto does not pick such a plan without PLAN_FILE (it must be set up before
