@@ -10,17 +10,11 @@ inputs each layer call needs and tells it which tensors finish each backward pas
 
 How it works:
 
-* Orders (pure Python). Model chunk (stage) ``k`` of ``plan.stages`` runs on pipeline
-  device ``k % pp`` (``planner.plan``: interleaved plans have ``pp * v`` stages, v =
-  ``virtual_stages``; other plans v = 1). ``device_order`` lists device ``d``'s slots:
-  forwards in the order micro-batch groups of ``pp`` x chunks x micro-batches of the
-  group, backwards the same with the chunks reversed, ``w`` warm-up forwards first,
-  then one forward / one backward, then the remaining backwards:
-  GPipe (Huang et al., NeurIPS 2019): w = all forwards;
-  1F1B / PipeDream-Flush (Narayanan et al., SC'21, Sec. 2.2.1): w = pp - d - 1;
-  interleaved 1F1B (Sec. 2.2.2; Megatron-LM's
-  ``forward_backward_pipelining_with_interleaving``): w = 2 (pp - d - 1) + (v - 1) pp,
-  at most m v (m micro-batches).
+* Orders (pure Python, ``planner.pipeline_order``: shared with ``reports.images``).
+  Model chunk (stage) ``k`` of ``plan.stages`` runs on pipeline device ``k % pp``;
+  ``device_order`` lists device ``d``'s slots with ``w`` warm-up forwards: GPipe w = all
+  forwards; 1F1B / PipeDream-Flush (Narayanan et al., SC'21, Sec. 2.2.1) w = pp - d - 1;
+  interleaved 1F1B (Sec. 2.2.2) w = 2 (pp - d - 1) + (v - 1) pp, at most m v.
 * The rule. A device's forward slot number ``f`` (counting its forwards from 0) may
   start only after its first ``max(0, f - w)`` backward slots have finished
   (``forward_waits``). For 1F1B that is: on stage s of p, micro-batch j's forward
@@ -54,17 +48,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from planner.errors import PlannerError
+from planner.pipeline_order import Slot, device_order  # noqa: F401 (re-exported)
 
 SCHEDULED = ("1f1b", "interleaved")  # the schedules whose order is enforced
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One forward ("F") or backward ("B") pass of one micro-batch on one model chunk."""
-
-    kind: str
-    microbatch: int
-    stage: int  # index in plan.stages (model chunk); runs on device stage % pp
 
 
 @dataclass(frozen=True)
@@ -102,31 +88,6 @@ class PipelineSchedule:
                     finished += 1
             out.append(peak)
         return tuple(out)
-
-
-def device_order(kind: str, device: int, pp: int, virtual_stages: int,
-                 num_microbatches: int) -> tuple[Slot, ...]:
-    """Device ``device``'s forward and backward slots, in the schedule's order."""
-    m, v, p = num_microbatches, virtual_stages, pp
-    groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
-    forwards = [Slot("F", j, c * p + device) for g in groups for c in range(v) for j in g]
-    backwards = [Slot("B", j, c * p + device)
-                 for g in groups for c in reversed(range(v)) for j in g]
-    if kind == "gpipe":
-        warm = m * v
-    elif kind == "1f1b":
-        warm = min(p - device - 1, m * v)
-    elif kind == "interleaved":
-        warm = min(2 * (p - device - 1) + (v - 1) * p, m * v)
-    else:
-        raise PlannerError(f"Pipeline schedule {kind!r} is unknown; expected gpipe, 1f1b or "
-                           "interleaved. Regenerate the plan.")
-    order = forwards[:warm]
-    for i, backward in enumerate(backwards):
-        if warm + i < len(forwards):
-            order.append(forwards[warm + i])
-        order.append(backward)
-    return tuple(order)
 
 
 def forward_waits(orders: Sequence[Sequence[Slot]],

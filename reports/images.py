@@ -12,8 +12,11 @@ FLOPs: Narayanan et al., SC'21, Sec. 5.1), with f + 2f = the slowest stage's tim
 micro-batch in the plan's prediction. Each device runs its operations in the order its
 schedule fixes -- GPipe: all forwards, then all backwards (Huang et al., 2019); 1F1B:
 pp - s - 1 warm-up forwards, then one forward / one backward (Narayanan et al., SC'21,
-Sec. 2.2.1) -- each as soon as its input is ready. The interleaved schedule is drawn as
-1F1B over whole devices (its chunks are not shown). Idle gaps are the bubble.
+Sec. 2.2.1); interleaved 1F1B: each device holds v model chunks of 1/v of its layers
+(f/v and 2f/v per chunk and micro-batch) and runs them in ``planner.pipeline_order``'s
+order (Sec. 2.2.2), the order ``apply`` enforces -- each pass as soon as its input is
+ready. Idle gaps are the bubble: (p - 1)/(m + p - 1) of the time for GPipe and 1F1B,
+(p - 1)/(v m + p - 1) interleaved.
 """
 from __future__ import annotations
 
@@ -33,30 +36,45 @@ MAX_DRAWN_MICROBATCHES = 32  # a longer schedule is drawn with this many micro-b
 class Slot:
     """One forward or backward pass of one micro-batch on one pipeline stage."""
 
-    stage: int
+    stage: int  # the pipeline device (row)
     microbatch: int
     kind: str  # "F" or "B"
     start_s: float
     end_s: float
+    chunk: int = 0  # interleaved: which of the device's model chunks
 
 
-def _order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+def _order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int, int]]:
+    """Device ``stage``'s passes as (kind, model chunk, micro-batch), chunk = the device
+    for GPipe and 1F1B."""
     if stages == 1:  # gradient accumulation: each backward right after its forward
-        return [op for i in range(m) for op in (("F", i), ("B", i))]
+        return [(kind, 0, i) for i in range(m) for kind in ("F", "B")]
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [("F", stage, i) for i in range(m)] + [("B", stage, i) for i in range(m)]
     warm = min(stages - stage - 1, m)
-    order = [("F", i) for i in range(warm)]
+    order = [("F", stage, i) for i in range(warm)]
     for i in range(warm, m):
-        order += [("F", i), ("B", i - warm)]
-    order += [("B", i) for i in range(m - warm, m)]
+        order += [("F", stage, i), ("B", stage, i - warm)]
+    order += [("B", stage, i) for i in range(m - warm, m)]
     return order
 
 
 def schedule_slots(stages: int, microbatches: int, schedule: str, forward_s: float,
-                   backward_s: float) -> list[Slot]:
-    """Every forward and backward pass of a pipeline step (see the module docstring)."""
-    orders = [_order(schedule, s, stages, microbatches) for s in range(stages)]
+                   backward_s: float, virtual_stages: int = 1) -> list[Slot]:
+    """Every forward and backward pass of a pipeline step (see the module docstring).
+
+    ``stages``: pipeline devices; ``virtual_stages`` (interleaved): model chunks per
+    device, each taking 1/v of ``forward_s`` and ``backward_s``."""
+    v = virtual_stages if schedule == "interleaved" else 1
+    if v > 1:
+        from planner.pipeline_order import device_order
+        orders = [[(sl.kind, sl.stage, sl.microbatch) for sl in
+                   device_order("interleaved", d, stages, v, microbatches)]
+                  for d in range(stages)]
+    else:
+        orders = [_order(schedule, s, stages, microbatches) for s in range(stages)]
+    chunks = stages * v  # model chunk k runs on device k % stages
+    f, b = forward_s / v, backward_s / v
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * stages
     nxt = [0] * stages
@@ -67,18 +85,18 @@ def schedule_slots(stages: int, microbatches: int, schedule: str, forward_s: flo
         for s in range(stages):
             if nxt[s] == len(orders[s]):
                 continue
-            kind, i = orders[s][nxt[s]]
+            kind, k, i = orders[s][nxt[s]]
             if kind == "F":
-                dep = done.get(("F", s - 1, i)) if s else 0.0
+                dep = done.get(("F", k - 1, i)) if k else 0.0
             else:
-                dep = done.get(("B", s + 1, i)) if s < stages - 1 else done.get(("F", s, i))
+                dep = done.get(("B", k + 1, i)) if k < chunks - 1 else done.get(("F", k, i))
             if dep is None:
                 continue
             start = max(free[s], dep)
-            end = start + (forward_s if kind == "F" else backward_s)
-            done[(kind, s, i)] = end
+            end = start + (f if kind == "F" else b)
+            done[(kind, k, i)] = end
             free[s] = end
-            slots.append(Slot(s, i, kind, start, end))
+            slots.append(Slot(s, i, kind, start, end, chunk=k // stages))
             nxt[s] += 1
             remaining -= 1
             progressed = True
@@ -95,8 +113,11 @@ def plan_schedule(plan: Plan) -> tuple[list[Slot], int]:
     m = s.num_microbatches
     per_microbatch = (b.compute_s + b.communication_s + b.recompute_s) / max(1, m)
     drawn = min(m, MAX_DRAWN_MICROBATCHES)
-    schedule = "1f1b" if s.schedule == "interleaved" else s.schedule
-    return schedule_slots(s.pp, drawn, schedule, per_microbatch / 3, 2 * per_microbatch / 3), m
+    v = s.virtual_stages if s.schedule == "interleaved" else 1
+    if v > 1 and drawn < m:  # whole groups of pp micro-batches, as the order takes them
+        drawn = max(s.pp, drawn - drawn % s.pp)
+    return schedule_slots(s.pp, drawn, s.schedule, per_microbatch / 3,
+                          2 * per_microbatch / 3, virtual_stages=v), m
 
 
 def memory_bars(plan: Plan) -> list[tuple[str, int]]:
@@ -152,7 +173,8 @@ def timeline_image(plan: Plan, width: int = 960) -> np.ndarray:
     end = max(sl.end_s for sl in slots) or 1.0
     scale = (width - left - 10) / end
     busy = sum(sl.end_s - sl.start_s for sl in slots)
-    title = (f"{plan.strategy.schedule} pp={pp} m={m}" + (
+    v = plan.strategy.virtual_stages if plan.strategy.schedule == "interleaved" else 1
+    title = (f"{plan.strategy.schedule} pp={pp}" + (f" v={v}" if v > 1 else "") + f" m={m}" + (
         f" (first {MAX_DRAWN_MICROBATCHES} drawn)" if m > MAX_DRAWN_MICROBATCHES else "")
         + f": bubble {100 * (1 - busy / (pp * end)):.0f}% of the pipeline time")
     draw.text((left, 8), title, fill=TEXT)
@@ -166,8 +188,9 @@ def timeline_image(plan: Plan, width: int = 960) -> np.ndarray:
         color = PALETTE[sl.microbatch % len(PALETTE)]
         draw.rectangle((x0, y, max(x0 + 1, x1 - 1), y + row_h - 4),
                        fill=color if sl.kind == "F" else _shade(color, 0.5))
-        if x1 - x0 > 18:
-            draw.text((x0 + 3, y + 6), f"{sl.kind}{sl.microbatch}", fill=BACKGROUND)
+        label = f"{sl.kind}{sl.microbatch}" + (f".{sl.chunk}" if v > 1 else "")
+        if x1 - x0 > 6 * len(label):
+            draw.text((x0 + 3, y + 6), label, fill=BACKGROUND)
     return np.asarray(image)
 
 

@@ -31,6 +31,35 @@ def test_schedule_bubble_equals_the_formula(schedule, p, m):
             assert s.start_s >= prev.end_s
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 6, 3), (2, 6, 3)])
+def test_interleaved_bubble_equals_the_formula(p, m, v):
+    """v chunks per device at f/v and 2f/v: the bubble shrinks v-fold, (p - 1)/(v m + p - 1)
+    of the time (Narayanan et al., SC'21, Sec. 2.2.2), in the order apply enforces."""
+    slots = schedule_slots(p, m, "interleaved", 1.0, 2.0, virtual_stages=v)
+    assert len(slots) == 2 * p * v * m
+    assert {(s.stage, s.chunk) for s in slots} == {(d, c) for d in range(p) for c in range(v)}
+    end = max(s.end_s for s in slots)
+    assert end == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
+    busy = sum(s.end_s - s.start_s for s in slots)
+    assert 1 - busy / (p * end) == pytest.approx((p - 1) / (v * m + p - 1))
+    for d in range(p):  # each device runs its passes in planner.pipeline_order's order
+        from planner.pipeline_order import device_order
+        mine = sorted((s for s in slots if s.stage == d), key=lambda s: s.start_s)
+        assert [(s.kind, s.chunk * p + d, s.microbatch) for s in mine] == [
+            (o.kind, o.stage, o.microbatch) for o in device_order("interleaved", d, p, v, m)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_drawn_order_is_the_one_apply_enforces(schedule):
+    from planner.pipeline_order import device_order
+    p, m = 4, 6
+    slots = schedule_slots(p, m, schedule, 1.0, 2.0)
+    for d in range(p):
+        mine = sorted((s for s in slots if s.stage == d), key=lambda s: s.start_s)
+        assert [(s.kind, s.microbatch) for s in mine] == [
+            (o.kind, o.microbatch) for o in device_order(schedule, d, p, 1, m)]
+
+
 def test_1f1b_holds_at_most_pp_microbatches_where_gpipe_holds_all():
     def peak_in_flight(slots, stage):
         events = sorted((s.end_s if s.kind == "F" else s.start_s, 1 if s.kind == "F" else -1)
@@ -115,3 +144,16 @@ def test_a_measured_capture_is_attached_to_the_analysis_run(tmp_path):
                           "host.xplane.pb")]
     assert (run / "plugins" / "profile" / "2026_12_02_14_00_00" / "host.xplane.pb"
             ).read_bytes() == b"xplane"
+
+
+def test_an_interleaved_plan_draws_its_model_chunks():
+    profile = gpt_profile(8, 512, 8, vocab=4096, seq=256)
+    plan = search(profile, parse_cluster("8xA100-80GB"), 16,
+                  fix={"pp": 4, "microbatch_size": 1, "schedule": "interleaved"}).chosen
+    v = plan.strategy.virtual_stages
+    assert plan.strategy.schedule == "interleaved" and v > 1
+    slots, m = plan_schedule(plan)
+    assert {(s.stage, s.chunk) for s in slots} == {(d, c) for d in range(4) for c in range(v)}
+    assert len(slots) == 2 * 4 * v * m
+    image = plan_images(profile, plan)["plan/pipeline_schedule"]
+    assert image.dtype == np.uint8 and image.shape[2] == 3
