@@ -115,11 +115,16 @@ def apply_sharded(apply: Callable[[list[Any], list[Any]], None], gradients: Sequ
         owner = tf_variable(g.owner_copy)
         with tf.device(owner.device):
             value = owner.read_value()
-        for r, copy in enumerate(g.copies):
-            if r != g.owner:
-                target = tf_variable(copy)
-                with tf.device(target.device):
-                    target.assign(value)
+        assign_copies(g.copies, value, skip=g.owner)
+
+
+def assign_copies(copies: Sequence[Any], value: Any, skip: int | None) -> None:
+    """``value`` into every copy but number ``skip``, each assign on its copy's device."""
+    for r, copy in enumerate(copies):
+        if r != skip:
+            target = tf_variable(copy)
+            with tf.device(target.device):
+                target.assign(value)
 
 
 def _size_bytes(variable: Any) -> int:

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from apply.devices import short_name
 from apply.placement import tf_variable
+from apply.zero import assign_copies
 from planner.errors import PlannerError
 from planner.zero import owners_by_device_group
 
@@ -146,11 +147,7 @@ def _read(variable: Any) -> Any:
 
 
 def _assign_copies(weight: JobWeight, value: Any, skip: int | None) -> None:
-    for r, copy in enumerate(weight.copies):
-        if r != skip:
-            target = tf_variable(copy)
-            with tf.device(target.device):
-                target.assign(value)
+    assign_copies(weight.copies, value, skip)
 
 
 def _count(variable: Any) -> int:

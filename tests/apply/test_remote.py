@@ -20,18 +20,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
 
-from tests.apply.helpers import HERE, base_model, make_plan  # noqa: E402
+from tests.apply.helpers import base_model, make_plan  # noqa: E402
 from tests.apply.test_multi_worker_hybrid import (SCHEDULE, SPLITS, dev,  # noqa: E402
+                                                  launch_train_script,
                                                   launch_with_references, train_cases)
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, CPUS = 2, 2
 STEPS = 10
 GLOBAL_BATCH = 16
@@ -122,21 +121,8 @@ def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path)
 
     _, model = base_model("tiny_mlp")
     save_plan(remote_plan(model, "tiny_mlp", "pp2"), tmp_path / "plan.json")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    env.pop("PLAN_FILE", None)
-    launch = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
-         os.path.join(ROOT, "examples", "train.py"), "--model",
-         os.path.join(HERE, "tiny_mlp.py"), "--json", "--plan", str(tmp_path / "plan.json"),
-         "--steps", str(REFERENCE_STEPS)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    assert launch.returncode == 0, launch.stdout[-2000:] + launch.stderr[-4000:]
-    results = {}
-    for line in launch.stdout.splitlines():
-        prefix, _, rest = line.partition("] ")
-        if rest.startswith("{"):
-            results[int(prefix.split()[-1])] = json.loads(rest)
-    assert list(results) == [0], launch.stdout[-2000:]  # worker 1 only served
+    results = launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
+                                  "--steps", str(REFERENCE_STEPS), printing=(0,))
     assert results[0]["plan"] == "tiny_mlp pp2 across workers"
     assert_losses_match(results[0]["losses"], reference_losses("tiny_mlp"))
     assert results[0]["devices"]["head/kernel"] == [dev(1, 0)]
