@@ -104,7 +104,7 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
     """
     import tensorflow as tf
 
-    from apply.devices import ensure_devices, short_name
+    from apply.devices import ensure_devices, logical_cpus, short_name
 
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
@@ -122,18 +122,10 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
         if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
             raise PlannerError(f"cpus={cpus!r}; expected a number of logical CPU devices >= 1.")
         if not tf.config.list_physical_devices("GPU"):
-            physical = tf.config.list_physical_devices("CPU")[0]
-            configured = tf.config.get_logical_device_configuration(physical)
-            have = len(configured) if configured else 1
-            if have != cpus:
-                try:
-                    tf.config.set_logical_device_configuration(
-                        physical, [tf.config.LogicalDeviceConfiguration()] * cpus)
-                except RuntimeError:
-                    raise PlanMismatchError(
-                        f"{cpus} logical CPU devices were asked for, but TensorFlow's runtime "
-                        f"has already started with {have}. Call apply.auto_devices() before "
-                        "building the model or running any TensorFlow op.") from None
+            logical_cpus(cpus, exact=True, error=lambda have: PlanMismatchError(
+                f"{cpus} logical CPU devices were asked for, but TensorFlow's runtime "
+                f"has already started with {have}. Call apply.auto_devices() before "
+                "building the model or running any TensorFlow op."))
     gpus = tf.config.list_logical_devices("GPU")
     return tuple(short_name(d.name) for d in gpus or tf.config.list_logical_devices("CPU"))
 

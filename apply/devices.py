@@ -20,6 +20,7 @@ model starts it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan
@@ -78,6 +79,24 @@ def short_name(device: str) -> str:
     return local
 
 
+def logical_cpus(count: int, *, exact: bool, error: Callable[[int], Exception]) -> None:
+    """Give this process ``count`` logical CPU devices (``exact``: exactly that many; else
+    at least), before TensorFlow's runtime starts. ``error(have)`` is raised when the
+    runtime has started with ``have`` devices and they cannot be changed."""
+    import tensorflow as tf
+
+    physical = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(physical)
+    have = len(configured) if configured else 1
+    if have == count or (have > count and not exact):
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            physical, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+    except RuntimeError:  # the runtime has started: the device list is fixed
+        raise error(have) from None
+
+
 def _existing(device_type: str) -> list[str]:
     import tensorflow as tf
 
@@ -122,20 +141,12 @@ def ensure_devices(plan: Plan) -> tuple[str, ...]:
     device_type = types[0]
     need = max(d.index for d in parsed) + 1
     if device_type == "CPU":
-        physical = tf.config.list_physical_devices("CPU")
-        configured = tf.config.get_logical_device_configuration(physical[0])
-        have = len(configured) if configured else 1
-        if have < need:
-            try:
-                tf.config.set_logical_device_configuration(
-                    physical[0], [tf.config.LogicalDeviceConfiguration() for _ in range(need)])
-            except RuntimeError:  # the runtime has started: the device list is fixed
-                raise _mismatch(
-                    parsed, "CPU", f"TensorFlow's runtime has already started with {have} "
-                    "logical CPU device(s), and no more can be added now",
-                    "Call apply.ensure_devices(plan) right after load_plan(), before building "
-                    "the model or running any TensorFlow op, or plan for fewer devices "
-                    f"(--cluster cpu:{have}).") from None
+        logical_cpus(need, exact=False, error=lambda have: _mismatch(
+            parsed, "CPU", f"TensorFlow's runtime has already started with {have} "
+            "logical CPU device(s), and no more can be added now",
+            "Call apply.ensure_devices(plan) right after load_plan(), before building "
+            "the model or running any TensorFlow op, or plan for fewer devices "
+            f"(--cluster cpu:{have})."))
     existing = set(_existing(device_type))
     missing = [d for d in parsed if d.name not in existing]
     if missing:

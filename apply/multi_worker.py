@@ -55,6 +55,7 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from apply.cloning import clone_graph, copy_weights
 from apply.data_parallel import DataParallelModel
+from apply.devices import logical_cpus
 from apply.planned_model import KERAS_DEFAULT_BATCH_SIZE, _leading_dim
 from planner.errors import PlanMismatchError, PlannerError
 from planner.plan import Plan
@@ -162,19 +163,11 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
 
 def make_local_cpus(plan: Plan, need: int) -> None:
     """Make ``need`` logical CPU devices on this worker (before the runtime starts)."""
-    physical = tf.config.list_physical_devices("CPU")[0]
-    configured = tf.config.get_logical_device_configuration(physical)
-    if (len(configured) if configured else 1) >= need:
-        return
-    try:
-        tf.config.set_logical_device_configuration(
-            physical, [tf.config.LogicalDeviceConfiguration() for _ in range(need)])
-    except RuntimeError:
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} uses {need} CPU devices on each worker, and TensorFlow's "
-            "runtime has already started in this process, so no more can be added. Call "
-            "apply.ensure_devices(plan) right after load_plan(), before building the model "
-            "or running any TensorFlow op.") from None
+    logical_cpus(need, exact=False, error=lambda have: PlanMismatchError(
+        f"Plan {plan.name!r} uses {need} CPU devices on each worker, and TensorFlow's "
+        "runtime has already started in this process, so no more can be added. Call "
+        "apply.ensure_devices(plan) right after load_plan(), before building the model "
+        "or running any TensorFlow op."))
 
 
 def ensure_strategy(device_type: str, local_cpus: int = 1
@@ -185,17 +178,10 @@ def ensure_strategy(device_type: str, local_cpus: int = 1
     if _STRATEGY is None:
         what = "This multi-worker job (TF_CONFIG)"
         if device_type == "CPU":
-            physical = tf.config.list_physical_devices("CPU")[0]
-            configured = tf.config.get_logical_device_configuration(physical)
-            if (len(configured) if configured else 1) != local_cpus:
-                try:
-                    tf.config.set_logical_device_configuration(
-                        physical, [tf.config.LogicalDeviceConfiguration()] * local_cpus)
-                except RuntimeError:
-                    raise PlanMismatchError(
-                        f"{what} asks for {local_cpus} logical CPU devices per worker, but "
-                        "TensorFlow's runtime has already started. Call "
-                        "apply.auto_devices() before building the model.") from None
+            logical_cpus(local_cpus, exact=True, error=lambda have: PlanMismatchError(
+                f"{what} asks for {local_cpus} logical CPU devices per worker, but "
+                "TensorFlow's runtime has already started. Call "
+                "apply.auto_devices() before building the model."))
         _STRATEGY = _make_strategy(what, device_type)
     return _STRATEGY
 

@@ -38,20 +38,27 @@ from apply.devices import short_name
 def operation_devices(functional: Any, device_of_layer: Mapping[str, str],
                       default: str) -> dict[int, str]:
     """``{id(operation): device}`` for every operation in ``functional``'s graph."""
-    devices: dict[int, str] = {}
+    return operation_values(functional, device_of_layer, default)
+
+
+def operation_values(functional: Any, value_of_layer: Mapping[str, Any],
+                     default: Any) -> dict[int, Any]:
+    """``{id(operation): value}``: a named layer its value, any other operation the value
+    of the operation that produced its first placed input, else ``default``."""
+    values: dict[int, Any] = {}
     for depth in sorted(functional._nodes_by_depth, reverse=True):  # inputs first
         for node in functional._nodes_by_depth[depth]:
             op = node.operation
-            if op is None or id(op) in devices:
+            if op is None or id(op) in values:
                 continue
-            if getattr(op, "name", None) in device_of_layer:
-                devices[id(op)] = device_of_layer[op.name]
+            if getattr(op, "name", None) in value_of_layer:
+                values[id(op)] = value_of_layer[op.name]
                 continue
             producers = [t._keras_history.operation for t in node.input_tensors
                          if getattr(t, "_keras_history", None) is not None]
-            placed = [devices[id(p)] for p in producers if id(p) in devices]
-            devices[id(op)] = placed[0] if placed else default
-    return devices
+            placed = [values[id(p)] for p in producers if id(p) in values]
+            values[id(op)] = placed[0] if placed else default
+    return values
 
 
 def _inner(optimizer: Any) -> Any:

@@ -133,20 +133,9 @@ def schedule_of(plan: Any) -> PipelineSchedule | None:
 def operation_stages(functional: Any, stage_of_layer: Mapping[str, int]) -> dict[int, int]:
     """``{id(operation): stage}``: a planned layer its stage, any other operation the stage
     of the operation that produced its first input (as ``apply.placement`` places them)."""
-    stages: dict[int, int] = {}
-    for depth in sorted(functional._nodes_by_depth, reverse=True):  # inputs first
-        for node in functional._nodes_by_depth[depth]:
-            op = node.operation
-            if op is None or id(op) in stages:
-                continue
-            if getattr(op, "name", None) in stage_of_layer:
-                stages[id(op)] = stage_of_layer[op.name]
-                continue
-            producers = [t._keras_history.operation for t in node.input_tensors
-                         if getattr(t, "_keras_history", None) is not None]
-            placed = [stages[id(p)] for p in producers if id(p) in stages]
-            stages[id(op)] = placed[0] if placed else 0
-    return stages
+    from apply.placement import operation_values
+
+    return operation_values(functional, stage_of_layer, 0)
 
 
 # --- enforcement in a traced train step ------------------------------------------------------

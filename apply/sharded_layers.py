@@ -81,6 +81,36 @@ def _elementwise(activation: Any) -> bool:
     return activation is None or getattr(activation, "__name__", "") in ELEMENTWISE
 
 
+def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
+    """A column or row split Dense/Conv forward: ``product(x, kernel)`` on each rank.
+
+    Column: rank t computes its output slice (bias and an elementwise activation too),
+    concatenated on the last axis. Row: rank t multiplies its input slice, the partial
+    products are summed (``tf.add_n``), then the bias and activation follow."""
+    shard_act = _elementwise(layer.activation)
+    if layer.tp_split == "column":
+        outs = []
+        for t, d in enumerate(layer.tp_devices):
+            with tf.device(d):
+                y = product(inputs, layer.kernels[t])
+                if layer.biases:
+                    y = ops.add(y, layer.biases[t])
+                if shard_act and layer.activation is not None:
+                    y = layer.activation(y)
+                outs.append(y)
+        y = tf.concat(outs, axis=-1)
+        return y if shard_act or layer.activation is None else layer.activation(y)
+    parts = _input_shards(inputs, layer.sizes, layer.tp_devices)
+    partial = []
+    for t, d in enumerate(layer.tp_devices):
+        with tf.device(d):
+            partial.append(product(parts[t], layer.kernels[t]))
+    y = tf.add_n(partial)
+    if layer.biases:
+        y = ops.add(y, layer.biases[0])
+    return y if layer.activation is None else layer.activation(y)
+
+
 def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[Any]:
     """``x`` cut along its last axis in ``sizes``, slice t on devices[t].
 
@@ -187,28 +217,7 @@ class ShardedDense(_Sharded, keras.layers.Dense):
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        shard_act = _elementwise(self.activation)
-        if self.tp_split == "column":
-            outs = []
-            for t, d in enumerate(self.tp_devices):
-                with tf.device(d):
-                    y = ops.matmul(inputs, self.kernels[t])
-                    if self.biases:
-                        y = ops.add(y, self.biases[t])
-                    if shard_act and self.activation is not None:
-                        y = self.activation(y)
-                    outs.append(y)
-            y = tf.concat(outs, axis=-1)
-            return y if shard_act or self.activation is None else self.activation(y)
-        parts = _input_shards(inputs, self.sizes, self.tp_devices)
-        partial = []
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                partial.append(ops.matmul(parts[t], self.kernels[t]))
-        y = tf.add_n(partial)
-        if self.biases:
-            y = ops.add(y, self.biases[0])
-        return y if self.activation is None else self.activation(y)
+        return _column_or_row(self, inputs, ops.matmul)
 
     def full_weights(self) -> list[np.ndarray]:
         axis = 1 if self.tp_split == "column" else 0
@@ -379,28 +388,7 @@ class _ShardedConv(_Sharded):
                         dilation_rate=self.dilation_rate, data_format=self.data_format)
 
     def call(self, inputs: Any) -> Any:
-        shard_act = _elementwise(self.activation)
-        if self.tp_split == "column":
-            outs = []
-            for t, d in enumerate(self.tp_devices):
-                with tf.device(d):
-                    y = self._conv(inputs, self.kernels[t])
-                    if self.biases:
-                        y = ops.add(y, self.biases[t])  # channels last: broadcasts
-                    if shard_act and self.activation is not None:
-                        y = self.activation(y)
-                    outs.append(y)
-            y = tf.concat(outs, axis=-1)
-            return y if shard_act or self.activation is None else self.activation(y)
-        parts = _input_shards(inputs, self.sizes, self.tp_devices)
-        partial = []
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                partial.append(self._conv(parts[t], self.kernels[t]))
-        y = tf.add_n(partial)
-        if self.biases:
-            y = ops.add(y, self.biases[0])
-        return y if self.activation is None else self.activation(y)
+        return _column_or_row(self, inputs, self._conv)  # channels last: biases broadcast
 
     def full_weights(self) -> list[np.ndarray]:
         column = self.tp_split == "column"
