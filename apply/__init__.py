@@ -18,11 +18,11 @@ files a wrapped model saved).
 from __future__ import annotations
 
 # imported to register the wrapped model classes with Keras
-from apply import (data_parallel, multi_worker, multi_worker_hybrid,  # noqa: F401
+from tfplan.apply import (data_parallel, multi_worker, multi_worker_hybrid,  # noqa: F401
                    pipeline, tensor_parallel)
-from apply.auto import auto, auto_devices
-from apply.devices import ensure_devices
-from apply.placement import variable_devices
-from apply.wrap import wrap
+from tfplan.apply.auto import auto, auto_devices
+from tfplan.apply.devices import ensure_devices
+from tfplan.apply.placement import variable_devices
+from tfplan.apply.wrap import wrap
 
 __all__ = ["auto", "auto_devices", "ensure_devices", "variable_devices", "wrap"]

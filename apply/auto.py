@@ -41,9 +41,9 @@ import sys
 import warnings
 from typing import Any
 
-from planner.cluster import ClusterSpec
-from planner.errors import ClusterSpecError, PlanMismatchError, PlannerError
-from planner.plan import Plan, load_plan
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import ClusterSpecError, PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan, load_plan
 
 PLAN_FILE_ENV = "PLAN_FILE"
 DEFAULT_TIME_LIMIT_S = 10.0  # planner.search's default ILP budget
@@ -65,7 +65,7 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
     ClusterSpec or ``parse_cluster`` text instead of the devices found
     (``local_cluster()``); the plan's devices must still exist here.
     """
-    from apply.wrap import wrap
+    from tfplan.apply.wrap import wrap
 
     _check_global_batch_value(global_batch)
     plan_file = os.environ.get(PLAN_FILE_ENV)
@@ -81,7 +81,7 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
         if cluster is None:
             cluster = multi_worker_cluster(workers) if len(workers) > 1 else local_cluster()
         elif isinstance(cluster, str):
-            from planner.presets import parse_cluster
+            from tfplan.core.presets import parse_cluster
 
             cluster = parse_cluster(cluster)
         plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
@@ -104,13 +104,13 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
     """
     import tensorflow as tf
 
-    from apply.devices import ensure_devices, logical_cpus, short_name
+    from tfplan.apply.devices import ensure_devices, logical_cpus, short_name
 
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
         return ensure_devices(load_plan(plan_file))
     if len(tf_config_workers()) > 1:  # a multi-worker job: its strategy, before the runtime
-        from apply.multi_worker import ensure_strategy, local_devices
+        from tfplan.apply.multi_worker import ensure_strategy, local_devices
 
         if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int)
                                  or cpus < 1):
@@ -136,8 +136,8 @@ def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: 
 
     Prints the choice and its reason to stderr.
     """
-    from planner.search import search
-    from profiler.static import profile_model
+    from tfplan.planner.search import search
+    from tfplan.profiler.static import profile_model
 
     if optimizer is None and getattr(model, "compiled", False):
         optimizer = getattr(model, "optimizer", None)
@@ -174,7 +174,7 @@ def check_same_plan(plan: Plan) -> None:
 
     import tensorflow as tf
 
-    from apply.multi_worker import get_strategy
+    from tfplan.apply.multi_worker import get_strategy
 
     text = json.dumps(plan.to_dict(), sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
@@ -196,8 +196,8 @@ def runnable(plan: Plan) -> bool:
 
 def not_runnable_reason(plan: Plan) -> str | None:
     """Why ``apply.wrap`` cannot run ``plan`` in full (None if it can)."""
-    from apply.remote import needs_remote
-    from apply.wrap import plan_mode
+    from tfplan.apply.remote import needs_remote
+    from tfplan.apply.wrap import plan_mode
 
     if needs_remote(plan):  # apply.remote: must be set up before TensorFlow starts
         return ("its replicas span worker processes, which apply.wrap runs only from a "
@@ -228,7 +228,7 @@ def check_global_batch(plan: Plan, global_batch: int) -> None:
     s = plan.strategy
     parts = s.dp * s.num_microbatches
     if global_batch % parts:
-        from apply.planned_model import nearest_multiples
+        from tfplan.apply.planned_model import nearest_multiples
         options = nearest_multiples(global_batch, parts)
         raise PlanMismatchError(
             f"Global batch {global_batch} does not split into plan {plan.name!r}'s "
@@ -270,7 +270,7 @@ def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
     """
     import dataclasses
 
-    from apply.multi_worker import get_strategy, local_devices
+    from tfplan.apply.multi_worker import get_strategy, local_devices
 
     try:
         get_strategy()
@@ -281,13 +281,13 @@ def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
             "apply.auto_devices() at the top of the script, before building the model.") from None
     gpus = local_devices("GPU")
     if not gpus:
-        from planner.presets import parse_cluster
+        from tfplan.core.presets import parse_cluster
 
         return parse_cluster(f"{len(workers)}xcpu:{len(local_devices('CPU'))}")
     base = gpu_cluster(len(gpus))
     inter = base.inter_node_link
     if inter is None:
-        from planner.presets import preset_cluster
+        from tfplan.core.presets import preset_cluster
 
         inter = preset_cluster("8xA100-80GB").inter_node_link
         _say("note: no inter-node network is known for this GPU; assuming the DGX A100's.")
@@ -302,7 +302,7 @@ def local_cluster() -> ClusterSpec:
     gpus = tf.config.list_logical_devices("GPU")
     if gpus:
         return gpu_cluster(len(gpus))
-    from planner.presets import cpu_cluster
+    from tfplan.core.presets import cpu_cluster
 
     return cpu_cluster(len(tf.config.list_logical_devices("CPU")))
 
@@ -318,7 +318,7 @@ def gpu_cluster(n: int) -> ClusterSpec:
 
     import tensorflow as tf
 
-    from planner.presets import known_presets, preset_cluster
+    from tfplan.core.presets import known_presets, preset_cluster
 
     if n < 1:
         raise ClusterSpecError(f"gpu_cluster({n}): expected at least one GPU.")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Mapping
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 
 def to_functional(model: Any) -> Any:

@@ -50,12 +50,12 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
-from apply.clipping import (all_reduced_and_clipped, clips_globally, keras_all_reduce_off,
+from tfplan.apply.clipping import (all_reduced_and_clipped, clips_globally, keras_all_reduce_off,
                             optimizer_clipping_off)
-from apply.cloning import clone_graph, copy_weights
-from apply.planned_model import PlannedModel, _leading_dim
-from apply.recompute import recompute_call
-from planner.errors import PlannerError
+from tfplan.apply.cloning import clone_graph, copy_weights
+from tfplan.apply.planned_model import PlannedModel, _leading_dim
+from tfplan.apply.recompute import recompute_call
+from tfplan.core.errors import PlannerError
 
 
 @keras.saving.register_keras_serializable(package="apply")

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan
 
 DEVICE_TYPES = ("CPU", "GPU")
 
@@ -124,10 +124,10 @@ def ensure_devices(plan: Plan) -> tuple[str, ...]:
     if not plan.devices:
         raise PlanMismatchError(f"Plan {plan.name!r} names no devices (its stages are empty). "
                                 "Regenerate the plan.")
-    from apply import multi_worker
+    from tfplan.apply import multi_worker
 
     if multi_worker.spans_workers(plan):
-        from apply import remote
+        from tfplan.apply import remote
 
         if remote.needs_remote(plan):  # a replica across workers: worker 0 drives them all
             return remote.ensure_remote_cluster(plan)

@@ -53,12 +53,12 @@ import numpy as np
 import tensorflow as tf
 from keras.src.utils.python_utils import pythonify_logs
 
-from apply.cloning import clone_graph, copy_weights
-from apply.data_parallel import DataParallelModel
-from apply.devices import logical_cpus
-from apply.planned_model import KERAS_DEFAULT_BATCH_SIZE, _leading_dim
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan
+from tfplan.apply.cloning import clone_graph, copy_weights
+from tfplan.apply.data_parallel import DataParallelModel
+from tfplan.apply.devices import logical_cpus
+from tfplan.apply.planned_model import KERAS_DEFAULT_BATCH_SIZE, _leading_dim
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan
 
 SHUFFLE_SEED = 1337  # fit(shuffle=True): the same order on every worker, per epoch
 _STRATEGY: tf.distribute.MultiWorkerMirroredStrategy | None = None

@@ -56,13 +56,13 @@ from typing import Any, Collection
 import keras
 import tensorflow as tf
 
-from apply.clipping import clipped_over_one_copy, optimizer_clipping_off
-from apply.multi_worker import get_strategy, plan_tasks, read_tf_config
-from apply.placement import build_optimizer_on_devices, tf_variable
-from apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
-from apply.zero_workers import JobWeight, apply_job_sharded, job_weights, owned_copies
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan, Stage
+from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
+from tfplan.apply.multi_worker import get_strategy, plan_tasks, read_tf_config
+from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
+from tfplan.apply.zero_workers import JobWeight, apply_job_sharded, job_weights, owned_copies
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan, Stage
 
 
 def plan_replica_tasks(plan: Plan) -> list[int]:
@@ -233,7 +233,7 @@ def wrap_multi_worker_hybrid(view: Any, plan: Plan, *,
                              recompute_layers: Collection[str] = ()) -> MultiWorkerHybridModel:
     """This worker's replicas of ``plan`` (``local_plan``), built by apply.tensor_parallel,
     as a MultiWorkerHybridModel that trains with the other workers."""
-    from apply.wrap import top_level_devices
+    from tfplan.apply.wrap import top_level_devices
 
     workers, task = read_tf_config()
     strategy = get_strategy()

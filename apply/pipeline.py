@@ -46,12 +46,12 @@ from typing import Any, Collection, Mapping
 import keras
 import tensorflow as tf
 
-from apply.cloning import clone_graph, copy_weights
-from apply.placement import (build_optimizer_on_devices, operation_devices,
+from tfplan.apply.cloning import clone_graph, copy_weights
+from tfplan.apply.placement import (build_optimizer_on_devices, operation_devices,
                              updates_on_variable_devices)
-from apply.planned_model import PlannedModel
-from apply.recompute import recompute_call
-from apply.schedule import PipelineSchedule, active_trace, operation_stages, tracing
+from tfplan.apply.planned_model import PlannedModel
+from tfplan.apply.recompute import recompute_call
+from tfplan.apply.schedule import PipelineSchedule, active_trace, operation_stages, tracing
 
 
 @keras.saving.register_keras_serializable(package="apply")

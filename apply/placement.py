@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping
 
-from apply.devices import short_name
+from tfplan.apply.devices import short_name
 
 
 def operation_devices(functional: Any, device_of_layer: Mapping[str, str],

@@ -38,8 +38,8 @@ from keras.src.models.functional import Functional
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
-from apply.placement import tf_variable
-from planner.errors import PlanMismatchError
+from tfplan.apply.placement import tf_variable
+from tfplan.core.errors import PlanMismatchError
 
 KERAS_DEFAULT_BATCH_SIZE = 32  # what fit() uses for arrays when batch_size is None
 RUNTIME_BATCH_CHECK = "apply: batch size not a multiple of the micro-batch count:"
@@ -134,7 +134,7 @@ class PlannedModel(Functional):
                               kwargs.get("steps_per_epoch"))
         monitor_dir = getattr(self, "plan_logdir", None)  # apply.wrap(..., logdir=)
         if monitor_dir is not None and getattr(self, "plan", None) is not None and not args:
-            from reports.training import PlanMonitor
+            from tfplan.reports.training import PlanMonitor
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
                                    PlanMonitor(self.plan, monitor_dir)]
         try:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from planner.plan import Plan
-from profiler.comm import HEAD_SPLIT_TYPES
+from tfplan.planner.plan import Plan
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES
 
 
 def recomputed_layers(plan: Plan, view: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

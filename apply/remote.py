@@ -37,8 +37,8 @@ import socket
 import sys
 import time
 
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan
 
 CONNECT_TIMEOUT_S = 600.0  # how long the chief waits for the others, and they for it
 PROBE_INTERVAL_S = 0.5
@@ -63,7 +63,7 @@ def replicas_span_workers(plan: Plan) -> bool:
 def needs_remote(plan: Plan) -> bool:
     """True for a multi-worker plan that worker 0 must drive alone (see the module
     docstring): a replica across workers, or a general placement across workers."""
-    from apply.multi_worker import spans_workers
+    from tfplan.apply.multi_worker import spans_workers
 
     return spans_workers(plan) and (plan.placement == "general"
                                     or replicas_span_workers(plan))
@@ -79,7 +79,7 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
     global _CONNECTED
     import tensorflow as tf
 
-    from apply.multi_worker import check_workers, make_local_cpus, plan_tasks, \
+    from tfplan.apply.multi_worker import check_workers, make_local_cpus, plan_tasks, \
         read_tf_config
 
     tasks = plan_tasks(plan)
@@ -132,7 +132,7 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
 def _check_devices(plan: Plan) -> tuple[str, ...]:
     import tensorflow as tf
 
-    from apply.devices import short_name
+    from tfplan.apply.devices import short_name
 
     have = {short_name(d.name) for d in tf.config.list_logical_devices()}
     missing = [d for d in plan.devices if short_name(d) not in have]

@@ -54,7 +54,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 # activations that act on each element alone, so each column shard may apply its own
 ELEMENTWISE = frozenset((

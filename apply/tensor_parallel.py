@@ -46,15 +46,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from apply.clipping import clipped_over_one_copy, optimizer_clipping_off
-from apply.cloning import _default_clone, copy_weights
-from apply.pipeline import PlacedModel
-from apply.placement import build_optimizer_on_devices, tf_variable
-from apply.planned_model import split_microbatches
-from apply.schedule import schedule_of
-from apply.sharded_layers import sharded_clone
-from planner.errors import PlannerError
-from planner.plan import Plan
+from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
+from tfplan.apply.cloning import _default_clone, copy_weights
+from tfplan.apply.pipeline import PlacedModel
+from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.planned_model import split_microbatches
+from tfplan.apply.schedule import schedule_of
+from tfplan.apply.sharded_layers import sharded_clone
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import Plan
 
 
 @keras.saving.register_keras_serializable(package="apply")
@@ -104,7 +104,7 @@ class TensorParallelModel(PlacedModel):
 
     def _after_compile(self) -> None:
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
-            from apply.zero import owned_variables
+            from tfplan.apply.zero import owned_variables
 
             build_optimizer_on_devices(self.optimizer, owned_variables(
                 self.trainable_variables, 1 + len(self._others.models)))
@@ -114,7 +114,7 @@ class TensorParallelModel(PlacedModel):
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
         if dp > 1 and self.optimizer_sharding:  # ZeRO-1: reduce, owner update, copy out
-            from apply.zero import apply_sharded
+            from tfplan.apply.zero import apply_sharded
 
             apply_sharded(super()._apply_gradients, gradients, variables, dp)
             return
@@ -189,8 +189,8 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     on each copy's device), so the copies stay equal and train like one device.
     """
     tp, dp = plan.strategy.tp, plan.strategy.dp
-    from apply.multi_worker import spans_workers
-    from apply.remote import needs_remote
+    from tfplan.apply.multi_worker import spans_workers
+    from tfplan.apply.remote import needs_remote
 
     if spans_workers(plan) and not needs_remote(plan):  # one program per worker
         raise PlannerError(

@@ -53,13 +53,13 @@ import os
 import warnings
 from typing import Any
 
-from apply.cloning import to_functional
-from apply.devices import ensure_devices
-from apply.placement import variable_devices
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan, load_plan, save_plan
-from planner.validate import validate_plan
-from profiler.signature import model_signature
+from tfplan.apply.cloning import to_functional
+from tfplan.apply.devices import ensure_devices
+from tfplan.apply.placement import variable_devices
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan, load_plan, save_plan
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.signature import model_signature
 
 
 def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLike | None = None
@@ -80,7 +80,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan)
     m = plan.strategy.num_microbatches
-    from apply.recompute import recomputed_layers
+    from tfplan.apply.recompute import recomputed_layers
 
     recompute, stateful = recomputed_layers(plan, view)
     if stateful:
@@ -90,27 +90,27 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             "(moving statistics, random seeds); they keep their activations instead "
             "(apply.recompute).", stacklevel=2)
     if mode == "multi_worker_hybrid":
-        from apply.multi_worker_hybrid import wrap_multi_worker_hybrid
+        from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
 
         wrapped = wrap_multi_worker_hybrid(view, plan, recompute_layers=recompute)
     elif mode == "multi_worker":
-        from apply.multi_worker import wrap_multi_worker
+        from tfplan.apply.multi_worker import wrap_multi_worker
 
         wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
                                     num_microbatches=m, recompute_layers=recompute)
     elif mode == "data_parallel":
-        from apply.data_parallel import wrap_data_parallel
+        from tfplan.apply.data_parallel import wrap_data_parallel
 
         wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
                                      num_microbatches=m, recompute_layers=recompute)
     elif mode == "tensor_parallel":
-        from apply.tensor_parallel import wrap_tensor_parallel
+        from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 
         wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
                                        recompute_layers=recompute)
     else:  # single device, pipeline, general placement: placed layers
-        from apply.pipeline import wrap_placed
-        from apply.schedule import schedule_of
+        from tfplan.apply.pipeline import wrap_placed
+        from tfplan.apply.schedule import schedule_of
 
         wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
                               num_microbatches=m, recompute_layers=recompute,
@@ -129,9 +129,9 @@ def plan_mode(plan: Plan) -> str:
     """``single_device``, ``data_parallel``, ``multi_worker``, ``multi_worker_hybrid``,
     ``pipeline``, ``placement`` (a general placement) or ``tensor_parallel``; PlannerError
     for plans apply cannot run."""
-    from apply.multi_worker import spans_workers
+    from tfplan.apply.multi_worker import spans_workers
 
-    from apply.remote import needs_remote
+    from tfplan.apply.remote import needs_remote
 
     s = plan.strategy
     replicas = {len(stage.devices) for stage in plan.stages}
@@ -150,7 +150,7 @@ def plan_mode(plan: Plan) -> str:
         raise PlanMismatchError(
             f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
             f"dp={dp} (devices per stage / tp) and pp={pp} (stages). Regenerate the plan.")
-    from apply.multi_worker import plan_tasks
+    from tfplan.apply.multi_worker import plan_tasks
 
     tasks = plan_tasks(plan)
     if tasks and len(tasks) < plan.cluster.num_nodes:
@@ -161,7 +161,7 @@ def plan_mode(plan: Plan) -> str:
             f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
             f"dp={plan.cluster.num_nodes}).")
     if spans_workers(plan) and not needs_remote(plan):  # one program per worker
-        from apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
+        from tfplan.apply.multi_worker_hybrid import is_hybrid, plan_replica_tasks
 
         if is_hybrid(plan) or s.optimizer_sharding:  # pp / tp / local replicas / ZeRO-1
             plan_replica_tasks(plan)  # PlannerError when a replica spans workers

@@ -32,11 +32,11 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from apply.devices import short_name
-from apply.placement import tf_variable
-from apply.zero import assign_copies
-from planner.errors import PlannerError
-from planner.zero import owners_by_device_group
+from tfplan.apply.devices import short_name
+from tfplan.apply.placement import tf_variable
+from tfplan.apply.zero import assign_copies
+from tfplan.core.errors import PlannerError
+from tfplan.planner.zero import owners_by_device_group
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,8 @@ STRATEGIES = ("single", "data", "pipeline", "tensor", "hybrid")
 def _plans(profile, batch: int, microbatches: int, only=None):
     """``{strategy name: plan}`` for the strategies in ``only`` (first words; None: all),
     each from the search with the strategy's shape fixed."""
-    from planner.presets import parse_cluster
-    from planner.search import search
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
 
     cluster = parse_cluster(f"cpu:{DEVICES}")
     fixed = {
@@ -99,7 +99,7 @@ def _hybrid_plan(profile, cluster, batch: int, microbatches: int):
     """dp=2 x pp=2 with GPipe and every replica's optimizer state (no ZeRO-1): the search
     picks 1F1B and optimizer sharding here unless told, and the hand-written side does
     neither."""
-    from planner.search import search
+    from tfplan.planner.search import search
 
     fix = {"dp": 2, "pp": 2, "num_microbatches": microbatches, "schedule": "gpipe",
            "optimizer_sharding": False}
@@ -108,7 +108,7 @@ def _hybrid_plan(profile, cluster, batch: int, microbatches: int):
 
 def _tensor_plan(profile, cluster, batch: int):
     """The search's plan with tp fixed at ``TP``; dp fixed at 1 too if it picked more."""
-    from planner.search import search
+    from tfplan.planner.search import search
 
     plan = search(profile, cluster, batch, fix={"tp": TP}).chosen
     if plan.strategy.dp != 1:
@@ -263,7 +263,7 @@ def _gathered(x, shards, device: str):
 def _hand_tensor_parallel(build, optimizer, loss_name, plan):
     import keras
     import tensorflow as tf
-    from apply.placement import build_optimizer_on_devices, updates_on_variable_devices
+    from tfplan.apply.placement import build_optimizer_on_devices, updates_on_variable_devices
 
     tp, splits = plan.strategy.tp, dict(plan.tp_splits)
     devices = {name: stage.devices[:tp] for stage in plan.stages for name in stage.layers}
@@ -309,7 +309,7 @@ def _hand_replica_layers(source, plan, r: int) -> list:
 def _hand_hybrid(build, optimizer, loss_name, plan):
     import keras
     import tensorflow as tf
-    from apply.placement import build_optimizer_on_devices, updates_on_variable_devices
+    from tfplan.apply.placement import build_optimizer_on_devices, updates_on_variable_devices
 
     dp, m = plan.strategy.dp, plan.strategy.num_microbatches
     source = build()
@@ -386,8 +386,7 @@ def _loss_value(result) -> float:
 
 
 def _wrapped(build, optimizer, loss, plan):
-    import apply
-
+    from tfplan import apply
     model = apply.wrap(build(), plan)
     model.compile(optimizer=optimizer(), loss=loss)
     return lambda x, y: model.train_on_batch(x, y)
@@ -422,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time only this strategy (repeatable; default: all)")
     args = ap.parse_args(argv)
 
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
     tf = import_tensorflow()
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
@@ -430,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     import keras
     import numpy as np
 
-    from profiler.loader import build as build_source, load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import build as build_source, load_model_source
+    from tfplan.profiler.static import profile_source
 
     source = load_model_source(os.path.join(ROOT, "examples", "mlp.py"))
     profile = profile_source(source, batch_size=1)

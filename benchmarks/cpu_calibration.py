@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     cluster_path = args.cluster or _calibrate(args.out, args.quick, log)
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     import_tensorflow()
-    from planner.presets import load_cluster_file
+    from tfplan.core.presets import load_cluster_file
 
     cluster = load_cluster_file(cluster_path)
     rows: list[Row] = []
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             measured = _measure_layers(path, batch, args.out, log)
         calibrated = profile
         if measured is not None and not args.roofline_only:
-            from profiler.calibrate import with_measured_times
+            from tfplan.profiler.calibrate import with_measured_times
             calibrated = with_measured_times(profile, measured)
         for label, fix in FIXES:
             row = Row(model=name, fix=label, global_batch=batch)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 # --- (1) calibration ----------------------------------------------------------------------
 def _calibrate(out: str, quick: bool, log) -> str:
     path = os.path.join(out, f"cluster-cpu{DEVICES}.json")
-    cmd = [sys.executable, "-m", "planner.cli", "profile-hardware", "--devices",
+    cmd = [sys.executable, "-m", "tfplan.cli", "profile-hardware", "--devices",
            f"cpu:{DEVICES}", "--out", path, "--json"] + (["--quick"] if quick else [])
     log(f"calibrating: plan profile-hardware --devices cpu:{DEVICES}{' --quick' if quick else ''}")
     t = time.perf_counter()
@@ -203,17 +203,17 @@ def _calibrate(out: str, quick: bool, log) -> str:
 
 # --- (2) plans ----------------------------------------------------------------------------
 def _profile(path: str):
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
 
     return profile_source(load_model_source(os.path.join(ROOT, path)), batch_size=1)
 
 
 def _plan(profile, cluster, batch: int, fix: dict[str, int], label: str, name: str, out: str,
           row: Row) -> str | None:
-    from planner.errors import PlannerError
-    from planner.plan import save_plan
-    from planner.search import search
+    from tfplan.core.errors import PlannerError
+    from tfplan.planner.plan import save_plan
+    from tfplan.planner.search import search
 
     try:
         plan = search(profile, cluster, batch, fix=fix).chosen
@@ -245,11 +245,11 @@ def _measure(plan_path: str, model_path: str, batch: int, args, row: Row) -> Non
 
 def _child_train(plan_path: str, model_path: str, batch: int, steps: int, warmup: int) -> int:
     """One plan, as examples/train.py trains it, with each step timed."""
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     import_tensorflow()
-    import apply
-    from planner.plan import load_plan
+    from tfplan import apply
+    from tfplan.planner.plan import load_plan
 
     plan = load_plan(plan_path)
     apply.ensure_devices(plan)  # before TensorFlow's runtime starts
@@ -285,11 +285,11 @@ def _measure_layers(model_path: str, batch: int, out: str, log):
     """Per-layer times of the model on one logical device at ``batch`` (XProf, through
     ``plan profile --measure --json``, saved as OUT/measured-MODEL.json): the
     calibration ``plan analyze --measured`` uses."""
-    from profiler.measured_profile import MeasuredProfile
+    from tfplan.profiler.measured_profile import MeasuredProfile
 
     name = os.path.basename(model_path)[:-3]
     log(f"measuring per-layer times of {model_path} at batch {batch} on one device ...")
-    cmd = [sys.executable, "-m", "planner.cli", "profile", os.path.join(ROOT, model_path),
+    cmd = [sys.executable, "-m", "tfplan.cli", "profile", os.path.join(ROOT, model_path),
            "--measure", "--batch-size", str(batch), "--json", "--logdir",
            os.path.join(os.path.abspath(out), "xprof-" + name)]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
@@ -303,7 +303,7 @@ def _measure_layers(model_path: str, batch: int, out: str, log):
 
 def _layer_comparison(measured, profile, cluster) -> list[dict[str, Any]]:
     """Measured (XProf, `plan profile --measure`) against roofline per-layer times."""
-    from planner import cost_model as cm
+    from tfplan.planner import cost_model as cm
 
     batch = measured.batch_size
     times = {m.name: m for m in measured.layers}

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from planner.errors import PlannerError  # noqa: E402
+from tfplan.core.errors import PlannerError  # noqa: E402
 
 MiB = 2**20
 
@@ -94,7 +94,7 @@ def gpt_source(size: GptSize) -> Any:
     import keras
     import numpy as np
 
-    from profiler.loader import ModelSource
+    from tfplan.profiler.loader import ModelSource
 
     def sample_batch(batch_size: int) -> tuple[list[Any], Any]:
         rng = np.random.default_rng(0)
@@ -113,7 +113,7 @@ def gpt_source(size: GptSize) -> Any:
 # --- predictions ---------------------------------------------------------------------------
 def predictions(profile: Any, device: Any) -> dict[str, Any]:
     """Per-layer predicted seconds and the model's predicted memory for ``profile``'s batch."""
-    from planner.cost_model import compute_time_s, layer_memory_bytes, optimizer_time_s
+    from tfplan.planner.cost_model import compute_time_s, layer_memory_bytes, optimizer_time_s
 
     layers = OrderedDict()
     for l in profile.layers:
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU run stays on the CPU
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # so get_memory_info('CPU:0') counts
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     tf = import_tensorflow()
     gpus = tf.config.list_physical_devices("GPU")
@@ -251,10 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
 
-    from planner.presets import parse_cluster
-    from profiler.loader import load_model_source
-    from profiler.measure import measure_source
-    from profiler.static import profile_source
+    from tfplan.core.presets import parse_cluster
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.measure import measure_source
+    from tfplan.profiler.static import profile_source
 
     if args.cpu:
         cluster_name = args.cluster or "cpu:1"

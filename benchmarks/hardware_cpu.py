@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile(n: int | None, quick: bool, out: str) -> int:
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     tf = import_tensorflow()
     if n is not None:
@@ -60,8 +60,8 @@ def _profile(n: int | None, quick: bool, out: str) -> int:
     elif not tf.config.list_physical_devices("GPU"):
         print("--gpu: this host has no GPU.", file=sys.stderr)
         return 2
-    from planner.presets import cpu_cluster
-    from profiler.hardware import run_profile_hardware, summary_rows
+    from tfplan.core.presets import cpu_cluster
+    from tfplan.profiler.hardware import run_profile_hardware, summary_rows
 
     start = time.perf_counter()
 

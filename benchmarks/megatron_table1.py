@@ -60,15 +60,15 @@ def published_strategy(row: dict[str, float]) -> dict:
 
 
 def cluster_for(gpus: int):
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     return parse_cluster(f"{math.ceil(gpus / 8)}x8xA100-80GB")
 
 
 def profile_row(row: dict[str, float], layers: int | None = None):
     """The row's GPT profiled symbolically (``layers`` overrides the depth)."""
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
     tf = import_tensorflow()
-    from profiler.static import profile_model
+    from tfplan.profiler.static import profile_model
     from examples.gpt_megatron import gpt
     import keras
     before = keras.config.dtype_policy().name
@@ -84,7 +84,7 @@ def profile_row(row: dict[str, float], layers: int | None = None):
 
 
 def evaluate(row: dict[str, float], profile, search_too: bool = True) -> dict:
-    from planner.search import search
+    from tfplan.planner.search import search
     gpus, batch = int(row["gpus"]), int(row["batch"])
     cluster = cluster_for(gpus)
     flops = megatron_flops_per_iteration(batch, SEQ, int(row["layers"]), int(row["hidden"]),

@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     tf = import_tensorflow()
-    from profiler.static import profile_model
+    from tfplan.profiler.static import profile_model
 
     imported = time.perf_counter()
     with tf.Graph().as_default():

@@ -38,17 +38,17 @@ def profile_gpt(blocks: int, hidden: int, heads: int, vocab: int, seq: int, cach
     """The GPT's ModelProfile (read from ``cache`` when it was written there before)."""
     import json
 
-    from profiler.model_profile import ModelProfile
+    from tfplan.profiler.model_profile import ModelProfile
     path = cache and os.path.join(cache, f"gpt_{blocks}x{hidden}_h{heads}_v{vocab}_s{seq}.json")
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return ModelProfile.from_dict(json.load(f)), 0.0
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
     tf = import_tensorflow()
     import keras
 
     from benchmarks.profile_gpt import build_gpt
-    from profiler.static import profile_model
+    from tfplan.profiler.static import profile_model
     start = time.perf_counter()
     before = keras.config.dtype_policy().name
     keras.config.set_dtype_policy("mixed_float16")  # built under the policy: exact bytes
@@ -69,7 +69,7 @@ def profile_gpt(blocks: int, hidden: int, heads: int, vocab: int, seq: int, cach
 
 def _timing_highs():
     """Wrap ``pipeline_ilp._Milp.solve`` (HiGHS's own run) to record its seconds."""
-    from planner import pipeline_ilp
+    from tfplan.planner import pipeline_ilp
     seconds: list[float] = []
     original = pipeline_ilp._Milp.solve
 
@@ -87,10 +87,10 @@ def _timing_highs():
 def time_tp_ilp(profile, cluster, global_batch: int, repeats: int) -> dict[int, dict]:
     """Median seconds per tp of: building the TPProblem, ilp_tp (and HiGHS within it),
     solve_splits end to end."""
-    from planner.search import _context
-    from planner.strategies import Pricer, divisors
-    from planner.tp_ilp import ilp_tp
-    from planner.tp_splits import reference_samples, solve_splits, tp_problem
+    from tfplan.planner.search import _context
+    from tfplan.planner.strategies import Pricer, divisors
+    from tfplan.planner.tp_ilp import ilp_tp
+    from tfplan.planner.tp_splits import reference_samples, solve_splits, tp_problem
 
     ctx = _context(profile, cluster, global_batch)
     out = {}
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the N most expensive functions of the deepest search")
     args = parser.parse_args(argv)
 
-    from planner.presets import parse_cluster
-    from planner.search import search
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
 
     cluster = parse_cluster(args.cluster)
     depths = [int(b) for b in args.blocks.split(",")]

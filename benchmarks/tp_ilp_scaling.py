@@ -17,9 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner import pipeline_ilp  # noqa: E402
-from planner.cluster import LinkSpec  # noqa: E402
-from planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem,  # noqa: E402
+from tfplan.planner import pipeline_ilp  # noqa: E402
+from tfplan.core.cluster import LinkSpec  # noqa: E402
+from tfplan.planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem,  # noqa: E402
                             ilp_tp)
 
 LINK = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=5e-6)  # NVLink-class

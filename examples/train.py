@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from planner.errors import ModelLoadError, PlannerError  # noqa: E402
+from tfplan.core.errors import ModelLoadError, PlannerError  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, "examples", "mlp.py")
 DEFAULT_GLOBAL_BATCH = 32  # without a plan and without --global-batch
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_source(path: str) -> Any:
     """The model file (build_model, loss, optimizer, sample_batch) and a builder for it."""
-    from profiler.loader import build, load_model_source
+    from tfplan.profiler.loader import build, load_model_source
 
     source = load_model_source(path)
     return source, (lambda: build(source))
@@ -92,8 +92,8 @@ def _optimizer(spec: Any) -> Any:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    import apply
-    from planner.plan import load_plan
+    from tfplan import apply
+    from tfplan.planner.plan import load_plan
 
     plan = load_plan(args.plan) if args.plan else None
     if plan is not None:
@@ -144,7 +144,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     import_tensorflow()  # without TensorFlow's start-up noise on stderr
     try:

@@ -8,10 +8,10 @@ profiler and apply lazily). Public API: ``load_plan``, ``save_plan``, ``Plan``,
 """
 from __future__ import annotations
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.errors import (ClusterSpecError, InfeasiblePlanError, ModelLoadError,
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.errors import (ClusterSpecError, InfeasiblePlanError, ModelLoadError,
                             PlanMismatchError, PlannerError, SchemaError, SolverError)
-from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy, load_plan, save_plan
+from tfplan.planner.plan import Breakdown, Plan, Prediction, Stage, Strategy, load_plan, save_plan
 
 __all__ = [
     "Breakdown", "ClusterSpec", "ClusterSpecError", "DeviceSpec", "InfeasiblePlanError",

@@ -13,9 +13,9 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.plan import Breakdown
-from profiler.model_profile import LayerProfile
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.planner.plan import Breakdown
+from tfplan.profiler.model_profile import LayerProfile
 
 # Fixed cost of one layer in one micro-batch pass (its forward and backward ops
 # together): kernel launch (~5 us per CUDA launch, NVIDIA CUDA best-practices

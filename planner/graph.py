@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from planner.errors import SchemaError
-from profiler.model_profile import Edge, ModelProfile
+from tfplan.core.errors import SchemaError
+from tfplan.profiler.model_profile import Edge, ModelProfile
 
 
 def layer_graph(profile: ModelProfile) -> nx.DiGraph:

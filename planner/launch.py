@@ -29,7 +29,7 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_PORT = 12345  # --emit tf-config: worker i on host i listens here (or port + i)

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from planner.errors import InfeasiblePlanError, SolverError
+from tfplan.core.errors import InfeasiblePlanError, SolverError
 
 # Relative slack on the memory rows of the ILP, so that HiGHS's feasibility
 # tolerance (1e-7 on the scaled rows) cannot hand back a split that overflows

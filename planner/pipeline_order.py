@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 
 @dataclass(frozen=True)

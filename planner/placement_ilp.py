@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from planner.errors import InfeasiblePlanError, SolverError
-from planner.pipeline_ilp import _Milp, _gib, _lin
+from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.pipeline_ilp import _Milp, _gib, _lin
 
 MAX_LAYERS = 12
 MAX_DEVICES = 4

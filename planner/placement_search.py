@@ -45,14 +45,14 @@ from dataclasses import replace
 
 import networkx as nx
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec, LinkSpec
-from planner.errors import InfeasiblePlanError
-from planner.graph import layer_graph
-from planner.placement_ilp import (MAX_DEVICES, MAX_LAYERS, Placement, PlacementEdge,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec, LinkSpec
+from tfplan.core.errors import InfeasiblePlanError
+from tfplan.planner.graph import layer_graph
+from tfplan.planner.placement_ilp import (MAX_DEVICES, MAX_LAYERS, Placement, PlacementEdge,
                                    PlacementProblem, check_placement, ilp_placement)
-from planner.plan import Breakdown, Plan, Stage, Strategy
-from planner.search import _Context, _plan
+from tfplan.planner.plan import Breakdown, Plan, Stage, Strategy
+from tfplan.planner.search import _Context, _plan
 
 # A placement is offered only if its makespan is below the serial time by more than this
 # fraction: less is solver tolerance, not overlap.

@@ -32,9 +32,9 @@ import os
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping
 
-from planner.cluster import ClusterSpec
-from planner.errors import PlanMismatchError, SchemaError
-from planner.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import PlanMismatchError, SchemaError
+from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")

@@ -39,18 +39,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec, LinkSpec
-from planner.errors import InfeasiblePlanError, PlannerError, SolverError
-from planner.graph import input_edges, layer_graph, topological_layers
-from planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec, LinkSpec
+from tfplan.core.errors import InfeasiblePlanError, PlannerError, SolverError
+from tfplan.planner.graph import input_edges, layer_graph, topological_layers
+from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                   min_max_stage_memory, min_stages_to_fit)
-from planner.units import fmt_bytes, fmt_seconds
-from planner.plan import (LAYOUTS, RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage,
+from tfplan.core.units import fmt_bytes, fmt_seconds
+from tfplan.planner.plan import (LAYOUTS, RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage,
                           Strategy)
-from planner.strategies import Estimate, Pricer, best_per_shape, hybrid_choices
-from planner.validate import validate_plan
-from profiler.model_profile import ModelProfile
+from tfplan.planner.strategies import Estimate, Pricer, best_per_shape, hybrid_choices
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.model_profile import ModelProfile
 
 MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
@@ -120,7 +120,7 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         pipelines = [(pp, ms) for pp, ms in pipelines if ms]
         per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
         plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
-        from planner.placement_search import placement_plans  # it imports this module
+        from tfplan.planner.placement_search import placement_plans  # it imports this module
         plans += placement_plans(ctx, time_limit_s)  # branchy graphs, one node, <= 4 devices
     evaluated = len(plans)
     pricer = Pricer(ctx)

@@ -80,14 +80,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec
-from planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, Stage, Strategy,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec
+from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, Stage, Strategy,
                           stage_devices)
-from profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES, layer_comm
+from tfplan.profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES, layer_comm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from planner.search import _Context
+    from tfplan.planner.search import _Context
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
 MAX_MICROBATCH_SIZE = 16  # micro-batch sizes tried: powers of two up to this
@@ -178,7 +178,7 @@ class Pricer:
         self.layers = p.layers
         self.b = p.batch_size
         self.n = len(p.layers)
-        from profiler.comm import input_bytes_of
+        from tfplan.profiler.comm import input_bytes_of
         self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
         self.attention = np.array([l.type in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
@@ -194,7 +194,7 @@ class Pricer:
         if tp == 1:
             return ("",) * self.n
         if tp not in self.split_choices:
-            from planner.tp_splits import reference_samples, solve_splits
+            from tfplan.planner.tp_splits import reference_samples, solve_splits
             ctx = self.ctx
 
             def replicated_time_s(samples: int) -> np.ndarray:

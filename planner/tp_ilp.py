@@ -49,12 +49,12 @@ from collections import Counter
 from dataclasses import dataclass, field as dc_field
 from typing import Iterable, Mapping, Sequence
 
-from planner.cluster import LinkSpec
-from planner.cost_model import ring_allreduce_time_s
-from planner.errors import InfeasiblePlanError, SolverError
-from planner.pipeline_ilp import _Milp, _gib, _lin
-from profiler.comm import layer_comm
-from profiler.model_profile import LayerProfile
+from tfplan.core.cluster import LinkSpec
+from tfplan.planner.cost_model import ring_allreduce_time_s
+from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.pipeline_ilp import _Milp, _gib, _lin
+from tfplan.profiler.comm import layer_comm
+from tfplan.profiler.model_profile import LayerProfile
 
 SPLITS = ("replicate", "column", "row", "heads", "vocab")
 INPUT_LAYOUT = {"replicate": "R", "column": "R", "row": "S", "heads": "R", "vocab": "R"}

@@ -60,13 +60,13 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec
-from planner.errors import SolverError
-from planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import SolverError
+from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
-from profiler.model_profile import LayerProfile, ModelProfile
-from profiler.repeats import MIN_REPEATS
+from tfplan.profiler.model_profile import LayerProfile, ModelProfile
+from tfplan.profiler.repeats import MIN_REPEATS
 
 # Blocks j and j + 2 of a run share choices, j and j + 1 need not (tp_ilp.block_of_runs):
 # a stack of identical Dense layers can then alternate column, row.
@@ -223,7 +223,7 @@ def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
                  memory_capacity_bytes: float | None = None,
                  grad_allreduce_s: Callable[[float], float] | None = None) -> SplitChoice:
     """The splits at degree ``tp`` with their prices (see the module docstring)."""
-    from planner.strategies import tp_split_rule  # strategies imports this module
+    from tfplan.planner.strategies import tp_split_rule  # strategies imports this module
 
     rule = tp_split_rule(tuple(l.type for l in profile.layers))
     if tp == 1:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import LAYOUTS, PLACEMENTS, Plan
-from profiler.model_profile import ModelProfile
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import LAYOUTS, PLACEMENTS, Plan
+from tfplan.profiler.model_profile import ModelProfile
 
 
 Signature = Sequence[tuple[str, str, int]]

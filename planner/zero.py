@@ -35,7 +35,7 @@ import operator
 from collections import defaultdict
 from typing import Sequence
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 
 def optimizer_owners(variable_sizes: Sequence[int], dp: int) -> list[int]:

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.errors import PlannerError
-from profiler.measured_profile import MeasuredProfile
-from profiler.model_profile import ModelProfile
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.measured_profile import MeasuredProfile
+from tfplan.profiler.model_profile import ModelProfile
 
 #: Name scopes of optimizer updates in a measured step (Keras 3 optimizers name their
 #: update ops after the optimizer class; ``apply_gradients`` in tf.distribute).

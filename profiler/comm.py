@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from profiler.model_profile import LayerProfile, ModelProfile
+from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 
 COLUMN_ROW_TYPES = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D")
 HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")

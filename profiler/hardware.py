@@ -26,11 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from planner.cluster import ClusterSpec
-from planner.errors import PlannerError
-from profiler.hw_cluster import summary_rows, to_cluster_spec
-from profiler.hw_profile import AllReduceResult, HardwareProfile, MatmulResult, P2PResult
-from profiler.hw_timing import TimingPolicy
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.hw_cluster import summary_rows, to_cluster_spec
+from tfplan.profiler.hw_profile import AllReduceResult, HardwareProfile, MatmulResult, P2PResult
+from tfplan.profiler.hw_timing import TimingPolicy
 
 __all__ = ["DEFAULT_PRECISIONS", "HardwareProfile", "Sizes", "default_sizes", "devices_from_arg",
            "profile_hardware", "resolve_devices", "run_profile_hardware", "summary_rows",
@@ -149,8 +149,8 @@ def profile_hardware(devices: Sequence[str] | None = None, *,
     device cannot run is skipped with a note. Raises PlannerError for bad device
     names or a broken collective.
     """
-    from profiler import hw_compute
-    from profiler.hw_timing import FULL, QUICK
+    from tfplan.profiler import hw_compute
+    from tfplan.profiler.hw_timing import FULL, QUICK
 
     hw_compute.check_precisions(tuple(precisions))
     names = resolve_devices(devices)
@@ -176,7 +176,7 @@ def _measure(names: tuple[str, ...], device_type: str, precisions: tuple[str, ..
              progress: Progress | None) -> HardwareProfile:
     import tensorflow as tf
 
-    from profiler import hw_comm, hw_compute
+    from tfplan.profiler import hw_comm, hw_compute
 
     notes: list[str] = []
     matmul: list[MatmulResult] = []
@@ -309,7 +309,7 @@ def _device_kind(device_type: str) -> str:
 
 def _memory_per_device(names: tuple[str, ...]) -> tuple[int, str]:
     if names[0].startswith("/device:CPU"):
-        from planner.presets import cpu_cluster
+        from tfplan.core.presets import cpu_cluster
 
         n = len(names)
         return (cpu_cluster(n).device.memory_bytes,

@@ -7,9 +7,9 @@ no TensorFlow, so a saved profile converts on any machine.
 """
 from __future__ import annotations
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.errors import ClusterSpecError
-from profiler.hw_profile import AlphaBetaFit, CommPoint, HardwareProfile
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.errors import ClusterSpecError
+from tfplan.profiler.hw_profile import AlphaBetaFit, CommPoint, HardwareProfile
 
 LINK_SOURCES = ("allreduce", "p2p")
 KiB, MiB = 2**10, 2**20

@@ -40,9 +40,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from planner.errors import PlannerError
-from profiler.hw_profile import AllReduceResult, CommPoint, P2PResult, fit_alpha_beta
-from profiler.hw_timing import TimingPolicy, time_chain
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.hw_profile import AllReduceResult, CommPoint, P2PResult, fit_alpha_beta
+from tfplan.profiler.hw_timing import TimingPolicy, time_chain
 
 TIMEOUT_S = 120.0
 _GROUP_KEY_BASE = 0x4857_0000  # far above the keys tf.distribute's CollectiveKeys hands out

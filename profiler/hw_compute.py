@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from planner.errors import PlannerError
-from profiler.hw_profile import LayerOverhead, MatmulPoint, MatmulResult, MemoryBandwidth
-from profiler.hw_timing import TimingPolicy, time_chain
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.hw_profile import LayerOverhead, MatmulPoint, MatmulResult, MemoryBandwidth
+from tfplan.profiler.hw_timing import TimingPolicy, time_chain
 
 MEASURABLE_PRECISIONS = ("float32", "float16", "bfloat16")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping, Sequence
 
-from planner.errors import SchemaError
-from planner.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.errors import SchemaError
+from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 KIND = "HardwareProfile"
 METHODS = ("difference", "upper_bound")

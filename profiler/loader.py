@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from planner.errors import ModelLoadError
+from tfplan.core.errors import ModelLoadError
 
 _SPEC_HELP = ("a path to a .py file defining build_model() (optionally FILE.py:FUNCTION), "
               "or MODULE:FUNCTION such as keras.applications:MobileNetV2")

@@ -66,15 +66,15 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from planner.errors import ModelLoadError, PlannerError
-from profiler import xprof_reader
-from profiler.loader import ModelSource, build
-from profiler.measured_profile import LayerTime, MeasuredProfile
-from profiler.peak_memory import MemoryProbe
-from profiler.signature import profiled_layers
+from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler import xprof_reader
+from tfplan.profiler.loader import ModelSource, build
+from tfplan.profiler.measured_profile import LayerTime, MeasuredProfile
+from tfplan.profiler.peak_memory import MemoryProbe
+from tfplan.profiler.signature import profiled_layers
 
 try:  # qualified names ("outer/inner") for the layers of nested models
-    from profiler.signature import profiled_layer_paths
+    from tfplan.profiler.signature import profiled_layer_paths
 except ImportError:  # a signature module without nested-model paths: top-level layers
     def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
         return [(layer.name, layer) for layer in profiled_layers(model)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping
 
-from planner.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 
 @dataclass(frozen=True)

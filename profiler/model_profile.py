@@ -37,7 +37,7 @@ import hashlib
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping
 
-from planner.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from profiler.op_flops import NO_TRAFFIC_OPS, OpCount, OpInfo, count_op, is_matmul
+from tfplan.profiler.op_flops import NO_TRAFFIC_OPS, OpCount, OpInfo, count_op, is_matmul
 
 #: Attributes the FLOP formulas read, by op type.
 _ATTRS = {"MatMul": ("transpose_a",), "BatchMatMul": ("adj_x",), "BatchMatMulV2": ("adj_x",),

@@ -219,7 +219,7 @@ def _fused_batch_norm_grad(op: OpInfo) -> int:  # inputs: y_backprop, x, scale, 
 
 
 def _einsum(op: OpInfo) -> int:
-    from profiler.einsum import einsum_flops
+    from tfplan.profiler.einsum import einsum_flops
 
     try:
         return einsum_flops(_attr(op, "equation"),

@@ -37,8 +37,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from planner.errors import ModelLoadError, PlannerError
-from profiler.op_attribution import LOSS, Accounting, Trace
+from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler.op_attribution import LOSS, Accounting, Trace
 
 Progress = Callable[[str, int, int], None]
 

@@ -35,15 +35,15 @@ import dataclasses
 import warnings as _warnings
 from typing import Any, Callable, Iterator, Sequence
 
-from planner.errors import ModelLoadError, PlannerError
-from profiler.loader import ModelSource, build
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
-from profiler.op_attribution import Trace
-from profiler.op_flops import prod
-from profiler.op_graph import InputSpec, model_input_specs, trace_training_step
-from profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
-from profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
-from profiler.signature import profiled_layer_paths
+from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler.loader import ModelSource, build
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.profiler.op_attribution import Trace
+from tfplan.profiler.op_flops import prod
+from tfplan.profiler.op_graph import InputSpec, model_input_specs, trace_training_step
+from tfplan.profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
+from tfplan.profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
+from tfplan.profiler.signature import profiled_layer_paths
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "float64")
 REPEAT_BLOCKS_MIN_LAYERS = 200

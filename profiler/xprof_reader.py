@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
-from planner.errors import PlannerError
+from tfplan.core.errors import PlannerError
 
 _US = 1e-6  # trace_viewer timestamps and durations are microseconds
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
-from planner.plan import Plan
-from profiler.model_profile import ModelProfile
+from tfplan.planner.plan import Plan
+from tfplan.profiler.model_profile import ModelProfile
 
 PALETTE = ((66, 133, 244), (52, 168, 83), (251, 188, 5), (234, 67, 53), (171, 71, 188),
            (0, 172, 193), (255, 112, 67), (158, 157, 36), (92, 107, 192), (240, 98, 146))
@@ -67,7 +67,7 @@ def schedule_slots(stages: int, microbatches: int, schedule: str, forward_s: flo
     device, each taking 1/v of ``forward_s`` and ``backward_s``."""
     v = virtual_stages if schedule == "interleaved" else 1
     if v > 1:
-        from planner.pipeline_order import device_order
+        from tfplan.planner.pipeline_order import device_order
         orders = [[(sl.kind, sl.stage, sl.microbatch) for sl in
                    device_order("interleaved", d, stages, v, microbatches)]
                   for d in range(stages)]

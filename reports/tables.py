@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.plan import Plan
-from planner.units import fmt_bytes, fmt_count, fmt_seconds  # noqa: F401  (re-exported)
-from profiler.measured_profile import MeasuredProfile
-from profiler.model_profile import ModelProfile
+from tfplan.planner.plan import Plan
+from tfplan.core.units import fmt_bytes, fmt_count, fmt_seconds  # noqa: F401  (re-exported)
+from tfplan.profiler.measured_profile import MeasuredProfile
+from tfplan.profiler.model_profile import ModelProfile
 
 PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
                   "fwd FLOPs", "bwd FLOPs")

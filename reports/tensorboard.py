@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from planner.plan import Plan
-from profiler.model_profile import ModelProfile
-from reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
+from tfplan.planner.plan import Plan
+from tfplan.profiler.model_profile import ModelProfile
+from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_seconds, markdown_table, profile_rows)
 
 
@@ -58,7 +58,7 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
         for i, (device, nbytes) in enumerate(chosen.predicted.peak_memory_bytes_per_device):
             tf.summary.scalar(f"predicted/peak_memory_bytes/device_{i}", float(nbytes), step=0,
                               description=device)
-        from reports.images import plan_images
+        from tfplan.reports.images import plan_images
         for tag, image in plan_images(profile, chosen).items():
             tf.summary.image(tag, image[None], step=0)
         for rank, cand in enumerate(candidates):
@@ -75,8 +75,8 @@ def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Pl
     """What the "Parallel plan" dashboard shows for one run (``reports.plugin``): the
     plans, per-layer rows (with the cost model's time per micro-batch on the plan's
     device), the simulated pipeline schedule and the memory bars."""
-    from planner import cost_model as cm
-    from reports.images import memory_bars, plan_schedule
+    from tfplan.planner import cost_model as cm
+    from tfplan.reports.images import memory_bars, plan_schedule
 
     s, device = chosen.strategy, chosen.cluster.device
     where = chosen.device_of_layer()
@@ -108,7 +108,7 @@ def write_plugin_analysis(logdir: str | os.PathLike, profile: ModelProfile, chos
     """Write ``plugin_analysis`` where the plugin finds it (``reports.plugin``)."""
     import json
 
-    from reports.plugin import analysis_path
+    from tfplan.reports.plugin import analysis_path
     path = analysis_path(os.fspath(logdir))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

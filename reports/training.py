@@ -23,7 +23,7 @@ import time
 
 import keras
 
-from planner.plan import Plan
+from tfplan.planner.plan import Plan
 
 
 class PlanMonitor(keras.callbacks.Callback):

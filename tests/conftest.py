@@ -18,7 +18,7 @@ NUM_LOGICAL_CPUS = 8
 
 
 def pytest_configure(config):
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
 
     tf = import_tensorflow()  # without the start-up noise of a machine with no GPU
 

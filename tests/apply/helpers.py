@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
-from profiler.signature import model_signature
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from tfplan.profiler.signature import model_signature
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

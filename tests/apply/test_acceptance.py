@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.placement import tf_variable
-from apply.sharded_layers import _Sharded
+from tfplan import apply
+from tfplan.apply.placement import tf_variable
+from tfplan.apply.sharded_layers import _Sharded
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, make_plan, step_losses)

@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import save_plan
-from planner.search import SearchResult
+from tfplan import apply
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import save_plan
+from tfplan.planner.search import SearchResult
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, STEPS, assert_losses_match, base_model,
                                  batches_of, cpu_cluster, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
 
-auto_module = importlib.import_module("apply.auto")  # `apply.auto` is the function
+auto_module = importlib.import_module("tfplan.apply.auto")  # `apply.auto` is the function
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
@@ -86,7 +86,7 @@ def hybrid_and_data_parallel(model):
     it can."""
     import dataclasses
 
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     workers = [[f"/job:worker/task:{w}/device:CPU:0"] for w in range(2)]
     hybrid = dataclasses.replace(make_plan(model, workers, name="pipeline across workers"),
                                  cluster=parse_cluster("2xcpu:1"))
@@ -97,7 +97,7 @@ def hybrid_and_data_parallel(model):
 def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, capsys):
     module, model = base_model("tiny_mlp")
     hybrid, dp = hybrid_and_data_parallel(model)
-    monkeypatch.setattr("planner.search.search", lambda *a, **k: SearchResult(
+    monkeypatch.setattr("tfplan.planner.search.search", lambda *a, **k: SearchResult(
         chosen=hybrid.with_reason("fastest"), candidates=(hybrid, dp)))
     wrapped = apply.auto(model, GLOBAL_BATCH, cluster=cpu_cluster(4))
     assert wrapped.plan.name == "data parallel dp=2"
@@ -108,7 +108,7 @@ def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, ca
     assert "'data parallel dp=2' is the fastest" in err
     assert_losses_match(train(wrapped, module), reference_losses("tiny_mlp"))
 
-    monkeypatch.setattr("planner.search.search", lambda *a, **k: SearchResult(
+    monkeypatch.setattr("tfplan.planner.search.search", lambda *a, **k: SearchResult(
         chosen=hybrid, candidates=(hybrid,)))
     with pytest.raises(PlannerError, match="cannot run yet.*PLAN_FILE"):
         apply.auto(model, GLOBAL_BATCH, cluster=cpu_cluster(4))
@@ -124,7 +124,7 @@ def test_plan_file_is_loaded_instead_of_searching(tmp_path, monkeypatch, capsys)
     def no_search(*args, **kwargs):
         raise AssertionError("apply.auto searched although PLAN_FILE is set")
 
-    monkeypatch.setattr("planner.search.search", no_search)
+    monkeypatch.setattr("tfplan.planner.search.search", no_search)
     wrapped = apply.auto(model, GLOBAL_BATCH)
     assert wrapped.plan.name == "test dp=1 pp=2 m=2"
     assert f"from PLAN_FILE={path}" in capsys.readouterr().err

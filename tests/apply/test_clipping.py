@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
+from tfplan import apply
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, make_plan, step_losses)
 from tests.apply.test_zero import MLP_SPLITS

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from apply.data_parallel import wrap_data_parallel
+from tfplan.apply.data_parallel import wrap_data_parallel
 from tests.apply.helpers import (GLOBAL_BATCH, base_model, batches_of, cpus,
                                  fresh_optimizer, step_losses)
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import tensorflow as tf
 
-from apply.devices import ensure_devices, parse_device, short_name
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Stage
+from tfplan.apply.devices import ensure_devices, parse_device, short_name
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Stage
 from tests.apply.helpers import base_model, cpus, make_plan
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import apply
-from apply.wrap import plan_mode
+from tfplan import apply
+from tfplan.apply.wrap import plan_mode
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
@@ -24,7 +24,7 @@ def test_dp2_pp2_trains_like_one_device(name, microbatches):
     assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
                         reference_losses(name))
     # replica r's copy of each stage's layers lives on that stage's device r
-    from apply.placement import tf_variable
+    from tfplan.apply.placement import tf_variable
     used = {tf_variable(v).device.split("device:")[-1] for v in wrapped.trainable_variables}
     assert used == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}
     # every copy of a stage-0 layer is on a stage-0 device, of a stage-1 layer on stage 1

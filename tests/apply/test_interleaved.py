@@ -7,12 +7,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-import apply
-from apply.schedule import schedule_of
-from apply.wrap import plan_mode
-from planner.plan import Stage
-from planner.validate import validate_plan
-from profiler.signature import model_signature
+from tfplan import apply
+from tfplan.apply.schedule import schedule_of
+from tfplan.apply.wrap import plan_mode
+from tfplan.planner.plan import Stage
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.signature import model_signature
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)

@@ -66,8 +66,8 @@ def scenario(model, module, weights_path: str) -> dict:
 
 
 def worker_main(out_dir: str) -> None:
-    import apply
-    from planner.plan import load_plan
+    from tfplan import apply
+    from tfplan.planner.plan import load_plan
 
     plan = load_plan(os.environ["PLAN_FILE"])
     apply.ensure_devices(plan)  # makes the MultiWorkerMirroredStrategy: before any TF op
@@ -86,14 +86,14 @@ def test_two_workers_train_like_one_device(tmp_path):
     import keras
     import numpy as np
 
-    from planner.plan import save_plan
+    from tfplan.planner.plan import save_plan
 
     module, model = base_model("tiny_mlp")
     plan_path = tmp_path / "plan.json"
     save_plan(worker_plan(model), plan_path)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     launch = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS), "--plan",
+        [sys.executable, "-m", "tfplan.cli", "launch", "--workers", str(WORKERS), "--plan",
          str(plan_path), os.path.abspath(__file__), str(tmp_path)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:  # the single-device reference, while the workers start
@@ -128,7 +128,7 @@ def test_two_workers_train_like_one_device(tmp_path):
 def test_train_script_under_plan_launch(tmp_path):
     """``plan launch --workers 2 examples/train.py --plan P``: both workers print the
     single-device losses (helpers.reference_losses: same seed, model file, batches)."""
-    from planner.plan import save_plan
+    from tfplan.planner.plan import save_plan
     from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
         reference_losses
 
@@ -137,7 +137,7 @@ def test_train_script_under_plan_launch(tmp_path):
     save_plan(worker_plan(model), plan_path)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     launch = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+        [sys.executable, "-m", "tfplan.cli", "launch", "--workers", str(WORKERS),
          os.path.join(ROOT, "examples", "train.py"), "--plan", str(plan_path), "--model",
          os.path.join(HERE, "tiny_mlp.py"), "--steps", str(REFERENCE_STEPS), "--json"],
         cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -164,9 +164,9 @@ def test_train_script_under_plan_launch(tmp_path):
 def test_a_plan_over_workers_is_multi_worker_mode_and_needs_tf_config(monkeypatch):
     import pytest
 
-    import apply
-    from apply.wrap import plan_mode
-    from planner.errors import PlanMismatchError, PlannerError
+    from tfplan import apply
+    from tfplan.apply.wrap import plan_mode
+    from tfplan.core.errors import PlanMismatchError, PlannerError
 
     _, model = base_model("tiny_mlp")
     plan = worker_plan(model)

@@ -125,8 +125,8 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
     """Wrap and train each case's model with its plan on this worker; write the results
     (losses, what ``scenario`` runs, mode, variable devices, weight and slot counts) to
     ``out_dir/worker{task}.json``. The first case also runs fit/evaluate/predict/files."""
-    import apply
-    from apply.placement import variable_devices
+    from tfplan import apply
+    from tfplan.apply.placement import variable_devices
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     results = {}
@@ -146,8 +146,8 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
 
 
 def worker_main(out_dir: str) -> None:
-    import apply
-    from planner.plan import load_plan
+    from tfplan import apply
+    from tfplan.planner.plan import load_plan
 
     plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
     apply.ensure_devices(plans[0])  # the strategy and 2 logical CPUs, before any TF op
@@ -166,7 +166,7 @@ def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str,
     launch's output, {case: reference result})."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     launch = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+        [sys.executable, "-m", "tfplan.cli", "launch", "--workers", str(WORKERS),
          os.path.abspath(script), str(out_dir)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:  # the single-device references, while the workers start
@@ -186,8 +186,8 @@ def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str,
 def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
     import numpy as np
 
-    from apply.wrap import plan_mode
-    from planner.plan import save_plan
+    from tfplan.apply.wrap import plan_mode
+    from tfplan.planner.plan import save_plan
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = worker_plan(base_model(name)[1], name, kind)
@@ -230,7 +230,7 @@ def launch_train_script(tmp_path, *args: str, printing: tuple[int, ...] = (0, 1)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     env.pop("PLAN_FILE", None)
     launch = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "launch", "--workers", str(WORKERS),
+        [sys.executable, "-m", "tfplan.cli", "launch", "--workers", str(WORKERS),
          os.path.join(ROOT, "examples", "train.py"), "--model",
          os.path.join(HERE, "tiny_mlp.py"), "--json", *args],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
@@ -247,7 +247,7 @@ def launch_train_script(tmp_path, *args: str, printing: tuple[int, ...] = (0, 1)
 def test_train_script_with_a_hybrid_plan_under_plan_launch(tmp_path):
     """``plan launch --workers 2 examples/train.py --plan P`` with a dp2 x pp2 plan: both
     workers train with the single-device losses (helpers.reference_losses)."""
-    from planner.plan import save_plan
+    from tfplan.planner.plan import save_plan
     from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
         reference_losses
 
@@ -295,10 +295,10 @@ def _check_devices(devices: dict, plan, task: int) -> None:
 def test_a_replica_across_workers_is_not_a_hybrid():
     import pytest
 
-    from apply.multi_worker_hybrid import plan_replica_tasks
-    from apply.remote import needs_remote
-    from apply.wrap import plan_mode
-    from planner.errors import PlannerError
+    from tfplan.apply.multi_worker_hybrid import plan_replica_tasks
+    from tfplan.apply.remote import needs_remote
+    from tfplan.apply.wrap import plan_mode
+    from tfplan.core.errors import PlannerError
 
     _, model = base_model("tiny_mlp")
     plan = worker_plan(model, "tiny_mlp", "dp2xpp2")

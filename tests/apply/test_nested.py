@@ -5,9 +5,9 @@ import keras
 import numpy as np
 import pytest
 
-import apply
-from planner.errors import PlannerError
-from profiler.signature import model_signature
+from tfplan import apply
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.signature import model_signature
 from tests.apply.helpers import cpus, make_plan
 
 

@@ -13,12 +13,12 @@ from dataclasses import replace
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.pipeline import PlacedModel
-from apply.wrap import plan_mode
-from planner.errors import PlanMismatchError
-from planner.presets import parse_cluster
-from planner.search import search
+from tfplan import apply
+from tfplan.apply.pipeline import PlacedModel
+from tfplan.apply.wrap import plan_mode
+from tfplan.core.errors import PlanMismatchError
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
@@ -36,8 +36,8 @@ NAME = "branchy"
 
 @pytest.fixture(scope="module")
 def searched_plan():
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
 
     profile = profile_source(load_model_source(os.path.join(HERE, f"{NAME}.py")), batch_size=1)
     result = search(profile, _cpu("cpu:2"), GLOBAL_BATCH)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.recompute import recomputed_layers
+from tfplan import apply
+from tfplan.apply.recompute import recomputed_layers
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, base_model, batches_of, cpus,
                                  fresh_optimizer, make_plan, step_losses)
 

@@ -69,8 +69,8 @@ def remote_plan(model, name: str, kind: str):
 
 
 def worker_main(out_dir: str) -> None:
-    import apply
-    from planner.plan import load_plan
+    from tfplan import apply
+    from tfplan.planner.plan import load_plan
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
@@ -82,9 +82,9 @@ def worker_main(out_dir: str) -> None:
 def test_plans_across_workers_train_like_one_device(tmp_path):
     import numpy as np
 
-    from apply.remote import needs_remote
-    from apply.wrap import plan_mode
-    from planner.plan import save_plan
+    from tfplan.apply.remote import needs_remote
+    from tfplan.apply.wrap import plan_mode
+    from tfplan.planner.plan import save_plan
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = remote_plan(base_model(name)[1], name, kind)
@@ -115,7 +115,7 @@ def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path)
     """``plan launch --workers 2 examples/train.py --plan P``, P a pipeline with one stage
     per worker: worker 0 trains with the single-device losses, worker 1 serves and
     exits 0."""
-    from planner.plan import save_plan
+    from tfplan.planner.plan import save_plan
     from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
         reference_losses
 
@@ -150,9 +150,9 @@ def test_worker_0_names_a_worker_that_does_not_come_up(monkeypatch, capsys):
 
     import pytest
 
-    import apply
-    from apply import remote
-    from planner.errors import PlannerError
+    from tfplan import apply
+    from tfplan.apply import remote
+    from tfplan.core.errors import PlannerError
 
     ports = []
     for _ in range(2):  # two free ports on 127.0.0.1, nothing listening after
@@ -175,10 +175,10 @@ def test_plan_mode_and_auto_for_replicas_across_workers():
     """A replica across workers runs through apply.remote (the one-host modes), and
     apply.auto does not pick such a plan without PLAN_FILE (it must be set up before
     TensorFlow starts)."""
-    from apply.auto import not_runnable_reason
-    from apply.multi_worker_hybrid import is_hybrid
-    from apply.remote import needs_remote, replicas_span_workers
-    from apply.wrap import plan_mode
+    from tfplan.apply.auto import not_runnable_reason
+    from tfplan.apply.multi_worker_hybrid import is_hybrid
+    from tfplan.apply.remote import needs_remote, replicas_span_workers
+    from tfplan.apply.wrap import plan_mode
     from tests.apply.test_multi_worker_hybrid import worker_plan
 
     _, model = base_model("tiny_mlp")

@@ -17,15 +17,15 @@ import keras
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.pipeline import wrap_placed
-from apply.schedule import (PipelineSchedule, Slot, device_order, forward_waits,
+from tfplan import apply
+from tfplan.apply.pipeline import wrap_placed
+from tfplan.apply.schedule import (PipelineSchedule, Slot, device_order, forward_waits,
                             schedule_of)
-from apply.wrap import top_level_devices
-from planner.errors import PlannerError
-from planner.plan import Stage
-from profiler.signature import model_signature
-from reports.images import _order as drawn_order
+from tfplan.apply.wrap import top_level_devices
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import Stage
+from tfplan.profiler.signature import model_signature
+from tfplan.reports.images import _order as drawn_order
 from tests.apply.helpers import (assert_losses_match, base_model, batches_of, cpus,
                                  fresh_optimizer, make_plan, step_losses)
 from tests.apply.test_wrap_modes import _assert_placement

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.sharded_layers import _Sharded, sharded_clone
-from planner.errors import PlannerError
-from planner.plan import load_plan, save_plan
-from planner.presets import parse_cluster
-from planner.search import search
-from profiler.loader import load_model_source
-from profiler.static import profile_source
+from tfplan import apply
+from tfplan.apply.sharded_layers import _Sharded, sharded_clone
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import load_plan, save_plan
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
+from tfplan.profiler.loader import load_model_source
+from tfplan.profiler.static import profile_source
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan, step_losses)
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.sharded_layers import _Sharded, shard_sizes
-from apply.tensor_parallel import TensorParallelModel
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Plan, load_plan, save_plan
-from planner.validate import validate_plan
+from tfplan import apply
+from tfplan.apply.sharded_layers import _Sharded, shard_sizes
+from tfplan.apply.tensor_parallel import TensorParallelModel
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan, load_plan, save_plan
+from tfplan.planner.validate import validate_plan
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan, step_losses)
@@ -187,10 +187,10 @@ def test_uneven_shards():
 
 
 def test_a_planner_made_plan_trains(tmp_path):
-    from planner.presets import parse_cluster
-    from planner.search import search
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
 
     source = load_model_source(os.path.join(HERE, "tiny_transformer.py"))
     profile = profile_source(source, batch_size=1)
@@ -268,7 +268,7 @@ def test_a_worker_local_tp_plan_is_not_wrapped_whole():
     _, model = base_model("tiny_mlp")
     workers = tuple(f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2))
     plan = tp_plan(model, [list(workers)], SPLITS["tiny_mlp"], dp=2)
-    from apply.tensor_parallel import wrap_tensor_parallel
+    from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 
     with pytest.raises(PlannerError, match="runs through apply.wrap"):
         wrap_tensor_parallel(model, plan, {})

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from planner.plan import save_plan
+from tfplan.planner.plan import save_plan
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, STEPS, assert_losses_match, base_model,
                                  cpus, make_plan, reference_losses)
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from planner.errors import PlanMismatchError, PlannerError
-from planner.plan import Stage, Strategy
+from tfplan import apply
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Stage, Strategy
 from tests.apply.helpers import base_model, cpus, fresh_optimizer, make_plan
 
 
@@ -157,8 +157,8 @@ def test_layer_that_cannot_be_recreated_is_named():
 
 
 def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
-    from apply.wrap import plan_mode
-    from planner.presets import parse_cluster
+    from tfplan.apply.wrap import plan_mode
+    from tfplan.core.presets import parse_cluster
 
     _, mlp = base_model("tiny_mlp")
     plan = make_plan(mlp, [cpus(0, 1)])

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.data_parallel import DataParallelModel
-from apply.pipeline import PlacedModel
+from tfplan import apply
+from tfplan.apply.data_parallel import DataParallelModel
+from tfplan.apply.pipeline import PlacedModel
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
@@ -212,7 +212,7 @@ def test_saved_wrapped_model_loads_as_a_plain_functional(tmp_path):
 
 
 def _save(plan, path):
-    from planner.plan import save_plan
+    from tfplan.planner.plan import save_plan
 
     save_plan(plan, path)
     return path

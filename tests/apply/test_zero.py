@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import apply
-from apply.devices import short_name
-from apply.placement import tf_variable
-from apply.tensor_parallel import TensorParallelModel
-from apply.wrap import plan_mode
-from apply.zero import weight_groups
-from planner.zero import owners_by_device_group
+from tfplan import apply
+from tfplan.apply.devices import short_name
+from tfplan.apply.placement import tf_variable
+from tfplan.apply.tensor_parallel import TensorParallelModel
+from tfplan.apply.wrap import plan_mode
+from tfplan.apply.zero import weight_groups
+from tfplan.planner.zero import owners_by_device_group
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, make_plan, step_losses)

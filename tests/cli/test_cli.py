@@ -16,7 +16,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 def run_plan(*args: str, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "tfplan.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -228,7 +228,7 @@ def test_what_if_hybrid_that_does_not_fit_is_reported(tmp_path):
     assert predicted["hardware_tflops_per_device"] > predicted["model_tflops_per_device"] > 0
     b = predicted["breakdown"]
     assert sum(b.values()) == pytest.approx(predicted["step_time_s"])
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     cluster = parse_cluster("8xA100-80GB").to_dict()
     cluster["device"]["memory_bytes"] = 1000  # the same plan on 1 kB devices: fits false
     small = tmp_path / "small.json"

@@ -44,7 +44,7 @@ sys.exit(3)
 
 
 def run_plan(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tfplan.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,7 @@ bytes per parameter 4 (float32 master) + 2 (float16 copy) + 4 (gradient) + 8 (Ad
 """
 from __future__ import annotations
 
-from profiler.model_profile import LayerProfile, ModelProfile
+from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 
 
 def gpt_profile(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
@@ -59,7 +59,7 @@ def gpt_profile(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: i
     out += [layer("ln_f", "LayerNormalization", 2 * h, 8 * b * s * h, act, act, (prev,), act),
             layer("lm_head", "Dense", h * vocab, 2 * b * s * h * vocab, logits, logits,
                   ("ln_f",), act)]
-    from profiler.model_profile import Edge
+    from tfplan.profiler.model_profile import Edge
     edges = [Edge("tokens", "wte", 4 * b * s)]
     for l in out:
         edges += [Edge(src, l.name, 0) for src in l.inputs if src != "tokens"]

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.errors import ClusterSpecError, SchemaError
-from planner.presets import load_cluster_file
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.errors import ClusterSpecError, SchemaError
+from tfplan.core.presets import load_cluster_file
 
 DEVICE = DeviceSpec(kind="T", device_type="GPU", memory_bytes=2**34,
                     peak_flops_per_s=(("float32", 1e13),),

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from planner.strategies import tp_split_rule
-from planner.tp_ilp import split_options
-from planner.validate import validate_plan
-from profiler.comm import layer_comm
-from profiler.model_profile import LayerProfile
+from tfplan.planner.strategies import tp_split_rule
+from tfplan.planner.tp_ilp import split_options
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.comm import layer_comm
+from tfplan.profiler.model_profile import LayerProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,16 +66,16 @@ def test_tp_split_rule_alternates_conv_pairs():
 
 
 def _cnn_profile():
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
 
     path = os.path.join(ROOT, "tests", "apply", "tiny_cnn.py")
     return profile_source(load_model_source(path), batch_size=1)
 
 
 def test_planner_splits_the_cnn_convolutions_when_it_pays():
-    from planner.presets import parse_cluster
-    from planner.search import search
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
 
     profile = _cnn_profile()
     cluster = parse_cluster("cpu:8")

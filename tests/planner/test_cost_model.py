@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import DeviceSpec, LinkSpec
-from planner.presets import parse_cluster
-from profiler.model_profile import LayerProfile
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import DeviceSpec, LinkSpec
+from tfplan.core.presets import parse_cluster
+from tfplan.profiler.model_profile import LayerProfile
 
 DEVICE = DeviceSpec(kind="Test", device_type="GPU", memory_bytes=2**30,
                     peak_flops_per_s=(("float16", 200e12), ("float32", 20e12)),
@@ -159,7 +159,7 @@ def test_pipeline_send_scatters_over_tensor_ranks_then_gathers():
 
 
 def test_devices_sharing_a_pool_of_cores_wait_for_each_other():
-    from planner.plan import Breakdown
+    from tfplan.planner.plan import Breakdown
     cpu4 = parse_cluster("cpu:4")
     assert cpu4.devices_per_compute_pool == 4
     b = Breakdown(compute_s=1.0, communication_s=0.5, bubble_s=0.0, recompute_s=0.0,
@@ -174,7 +174,7 @@ def test_devices_sharing_a_pool_of_cores_wait_for_each_other():
 
 
 def test_on_logical_cpus_data_parallel_is_no_faster_than_the_work_it_shares():
-    from planner.search import search
+    from tfplan.planner.search import search
     from tests.planner.test_search import chain_profile
     profile = chain_profile()
     result = search(profile, parse_cluster("cpu:4"), 64)

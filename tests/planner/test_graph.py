@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.errors import SchemaError
-from planner.graph import input_edges, layer_graph, topological_layers
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.core.errors import SchemaError
+from tfplan.planner.graph import input_edges, layer_graph, topological_layers
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 
 def _layer(name: str) -> LayerProfile:

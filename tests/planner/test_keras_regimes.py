@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from planner.errors import InfeasiblePlanError
-from planner.search import search
-from planner.validate import validate_plan
+from tfplan.core.errors import InfeasiblePlanError
+from tfplan.planner.search import search
+from tfplan.planner.validate import validate_plan
 from tests.planner.test_search import make_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module", params=["mlp.py", "cnn.py"])
 def profile(request):
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
     source = load_model_source(os.path.join(ROOT, "examples", request.param))
     return profile_source(source, batch_size=1)
 

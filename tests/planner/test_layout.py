@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec, LinkSpec
-from planner.errors import PlanMismatchError, PlannerError, SchemaError
-from planner.plan import LAYOUTS, Plan, load_plan, save_plan, stage_devices
-from planner.presets import parse_cluster
-from planner.search import _context, search
-from planner.strategies import Choice, Pricer, dp_outer_differs, hybrid_choices
-from planner.validate import validate_plan
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec, LinkSpec
+from tfplan.core.errors import PlanMismatchError, PlannerError, SchemaError
+from tfplan.planner.plan import LAYOUTS, Plan, load_plan, save_plan, stage_devices
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import _context, search
+from tfplan.planner.strategies import Choice, Pricer, dp_outer_differs, hybrid_choices
+from tfplan.planner.validate import validate_plan
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import MB, chain_profile, make_cluster
 

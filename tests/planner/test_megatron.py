@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks.megatron_table1 import (megatron_flops_per_iteration, published_strategy,
                                         read_table)
-from planner.presets import parse_cluster
-from planner.search import search
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
 from tests.planner.gpt_profile import gpt_profile
 
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from planner.errors import InfeasiblePlanError, SolverError
-from planner.pipeline_ilp import (SplitProblem, Transfer, best_split, brute_force_split,
+from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.pipeline_ilp import (SplitProblem, Transfer, best_split, brute_force_split,
                                   check_split, dp_split, evaluate_split, ilp_split,
                                   min_max_stage_memory, min_stages_to_fit)
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from planner.errors import InfeasiblePlanError, SolverError
-from planner.placement_ilp import (MAX_LAYERS, PlacementEdge, PlacementProblem,
+from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.placement_ilp import (MAX_LAYERS, PlacementEdge, PlacementProblem,
                                    brute_force_placement, check_placement, ilp_placement)
 
 
@@ -128,7 +128,7 @@ def test_recheck_rejects_violations():
 
 def test_a_violating_solver_answer_is_caught(monkeypatch):
     # scipy issue 24141: milp can report success for a point that breaks a constraint.
-    from planner import pipeline_ilp
+    from tfplan.planner import pipeline_ilp
 
     problem = PlacementProblem(("a", "b"), (1.0, 1.0), (1.0, 1.0), (), num_devices=2)
     real = pipeline_ilp._Milp.solve
@@ -145,7 +145,7 @@ def test_a_violating_solver_answer_is_caught(monkeypatch):
 
 def test_solver_chatter_goes_to_stderr(capfd):
     # HiGHS prints some MIP diagnostics with C printf; `plan --json` owns stdout.
-    from planner.pipeline_ilp import _solver_chatter_to_stderr
+    from tfplan.planner.pipeline_ilp import _solver_chatter_to_stderr
 
     with _solver_chatter_to_stderr():
         os.write(1, b"chatter from C\n")

@@ -8,16 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import LinkSpec
-from planner.errors import SchemaError
-from planner.placement_ilp import MAX_LAYERS, brute_force_placement
-from planner.placement_search import critical_path, eligible, placement_plans, placement_problem
-from planner.plan import Plan, load_plan, save_plan
-from planner.presets import parse_cluster
-from planner.search import _context, search
-from planner.validate import validate_plan
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import LinkSpec
+from tfplan.core.errors import SchemaError
+from tfplan.planner.placement_ilp import MAX_LAYERS, brute_force_placement
+from tfplan.planner.placement_search import critical_path, eligible, placement_plans, placement_problem
+from tfplan.planner.plan import Plan, load_plan, save_plan
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import _context, search
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 
 def _cpu(spec: str):
@@ -31,8 +31,8 @@ BATCH = 8
 
 
 def _profile(path: str):
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
     return profile_source(load_model_source(os.path.join(ROOT, path)), batch_size=1)
 
 
@@ -230,7 +230,7 @@ def test_impossible_memory_shows_the_fastest_placement_as_not_fitting():
 def test_devices_sharing_cores_gain_nothing_from_a_placement():
     # cpu:N as it is: the logical devices share the host's cores, so the placement's
     # step lasts at least all its layers' time added up -- never faster than one device
-    from planner.search import search
+    from tfplan.planner.search import search
     result = search(_fan_out(3), parse_cluster("cpu:2"), 1)
     single = next(p for p in result.candidates if p.name == "single device")
     for plan in result.candidates:

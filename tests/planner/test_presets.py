@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from planner.cluster import ClusterSpec
-from planner.errors import ClusterSpecError, PlannerError
-from planner.presets import known_presets, parse_cluster
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import ClusterSpecError, PlannerError
+from tfplan.core.presets import known_presets, parse_cluster
 
 GiB = 2**30
 

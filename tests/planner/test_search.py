@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.errors import InfeasiblePlanError, PlannerError
-from planner.plan import Plan
-from planner.presets import parse_cluster
-from planner.search import SIMPLICITY_TOLERANCE, SearchResult, search
-from planner.validate import validate_plan
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.errors import InfeasiblePlanError, PlannerError
+from tfplan.planner.plan import Plan
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import SIMPLICITY_TOLERANCE, SearchResult, search
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 MB = 10**6
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from planner.search import search
-from planner.strategies import min_max_partition, tp_split_rule
-from planner.validate import validate_plan
+from tfplan.planner.search import search
+from tfplan.planner.strategies import min_max_partition, tp_split_rule
+from tfplan.planner.validate import validate_plan
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import MB, chain_profile, make_cluster
 
@@ -49,7 +49,7 @@ def _fixed(profile, cluster, batch, **fix):
 
 def test_tensor_parallel_divides_state_and_compute_and_adds_allreduces():
     profile = gpt_profile(2, 1024, 16, vocab=8192, seq=512)
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     cluster = parse_cluster("8xA100-80GB")
     one = _fixed(profile, cluster, 8, dp=1, tp=1, pp=1, recompute="none")
     two = _fixed(profile, cluster, 8, dp=1, tp=2, pp=1, recompute="none")
@@ -62,7 +62,7 @@ def test_tensor_parallel_divides_state_and_compute_and_adds_allreduces():
 
 def test_savers_trade_memory_for_time():
     profile = gpt_profile(4, 1024, 16, vocab=8192, seq=512)
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     cluster = parse_cluster("8xA100-80GB")
     base = dict(dp=2, tp=1, pp=2, microbatch_size=1)  # unnamed knobs would be searched
     no_zero = dict(optimizer_sharding=False)
@@ -98,7 +98,7 @@ def test_fixed_hybrid_that_does_not_fit_is_returned_with_fits_false():
 
 def test_every_candidate_validates_and_search_is_deterministic():
     profile = gpt_profile(1, 1024, 16, vocab=8192, seq=512)
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     cluster = parse_cluster("2x8xA100-80GB")
     a = search(profile, cluster, 64)
     assert a == search(profile, cluster, 64)
@@ -110,7 +110,7 @@ def test_every_candidate_validates_and_search_is_deterministic():
 
 
 def test_even_partition_balances_runs_and_covers_every_item():
-    from planner.strategies import even_partition
+    from tfplan.planner.strategies import even_partition
     rng = random.Random(1)
     for _ in range(40):
         n = rng.randint(2, 30)
@@ -127,7 +127,7 @@ def test_even_partition_balances_runs_and_covers_every_item():
 
 
 def _fixed_gpt(fix, layers=8):
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     profile = gpt_profile(layers, 1024, 16, vocab=8192, seq=512)
     return profile, search(profile, parse_cluster("8xA100-80GB"), 32, fix=fix).chosen
 
@@ -150,7 +150,7 @@ def test_interleaved_schedule_shrinks_the_bubble_and_places_chunks_round_robin()
 
 
 def test_interleaving_needs_microbatches_in_multiples_of_the_stages():
-    from planner.errors import PlannerError
+    from tfplan.core.errors import PlannerError
     with pytest.raises(PlannerError, match="no strategy"):
         _fixed_gpt({"dp": 1, "pp": 3, "num_microbatches": 4, "schedule": "interleaved"})
 

@@ -5,13 +5,13 @@ import random
 
 import pytest
 
-from planner.cluster import LinkSpec
-from planner.cost_model import ring_allreduce_time_s
-from planner.errors import InfeasiblePlanError, SolverError
-from planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem, allgather_time_s,
+from tfplan.core.cluster import LinkSpec
+from tfplan.planner.cost_model import ring_allreduce_time_s
+from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem, allgather_time_s,
                             block_of_runs, brute_force_tp, check_tp, evaluate_tp, ilp_tp,
                             resharding, split_options)
-from profiler.model_profile import LayerProfile
+from tfplan.profiler.model_profile import LayerProfile
 
 LINK = LinkSpec(bandwidth_bytes_per_s=100.0, latency_s=0.01)
 KINDS = {"dense": ("replicate", "column", "row"), "mha": ("replicate", "heads"),
@@ -228,7 +228,7 @@ def test_blocks_priced_differently_are_refused():
 
 def test_a_violating_solver_answer_is_caught(monkeypatch):
     # scipy issue 24141: milp can report success for a point that breaks a constraint.
-    from planner import pipeline_ilp
+    from tfplan.planner import pipeline_ilp
 
     layer = TPLayer("x", (SplitOption("replicate", 1.0, 100.0), SplitOption("column", 2.0, 10.0)))
     problem = TPProblem((layer,), (), 2, LINK, 50.0)

@@ -6,18 +6,18 @@ from dataclasses import fields, replace
 
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import LinkSpec
-from planner.errors import SolverError
-from planner.presets import parse_cluster
-from planner.search import _context, search
-from planner.strategies import Choice, Pricer, tp_split_rule
-from planner.tp_ilp import evaluate_tp
-from planner.tp_splits import (COST_FIELDS, choose_splits, reference_samples, repeated_runs,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import LinkSpec
+from tfplan.core.errors import SolverError
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import _context, search
+from tfplan.planner.strategies import Choice, Pricer, tp_split_rule
+from tfplan.planner.tp_ilp import evaluate_tp
+from tfplan.planner.tp_splits import (COST_FIELDS, choose_splits, reference_samples, repeated_runs,
                                resharding_allgather_bytes, solve_splits, tp_problem)
-from planner.validate import validate_plan
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
-from profiler.repeats import _best_runs
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.profiler.repeats import _best_runs
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import chain_profile, make_cluster
 

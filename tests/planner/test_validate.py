@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from planner.errors import PlanMismatchError, SolverError
-from planner.plan import Stage
-from planner.search import search
-from planner.validate import validate_plan
+from tfplan.core.errors import PlanMismatchError, SolverError
+from tfplan.planner.plan import Stage
+from tfplan.planner.search import search
+from tfplan.planner.validate import validate_plan
 from tests.planner.test_search import MB, chain_profile, make_cluster
 
 PROFILE = chain_profile()

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from planner.errors import PlannerError
-from planner.zero import optimizer_owners, owners_by_device_group, replica_loads_bytes
+from tfplan.core.errors import PlannerError
+from tfplan.planner.zero import optimizer_owners, owners_by_device_group, replica_loads_bytes
 
 
 def test_hand_computed_assignment():

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from planner import cost_model as cm
-from planner.errors import PlannerError
-from planner.presets import parse_cluster
-from planner.search import search
-from profiler.calibrate import non_optimizer_unattributed_s, with_measured_times
-from profiler.measured_profile import LayerTime, MeasuredProfile
+from tfplan.planner import cost_model as cm
+from tfplan.core.errors import PlannerError
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
+from tfplan.profiler.calibrate import non_optimizer_unattributed_s, with_measured_times
+from tfplan.profiler.measured_profile import LayerTime, MeasuredProfile
 from tests.planner.test_search import chain_profile
 
 MS = 1e-3
@@ -41,7 +41,7 @@ def test_measured_times_go_to_their_layers_and_the_loss_to_the_last():
     assert [l.measured_fwd_s for l in got.layers] == pytest.approx([MS, 2 * MS, 3 * MS + 0.0032])
     # unprofiled - profiled step (6 ms) + idle (1 ms)
     assert got.measured_step_overhead_s == pytest.approx(0.007)
-    from profiler.model_profile import ModelProfile
+    from tfplan.profiler.model_profile import ModelProfile
     assert ModelProfile.from_dict(got.to_dict()) == got  # survives profile.json
 
 

@@ -1,8 +1,8 @@
 """Per-layer communication bytes under each strategy (profiler.comm), hand-checked."""
 from __future__ import annotations
 
-from profiler.comm import layer_comm, profile_comm
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.profiler.comm import layer_comm, profile_comm
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 
 def _layer(name: str, type_: str, *, params: int = 0, act: int = 0) -> LayerProfile:

@@ -13,17 +13,17 @@ import json
 import numpy as np
 import pytest
 
-from planner import cost_model as cm
-from planner.cluster import ClusterSpec
-from planner.errors import ClusterSpecError, PlannerError, SchemaError
-from planner.search import search
-from planner.validate import validate_plan
-from profiler.hardware import (devices_from_arg, profile_hardware, resolve_devices,
+from tfplan.planner import cost_model as cm
+from tfplan.core.cluster import ClusterSpec
+from tfplan.core.errors import ClusterSpecError, PlannerError, SchemaError
+from tfplan.planner.search import search
+from tfplan.planner.validate import validate_plan
+from tfplan.profiler.hardware import (devices_from_arg, profile_hardware, resolve_devices,
                                run_profile_hardware, summary_rows, to_cluster_spec)
-from profiler.hw_profile import (AllReduceResult, AlphaBetaFit, CommPoint, HardwareProfile,
+from tfplan.profiler.hw_profile import (AllReduceResult, AlphaBetaFit, CommPoint, HardwareProfile,
                                  LayerOverhead, MatmulPoint, MatmulResult, MemoryBandwidth,
                                  P2PResult, fit_alpha_beta)
-from profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
 CPU4 = tuple(f"/device:CPU:{i}" for i in range(4))
 
@@ -121,7 +121,7 @@ def test_p2p_fit_reproduces_the_measurements(quick4):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensorflow_allreduce_sums(n):
-    from profiler.hw_comm import allreduce_once
+    from tfplan.profiler.hw_comm import allreduce_once
 
     rng = np.random.default_rng(n)
     values = [rng.standard_normal(1000).astype(np.float32) for _ in range(n)]

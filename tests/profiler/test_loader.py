@@ -8,9 +8,9 @@ import keras
 import numpy as np
 import pytest
 
-from planner.errors import ModelLoadError
-from profiler.loader import build, load_model_source
-from profiler.static import profile_source
+from tfplan.core.errors import ModelLoadError
+from tfplan.profiler.loader import build, load_model_source
+from tfplan.profiler.static import profile_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOADER_FRAME = os.path.join("profiler", "loader.py")

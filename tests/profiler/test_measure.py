@@ -18,13 +18,13 @@ import keras
 import numpy as np
 import pytest
 
-from planner.errors import ModelLoadError, PlannerError
-from profiler import xprof_reader
-from profiler.loader import ModelSource, build, load_model_source
-from profiler.measure import (MeasuredProfile, _from_capture, attribute_ops, measure_model,
+from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler import xprof_reader
+from tfplan.profiler.loader import ModelSource, build, load_model_source
+from tfplan.profiler.measure import (MeasuredProfile, _from_capture, attribute_ops, measure_model,
                               measure_source)
-from profiler.signature import profiled_layers
-from profiler.static import profile_model, profile_source
+from tfplan.profiler.signature import profiled_layers
+from tfplan.profiler.static import profile_model, profile_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -22,7 +22,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from profiler.static import profile_and_trace
+from tfplan.profiler.static import profile_and_trace
 
 REGISTRY_APPROXIMATES = {"Conv2DBackpropInput", "Conv2DBackpropFilter"}
 CONTRACTIONS = {"Conv2D", "MatMul", "DepthwiseConv2dNative", "BatchMatMulV2", "Einsum"}

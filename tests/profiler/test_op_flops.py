@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from profiler.einsum import einsum_flops
-from profiler.op_flops import FORMULAS, ZERO_FLOP_OPS, OpInfo, count_op
+from tfplan.profiler.einsum import einsum_flops
+from tfplan.profiler.op_flops import FORMULAS, ZERO_FLOP_OPS, OpInfo, count_op
 
 
 def op(type_, ins=(), outs=(), **attrs):

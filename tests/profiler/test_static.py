@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from planner.errors import PlannerError
-from profiler.loader import ModelSource, build, load_model_source
-from profiler.model_profile import ModelProfile
-from profiler.repeats import find_repeats
-from profiler.signature import model_signature
-from profiler.static import profile_model, profile_source
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.loader import ModelSource, build, load_model_source
+from tfplan.profiler.model_profile import ModelProfile
+from tfplan.profiler.repeats import find_repeats
+from tfplan.profiler.signature import model_signature
+from tfplan.profiler.static import profile_model, profile_source
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples")
@@ -479,7 +479,7 @@ def test_mlp_contraction_flops_and_memory_traffic_by_hand(mlp_source):
 
 
 def test_profiles_saved_before_the_op_classes_still_load():
-    from profiler.model_profile import LayerProfile
+    from tfplan.profiler.model_profile import LayerProfile
     d = {"name": "d", "type": "Dense", "params": 10, "trainable_params": 10,
          "param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 80,
          "activation_bytes": 8, "flops_fwd": 40, "flops_bwd": 80}

@@ -7,9 +7,9 @@ import io
 import numpy as np
 import pytest
 
-from planner.presets import parse_cluster
-from planner.search import search
-from reports.images import (layer_positions, memory_bars, plan_images, plan_schedule,
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
+from tfplan.reports.images import (layer_positions, memory_bars, plan_images, plan_schedule,
                             schedule_slots)
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import chain_profile, make_cluster
@@ -43,7 +43,7 @@ def test_interleaved_bubble_equals_the_formula(p, m, v):
     busy = sum(s.end_s - s.start_s for s in slots)
     assert 1 - busy / (p * end) == pytest.approx((p - 1) / (v * m + p - 1))
     for d in range(p):  # each device runs its passes in planner.pipeline_order's order
-        from planner.pipeline_order import device_order
+        from tfplan.planner.pipeline_order import device_order
         mine = sorted((s for s in slots if s.stage == d), key=lambda s: s.start_s)
         assert [(s.kind, s.chunk * p + d, s.microbatch) for s in mine] == [
             (o.kind, o.stage, o.microbatch) for o in device_order("interleaved", d, p, v, m)]
@@ -51,7 +51,7 @@ def test_interleaved_bubble_equals_the_formula(p, m, v):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_drawn_order_is_the_one_apply_enforces(schedule):
-    from planner.pipeline_order import device_order
+    from tfplan.planner.pipeline_order import device_order
     p, m = 4, 6
     slots = schedule_slots(p, m, schedule, 1.0, 2.0)
     for d in range(p):
@@ -104,7 +104,7 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from reports.tensorboard import write_analysis
+    from tfplan.reports.tensorboard import write_analysis
     profile = chain_profile()
     result = search(profile, make_cluster(memory_bytes=10**12), 32, fix={"pp": 2})
     write_analysis(tmp_path, profile, result.chosen, result.candidates)
@@ -134,7 +134,7 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
 
 
 def test_a_measured_capture_is_attached_to_the_analysis_run(tmp_path):
-    from reports.tensorboard import attach_capture
+    from tfplan.reports.tensorboard import attach_capture
     capture = tmp_path / "measure" / "plugins" / "profile" / "2026_12_02_14_00_00"
     capture.mkdir(parents=True)
     (capture / "host.xplane.pb").write_bytes(b"xplane")

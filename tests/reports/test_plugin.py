@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 
-from planner.search import search
-from reports.plugin import PLUGIN_NAME, ParallelPlanPlugin, find_runs
-from reports.tensorboard import write_analysis
+from tfplan.planner.search import search
+from tfplan.reports.plugin import PLUGIN_NAME, ParallelPlanPlugin, find_runs
+from tfplan.reports.tensorboard import write_analysis
 from tests.planner.gpt_profile import gpt_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +26,7 @@ SHOTS = os.path.join(ROOT, "out", "screenshots")
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
-    from planner.presets import parse_cluster
+    from tfplan.core.presets import parse_cluster
     root = tmp_path_factory.mktemp("logdir")
     profile = gpt_profile(4, 512, 8, vocab=4096, seq=256)
     cluster = parse_cluster("8xA100-80GB")

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from planner.errors import PlannerError
-from planner.plan import save_plan
-from planner.search import search
-from reports.report import html_report, load_analysis, save_candidates, summary_lines
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import save_plan
+from tfplan.planner.search import search
+from tfplan.reports.report import html_report, load_analysis, save_candidates, summary_lines
 from tests.planner.test_search import chain_profile, make_cluster
 
 

@@ -1,9 +1,9 @@
 """reports.tables: the ranked-candidates table shows every part of the step time."""
 from __future__ import annotations
 
-from planner.presets import parse_cluster
-from planner.search import search
-from reports.tables import CANDIDATE_HEADER, candidate_rows
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.search import search
+from tfplan.reports.tables import CANDIDATE_HEADER, candidate_rows
 from tests.planner.gpt_profile import gpt_profile
 
 

@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from planner.search import search
-from reports.training import PlanMonitor
+from tfplan.planner.search import search
+from tfplan.reports.training import PlanMonitor
 from tests.planner.test_search import chain_profile, make_cluster
 
 
@@ -39,7 +39,7 @@ def test_monitor_writes_predicted_and_measured_per_step(tmp_path):
 
 
 def test_wrap_with_a_logdir_monitors_fit(tmp_path):
-    import apply
+    from tfplan import apply
     from tests.apply.helpers import base_model, batches_of, cpus, fresh_optimizer, make_plan
 
     module, model = base_model("tiny_mlp")

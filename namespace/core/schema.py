@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from planner.errors import SchemaError
+from tfplan.core.errors import SchemaError
 
 SCHEMA_VERSION = 1
 

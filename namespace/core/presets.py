@@ -28,9 +28,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from planner.cluster import ClusterSpec, DeviceSpec, LinkSpec
-from planner.errors import ClusterSpecError, SchemaError
-from planner.schema import SCHEMA_VERSION
+from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.errors import ClusterSpecError, SchemaError
+from tfplan.core.schema import SCHEMA_VERSION
 
 GiB = 2**30
 

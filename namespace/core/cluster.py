@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping
 
-from planner.errors import ClusterSpecError, SchemaError
-from planner.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.errors import ClusterSpecError, SchemaError
+from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 PRECISIONS = ("float32", "tf32", "float16", "bfloat16")
 

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from planner.errors import PlannerError, SchemaError
+from tfplan.core.errors import PlannerError, SchemaError
 
 PRECISION_CHOICES = ("float32", "mixed_float16", "mixed_bfloat16")
 
@@ -137,8 +137,8 @@ def _add_report_parser(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
-    from reports.report import html_report, load_analysis, summary_lines
-    from reports.tables import CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, profile_rows
+    from tfplan.reports.report import html_report, load_analysis, summary_lines
+    from tfplan.reports.tables import CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, profile_rows
 
     a = load_analysis(args.dir)
     html_path = None
@@ -196,7 +196,7 @@ def _add_launch_parser(sub: Any) -> None:
 
 
 def cmd_launch(args: argparse.Namespace, ui: "UI") -> int:
-    from planner import launch
+    from tfplan.planner import launch
 
     launch.check_workers(args.workers)
     if args.emit == "tf-config":
@@ -252,14 +252,14 @@ def parse_fix(text: str | None) -> dict[str, int] | None:
 # --- commands -------------------------------------------------------------------
 
 def _quiet_tensorflow() -> None:
-    from profiler.tf_runtime import import_tensorflow
+    from tfplan.profiler.tf_runtime import import_tensorflow
     import_tensorflow()
 
 
 def _profile(args: argparse.Namespace, batch_size: int, status, progress):
     _quiet_tensorflow()
-    from profiler.loader import load_model_source
-    from profiler.static import profile_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
 
     with status(f"Loading {args.model}"):
         source = load_model_source(args.model)
@@ -276,7 +276,7 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     profile = _profile(args, args.batch_size, ui.status, ui.progress)
     measured = _measure(args, ui) if args.measure else None
     if args.json:
-        from profiler.comm import profile_comm
+        from tfplan.profiler.comm import profile_comm
 
         doc = profile.to_dict()
         for layer_doc, comm in zip(doc["layers"], profile_comm(profile)):
@@ -285,7 +285,7 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
             doc["measured"] = measured.to_dict()
         ui.print_json(doc)
         return 0
-    from reports.tables import PROFILE_HEADER, profile_rows
+    from tfplan.reports.tables import PROFILE_HEADER, profile_rows
     ui.table(f"{profile.model_name}: per-layer profile at batch size {profile.batch_size} "
              f"({profile.precision}, optimizer {profile.optimizer})",
              PROFILE_HEADER, profile_rows(profile))
@@ -294,7 +294,7 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     if profile.not_counted:
         ui.note("* not counted (no FLOP formula): " + "; ".join(profile.not_counted))
     if measured is not None:
-        from reports.tables import MEASURED_HEADER, measured_rows, measured_summary
+        from tfplan.reports.tables import MEASURED_HEADER, measured_rows, measured_summary
         ui.table(f"{measured.model_name}: measured on {measured.device}, batch size "
                  f"{measured.batch_size}, mean of {measured.steps} profiled steps",
                  MEASURED_HEADER, measured_rows(measured), left_columns=1)
@@ -304,8 +304,8 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
 
 
 def _measure(args: argparse.Namespace, ui: "UI"):
-    from profiler.loader import load_model_source
-    from profiler.measure import measure_source
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.measure import measure_source
 
     source = load_model_source(args.model)
     with ui.status(f"Measuring {args.steps} training steps of {source.name}"):
@@ -315,8 +315,8 @@ def _measure(args: argparse.Namespace, ui: "UI"):
 
 def _read_measured(path: str):
     """A MeasuredProfile from ``plan profile --measure --json`` output (or a bare one)."""
-    from planner.errors import SchemaError
-    from profiler.measured_profile import MeasuredProfile
+    from tfplan.core.errors import SchemaError
+    from tfplan.profiler.measured_profile import MeasuredProfile
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -336,8 +336,8 @@ def _read_measured(path: str):
 
 
 def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
-    from planner.presets import parse_cluster
-    from planner.search import search
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
 
     fix = parse_fix(args.fix)
     knobs = {"microbatch_size": args.microbatch_size, "recompute": args.recompute,
@@ -354,14 +354,14 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     measured = _read_measured(args.measured) if args.measured else None
     profile = _profile(args, 1, ui.status, ui.progress)
     if measured is not None:
-        from profiler.calibrate import with_measured_times
+        from tfplan.profiler.calibrate import with_measured_times
         profile = with_measured_times(profile, measured)
     with ui.status(f"Planning for {cluster.name} ({cluster.num_devices} devices)"):
         result = search(profile, cluster, args.global_batch, fix=fix,
                         time_limit_s=args.time_limit)
 
-    from planner.plan import save_plan
-    from reports.tensorboard import write_analysis
+    from tfplan.planner.plan import save_plan
+    from tfplan.reports.tensorboard import write_analysis
     _quiet_tensorflow()
 
     os.makedirs(out_dir, exist_ok=True)
@@ -369,13 +369,13 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     save_plan(result.chosen, plan_path)
     with open(os.path.join(out_dir, "profile.json"), "w", encoding="utf-8") as f:
         json.dump(profile.to_dict(), f, indent=2)
-    from reports.report import save_candidates
+    from tfplan.reports.report import save_candidates
     save_candidates(result.candidates, out_dir)
     with ui.status("Writing the TensorBoard run"):
         logdir = write_analysis(os.path.join(out_dir, "tensorboard"), profile, result.chosen,
                                 result.candidates)
         if measured is not None:  # its XProf capture, in the same run (Profile tab)
-            from reports.tensorboard import attach_capture
+            from tfplan.reports.tensorboard import attach_capture
             attach_capture(logdir, measured.trace_files)
 
     if args.json:
@@ -386,7 +386,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                                    "totals": profile.totals()},
                        "files": {"plan": plan_path, "tensorboard": logdir}})
         return 0
-    from reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
+    from tfplan.reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
     t = profile.totals()
     ui.note(f"Model {profile.model_name}: {t['params']:,} params ({fmt_bytes(t['param_bytes'])}), "
             f"{fmt_count(t['flops_fwd'])}FLOP forward + {fmt_count(t['flops_bwd'])}FLOP "
@@ -417,8 +417,8 @@ def _layout_note(plan: Any) -> str | None:
 
 def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:
     _quiet_tensorflow()
-    from profiler.hardware import devices_from_arg, run_profile_hardware
-    from profiler.hw_cluster import summary_rows
+    from tfplan.profiler.hardware import devices_from_arg, run_profile_hardware
+    from tfplan.profiler.hw_cluster import summary_rows
 
     devices = devices_from_arg(args.devices)
     with ui.progress("Measuring hardware") as progress:
@@ -441,13 +441,13 @@ def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:
 
 
 def cmd_clusters(args: argparse.Namespace, ui: "UI") -> int:
-    from planner.presets import known_presets, parse_cluster
+    from tfplan.core.presets import known_presets, parse_cluster
 
     clusters = [parse_cluster(name) for name in known_presets()]
     if args.json:
         ui.print_json({"presets": [c.to_dict() for c in clusters]})
         return 0
-    from reports.tables import fmt_bytes
+    from tfplan.reports.tables import fmt_bytes
     rows = []
     for c in clusters:
         d = c.device
