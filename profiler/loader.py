@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import itertools
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -63,7 +64,47 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
 
 
+#: The import packages of tf-parallel-planner 0.1, now under ``tfplan``.
+OLD_PACKAGES = ("apply", "planner", "profiler", "reports")
+#: 0.1 modules that moved elsewhere than ``tfplan.<old name>``.
+MOVED_MODULES = {**{f"planner.{m}": f"tfplan.core.{m}"
+                    for m in ("errors", "schema", "units", "cluster", "presets")},
+                 "planner.cli": "tfplan.cli"}
+
+
+def renamed_module_hint(exc: BaseException) -> str | None:
+    """What to write instead, when ``exc`` is a failed import of a 0.1 package name.
+
+    tf-parallel-planner 0.1 installed ``apply``, ``planner``, ``profiler`` and
+    ``reports`` as top-level packages; 0.2 installs them under ``tfplan`` only.
+    """
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    if top not in OLD_PACKAGES:
+        return None
+    old = _imported_module(exc) or exc.name
+    if old.split(".")[0] != top:
+        old = exc.name
+    new = MOVED_MODULES.get(old, f"tfplan.{old}")
+    return (f"If '{old}' means tf-parallel-planner's module: since version 0.2 it is "
+            f"'{new}'. Write `from tfplan import {top}` instead of `import {top}`, and "
+            f"`from {new} import ...` instead of `from {old} import ...`.")
+
+
+def _imported_module(exc: BaseException) -> str | None:
+    """The dotted module name in the import statement that raised ``exc``, if readable."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        match = re.match(r"\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))",
+                         frame.line or "")
+        if match:
+            return match.group(1) or match.group(2)
+    return None
+
+
 def _failure(what: str, exc: BaseException, fix: str) -> ModelLoadError:
+    hint = renamed_module_hint(exc)
+    fix = f"{hint} {fix}" if hint else fix
     return ModelLoadError(
         f"{what} raised {type(exc).__name__}: {exc}. {fix}\n\n{user_traceback(exc)}")
 

@@ -1,11 +1,13 @@
 """Test set-up shared by every package's tests.
 
 TensorFlow's logical CPU devices must be configured before the runtime starts,
-so the whole session gets 8 of them here (DESIGN.md: CPU logical devices stand
-in for GPUs). Tests that never import TensorFlow do not pay for this.
+so the whole session gets 8 of them (DESIGN.md: CPU logical devices stand in for
+GPUs), configured the moment TensorFlow is first imported: tests that never import
+it do not pay for it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -17,14 +19,61 @@ if ROOT not in sys.path:
 NUM_LOGICAL_CPUS = 8
 
 
-def pytest_configure(config):
-    from tfplan.profiler.tf_runtime import import_tensorflow
+class _NoTopLevelStageFolders:
+    """Refuse ``import apply`` (``planner``, ``profiler``, ``reports``) in tests.
 
-    tf = import_tensorflow()  # without the start-up noise of a machine with no GPU
+    The repository root is on ``sys.path`` (for ``tests.``, ``examples.`` and
+    ``benchmarks.``), so the stage folders would import as top-level packages beside
+    the installed ``tfplan`` ones: two copies of every module. Everything imports
+    them as ``tfplan.<stage>``; this makes a stray old-style import fail as it does
+    for a user.
+    """
 
+    def find_spec(self, name, path=None, target=None):
+        if path is None and name in ("apply", "planner", "profiler", "reports"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTopLevelStageFolders())
+
+
+def configure_logical_cpus(tf) -> None:
+    """Split the CPU into NUM_LOGICAL_CPUS logical devices (before the runtime starts)."""
     cpus = tf.config.list_physical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_LOGICAL_CPUS)])
     except RuntimeError:  # runtime already started by a plugin: keep what exists
         pass
+
+
+class _ConfigureTensorFlowOnImport:
+    """Configure the logical CPUs the moment some test (or module) imports TensorFlow.
+
+    TensorFlow's runtime starts at its first op, not at ``import``, so configuring
+    right after the import is always in time. Sessions that never import TensorFlow
+    (most planner tests) do not pay for it.
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            configure_logical_cpus(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "tensorflow" in sys.modules:
+    configure_logical_cpus(sys.modules["tensorflow"])
+else:
+    sys.meta_path.insert(0, _ConfigureTensorFlowOnImport())

@@ -27,7 +27,7 @@ def run_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_help_is_fast_and_imports_no_tensorflow():
-    code = ("import sys, time; t = time.perf_counter(); import planner.cli as c; "
+    code = ("import sys, time; t = time.perf_counter(); import tfplan.cli as c; "
             "c.build_parser().format_help(); "
             "print(time.perf_counter() - t, 'tensorflow' in sys.modules, 'scipy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

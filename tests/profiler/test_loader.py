@@ -205,3 +205,23 @@ def test_module_function_gets_weights_none(tmp_path, monkeypatch):
     assert (source.name, source.origin) == ("Net", "fake_zoo:Net")
     assert source.loss is None and source.optimizer is None and source.sample_batch is None
     assert build(source).count_params() == 4 * 2 + 2
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("import apply", "from tfplan import apply"),
+    ("from planner.presets import parse_cluster", "'tfplan.core.presets'"),
+    ("from profiler.static import profile_model", "'tfplan.profiler.static'"),
+])
+def test_model_file_with_the_old_package_names_is_told_the_new_ones(tmp_path, line, expected):
+    path = write(tmp_path, "old_names_model.py", f"""\
+        {line}
+
+        def build_model():
+            raise AssertionError("not reached")
+        """)
+    with pytest.raises(ModelLoadError) as err:
+        load_model_source(path)
+    message = str(err.value)
+    assert "ModuleNotFoundError" in message and "since version 0.2" in message
+    assert expected in message
+    assert_user_traceback(message, path, line)
