@@ -20,6 +20,12 @@ Two XProf tools are read:
 * ``framework_op_stats``: XProf's per-op table. Its ``Device`` rows hold each
   op's self time on the accelerator (XProf maps GPU kernels to the ops that
   launched them), which ``device_op_self_times`` returns.
+
+Both also give the type of the kernel that ran for each op name
+(``host_op_types``, ``device_op_stats``): after Grappler's and oneDNN's graph
+rewrites it can differ from the op's type in the graph (``_MklMatMul`` for
+``MatMul``; ``_FusedConv2D`` for a Conv2D, BiasAdd and Relu run as one kernel
+named after the Relu), which is how ``profiler.fused_kernels`` finds fusions.
 """
 from __future__ import annotations
 
