@@ -349,17 +349,18 @@ def measure_model(model: Any, sample_batch: Any, *, batch_size: int, loss: Any,
                            "expected one per capture. Check that logdir is writable.")
     files = files[-1:]
     return _from_capture(layers, scopes, files, graph=graph_ops(traced.graph),
-                         batch_size=batch_size, steps=steps,
-                         warmup_steps=warmup_steps, device=device,
+                         batch_size=batch_size, steps=steps, warmup_steps=warmup_steps,
+                         device=device,
                          step_time_unprofiled_s=unprofiled_s, peak_memory_bytes=peak_bytes,
                          peak_memory_source=peak_source, logdir=logdir,
                          name=name or model.name)
 
 
 def _from_capture(layers: Sequence[tuple[str, Any]], scopes: Mapping[str, Sequence[str]],
-                  files: Sequence[str], *, graph: Sequence[GraphOp] = (), batch_size: int, steps: int, warmup_steps: int,
-                  device: str, step_time_unprofiled_s: float, peak_memory_bytes: int,
-                  peak_memory_source: str, logdir: str, name: str) -> MeasuredProfile:
+                  files: Sequence[str], *, graph: Sequence[GraphOp] = (), batch_size: int,
+                  steps: int, warmup_steps: int, device: str, step_time_unprofiled_s: float,
+                  peak_memory_bytes: int, peak_memory_source: str, logdir: str,
+                  name: str) -> MeasuredProfile:
     events = xprof_reader.trace_events(files)
     windows = xprof_reader.step_windows(events, STEP_MARKER)
     warnings: list[str] = []
