@@ -26,6 +26,15 @@ What is measured, and how:
   ``profiler.signature``); ops of the nested model outside them are not a
   layer's. Everything else -- the loss, the optimizer update,
   gradient sums (``AddN``) of tensors used twice -- is ``unattributed``.
+* Fused kernels. Grappler and oneDNN run chains like ``MatMul -> BiasAdd ->
+  Relu`` or ``Conv2D -> BiasAdd -> AddV2 -> Relu`` as one kernel named after
+  the chain's last op, also across layers (a Dense without activation and an
+  ``Activation`` layer; a convolution, a residual ``Add`` and its relu). From
+  the traced graph and the kernel types in the trace,
+  ``profiler.fused_kernels`` finds which ops each such kernel ran; its time is
+  split among them in proportion to their FLOPs before the split by scope.
+  Layers that share a kernel list each other in ``LayerTime.fused_with``, and
+  ``warnings`` holds one line per such kernel with the shares.
 * Op time. On the CPU, from XProf's ``trace_viewer``: the op events inside
   each step marker, with each instant split among the ops running at that
   instant (ops overlap on executor threads, so plain sums of op durations
@@ -50,7 +59,8 @@ What is measured, and how:
 What is a convention or an estimate rather than a reading: splitting an
 instant equally among concurrently running CPU ops (the trace says which ops
 ran, not who used the cores); GPU idle time (step time minus summed kernel
-time); gradient sums of tensors used twice (``AddN``, named outside every
+time); splitting a fused kernel's time among the layers whose ops it ran
+by FLOPs; gradient sums of tensors used twice (``AddN``, named outside every
 scope) going to ``unattributed`` rather than to a layer. On the CPU the
 profiler itself slows host ops, so profiled op and step times run above
 ``step_time_unprofiled_s``. FLOP- and byte-based predictions come from
@@ -68,6 +78,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tfplan.core.errors import ModelLoadError, PlannerError
 from tfplan.profiler import xprof_reader
+from tfplan.profiler.fused_kernels import (FUSIBLE, GraphOp, find_fused_kernels, shared_kernels,
+                                           spread_kernel_times)
 from tfplan.profiler.loader import ModelSource, build
 from tfplan.profiler.measured_profile import LayerTime, MeasuredProfile
 from tfplan.profiler.peak_memory import MemoryProbe
@@ -84,6 +96,21 @@ GRADIENT_PREFIX = "gradient_tape/"
 
 
 # --- attribution (pure) ---------------------------------------------------------------------
+def _scope_index(scopes: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    """(scope, layer) pairs, longest scope first."""
+    return sorted(((s, layer) for layer, ss in scopes.items() for s in set(ss) if s),
+                  key=lambda p: -len(p[0]))
+
+
+def _owner(name: str, by_scope: Sequence[tuple[str, str]]) -> tuple[str | None, bool, str]:
+    """(layer or None, backward?, the name without ``gradient_tape/``) of an op name."""
+    backward = name.startswith(GRADIENT_PREFIX)
+    bare = name[len(GRADIENT_PREFIX):] if backward else name
+    owner = next((layer for s, layer in by_scope
+                  if bare == s or bare.startswith(s + "/")), None)
+    return owner, backward, bare
+
+
 def attribute_ops(op_time_s: Mapping[str, float], scopes: Mapping[str, Sequence[str]]
                   ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Split op times among layers by name scope.
@@ -94,21 +121,39 @@ def attribute_ops(op_time_s: Mapping[str, float], scopes: Mapping[str, Sequence[
     wins); other ops go to a group named by their first scope component
     (``gradient_tape/`` kept, a trailing ``_<n>`` dropped).
     """
-    by_scope = sorted(((s, layer) for layer, ss in scopes.items() for s in set(ss) if s),
-                      key=lambda p: -len(p[0]))
+    by_scope = _scope_index(scopes)
     layers: dict[str, list[float]] = {layer: [0.0, 0.0] for layer in scopes}
     other: dict[str, float] = defaultdict(float)
     for name, seconds in op_time_s.items():
-        backward = name.startswith(GRADIENT_PREFIX)
-        bare = name[len(GRADIENT_PREFIX):] if backward else name
-        owner = next((layer for s, layer in by_scope
-                      if bare == s or bare.startswith(s + "/")), None)
+        owner, backward, bare = _owner(name, by_scope)
         if owner is not None:
             layers[owner][int(backward)] += seconds
         else:
             group = re.sub(r"_\d+$", "", bare.split("/", 1)[0])
             other[(GRADIENT_PREFIX if backward else "") + group] += seconds
     return layers, dict(other)
+
+
+def attribute_kernels(op_time_s: Mapping[str, float], timed_types: Mapping[str, str],
+                      graph_ops: Sequence[GraphOp], scopes: Mapping[str, Sequence[str]]
+                      ) -> tuple[dict[str, list[float]], dict[str, float],
+                                 dict[str, tuple[str, ...]], list[str]]:
+    """``attribute_ops`` after splitting fused kernels' times among the ops they ran.
+
+    ``op_time_s``: time per timed op name; ``timed_types``: its kernel type in
+    the trace; ``graph_ops``: the traced step's graph. A kernel that ran ops of
+    several layers (``profiler.fused_kernels``: which ops, and the rule -- in
+    proportion to the ops' FLOPs) gives each layer its ops' share. Returns
+    ``attribute_ops``'s pair, then ``{layer: layers it shares a fused kernel
+    with}`` and one note per such kernel. Time is conserved: layer times plus
+    the groups' sum to ``sum(op_time_s.values())``.
+    """
+    kernels = find_fused_kernels(graph_ops, timed_types)
+    per_layer, other = attribute_ops(spread_kernel_times(op_time_s, kernels), scopes)
+    by_scope = _scope_index(scopes)
+    shared, notes = shared_kernels(kernels, op_time_s, lambda n: _owner(n, by_scope)[0],
+                                   list(scopes))
+    return per_layer, other, shared, notes
 
 
 # --- running the steps ------------------------------------------------------------------------
@@ -178,6 +223,16 @@ def _default_device() -> tuple[str, str | None]:
         name = details.get("device_name")
         return (f"GPU:0 ({name})" if name else "GPU:0"), "GPU:0"
     return "CPU:0", None
+
+
+def graph_ops(graph: Any) -> tuple[GraphOp, ...]:
+    """The ops of a traced step's graph as ``GraphOp`` records (FLOPs of the fusible ones)."""
+    from tfplan.profiler.op_attribution import op_info
+    from tfplan.profiler.op_flops import count_op
+
+    return tuple(GraphOp(op.name, op.type, tuple(t.op.name for t in op.inputs),
+                         count_op(op_info(op)).flops if op.type in FUSIBLE else 0)
+                 for op in graph.get_operations())
 
 
 def _sync() -> None:
@@ -293,17 +348,19 @@ def measure_model(model: Any, sample_batch: Any, *, batch_size: int, loss: Any,
         raise PlannerError(f"The profiler wrote no *.xplane.pb under {logdir}/plugins/profile/; "
                            "expected one per capture. Check that logdir is writable.")
     files = files[-1:]
-    return _from_capture(layers, scopes, files, batch_size=batch_size, steps=steps,
-                         warmup_steps=warmup_steps, device=device,
+    return _from_capture(layers, scopes, files, graph=graph_ops(traced.graph),
+                         batch_size=batch_size, steps=steps, warmup_steps=warmup_steps,
+                         device=device,
                          step_time_unprofiled_s=unprofiled_s, peak_memory_bytes=peak_bytes,
                          peak_memory_source=peak_source, logdir=logdir,
                          name=name or model.name)
 
 
 def _from_capture(layers: Sequence[tuple[str, Any]], scopes: Mapping[str, Sequence[str]],
-                  files: Sequence[str], *, batch_size: int, steps: int, warmup_steps: int,
-                  device: str, step_time_unprofiled_s: float, peak_memory_bytes: int,
-                  peak_memory_source: str, logdir: str, name: str) -> MeasuredProfile:
+                  files: Sequence[str], *, graph: Sequence[GraphOp] = (), batch_size: int,
+                  steps: int, warmup_steps: int, device: str, step_time_unprofiled_s: float,
+                  peak_memory_bytes: int, peak_memory_source: str, logdir: str,
+                  name: str) -> MeasuredProfile:
     events = xprof_reader.trace_events(files)
     windows = xprof_reader.step_windows(events, STEP_MARKER)
     warnings: list[str] = []
@@ -313,7 +370,8 @@ def _from_capture(layers: Sequence[tuple[str, Any]], scopes: Mapping[str, Sequen
             f"{STEP_MARKER!r}; expected {steps}. The profiler may have dropped events (a "
             "buffer limit); try fewer steps.")
     step_time_s = sum(w.duration_s for w in windows) / steps
-    device_times = xprof_reader.device_op_self_times(files) if device != "CPU:0" else {}
+    device_times, op_types = (xprof_reader.device_op_stats(files) if device != "CPU:0"
+                              else ({}, {}))
     if device_times:
         op_times = {op: t / steps for op, t in device_times.items()}
         time_source = ("GPU kernel time per op: Device rows of XProf framework_op_stats "
@@ -321,17 +379,20 @@ def _from_capture(layers: Sequence[tuple[str, Any]], scopes: Mapping[str, Sequen
     else:
         host = xprof_reader.host_op_wall_times(events, windows)
         op_times = {op: t / steps for op, t in host.op_time_s.items()}
+        op_types = xprof_reader.host_op_types(events)
         time_source = ("host op events of XProf trace_viewer inside the step markers, each "
                        "instant split among the ops running at it, per step")
         if device != "CPU:0":
             warnings.append(f"the capture has no GPU op times although {device} exists; "
                             "host op times used")
-    per_layer, other = attribute_ops(op_times, {n: scopes.get(n, ()) for n, _ in layers})
+    per_layer, other, shared, notes = attribute_kernels(
+        op_times, op_types, graph, {n: scopes.get(n, ()) for n, _ in layers})
+    warnings.extend(notes)
     for n, _ in layers:
         if not scopes.get(n):
             warnings.append(f"layer {n} was not called in the training step: no time")
     layer_times = tuple(LayerTime(n, type(l).__name__, per_layer[n][0], per_layer[n][1],
-                                  tuple(dict.fromkeys(scopes.get(n, ()))))
+                                  tuple(dict.fromkeys(scopes.get(n, ()))), shared.get(n, ()))
                         for n, l in layers)
     unattributed_s = sum(other.values())
     idle_s = step_time_s - sum(t.time_s for t in layer_times) - unattributed_s

@@ -23,6 +23,9 @@ class LayerTime:
     time_fwd_s: float
     time_bwd_s: float
     scopes: tuple[str, ...] = ()  # the TensorFlow name scopes its calls ran in
+    #: layers whose ops ran in one fused kernel with this layer's (its time split among
+    #: them: ``profiler.fused_kernels``); empty when none
+    fused_with: tuple[str, ...] = ()
 
     @property
     def time_s(self) -> float:
@@ -30,7 +33,8 @@ class LayerTime:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "type": self.type, "time_fwd_s": self.time_fwd_s,
-                "time_bwd_s": self.time_bwd_s, "scopes": list(self.scopes)}
+                "time_bwd_s": self.time_bwd_s, "scopes": list(self.scopes),
+                "fused_with": list(self.fused_with)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "layers[?]") -> "LayerTime":
@@ -40,7 +44,9 @@ class LayerTime:
                    time_fwd_s=field(d, "time_fwd_s", k, float, where=where, minimum=0),
                    time_bwd_s=field(d, "time_bwd_s", k, float, where=where, minimum=0),
                    scopes=tuple(field(d, "scopes", k, list, where=where, optional=True,
-                                      default=[])))
+                                      default=[])),
+                   fused_with=tuple(field(d, "fused_with", k, list, where=where,
+                                          optional=True, default=[])))
 
 
 @dataclass(frozen=True)

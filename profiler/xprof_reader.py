@@ -20,6 +20,12 @@ Two XProf tools are read:
 * ``framework_op_stats``: XProf's per-op table. Its ``Device`` rows hold each
   op's self time on the accelerator (XProf maps GPU kernels to the ops that
   launched them), which ``device_op_self_times`` returns.
+
+Both also give the type of the kernel that ran for each op name
+(``host_op_types``, ``device_op_stats``): after Grappler's and oneDNN's graph
+rewrites it can differ from the op's type in the graph (``_MklMatMul`` for
+``MatMul``; ``_FusedConv2D`` for a Conv2D, BiasAdd and Relu run as one kernel
+named after the Relu), which is how ``profiler.fused_kernels`` finds fusions.
 """
 from __future__ import annotations
 
@@ -156,6 +162,23 @@ def host_op_name(event: Mapping[str, Any]) -> str | None:
     return long_name.rsplit(":", 1)[0]
 
 
+def host_op_types(events: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The kernel type of each host op event's op (``long_name`` ``"name:Type"``), by op name.
+
+    The type is the one that ran, after graph rewrites: e.g. ``_MklNativeFusedMatMul``
+    for a MatMul, BiasAdd and Relu fused into one kernel named after the Relu.
+    """
+    types = {}
+    for e in events:
+        if not str(e.get("process", "")).startswith("/host"):
+            continue
+        long_name = e.get("args", {}).get("long_name")
+        if isinstance(long_name, str) and ":" in long_name:
+            name, op_type = long_name.rsplit(":", 1)
+            types[name] = op_type
+    return types
+
+
 def _self_intervals(events: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Per thread: an event's time minus the time of events nested inside it."""
     out: list[tuple[float, float, str]] = []
@@ -234,9 +257,16 @@ def device_op_self_times(paths: Sequence[str]) -> dict[str, float]:
     From the ``Device`` rows of XProf's framework_op_stats (IDLE excluded);
     empty when the capture has no device activity (CPU only).
     """
+    return device_op_stats(paths)[0]
+
+
+def device_op_stats(paths: Sequence[str]) -> tuple[dict[str, float], dict[str, str]]:
+    """``device_op_self_times`` and, per op name, the op type its row gives (the
+    kernel's, after graph rewrites: e.g. ``_FusedConv2D``)."""
     doc = tool_json(paths, "framework_op_stats")
     tables = doc if isinstance(doc, list) else [doc]
     times: dict[str, float] = defaultdict(float)
+    types: dict[str, str] = {}
     for table in tables[-1:]:  # the last table leaves IDLE out
         cols = [c.get("id") for c in table.get("cols", [])]
         for row in table.get("rows", []):
@@ -245,4 +275,6 @@ def device_op_self_times(paths: Sequence[str]) -> dict[str, float]:
                 continue
             name = str(values.get("operation")).rsplit(":", 1)[0]  # "name:Type" -> name
             times[name] += float(values.get("total_self_time") or 0) * _US
-    return dict(times)
+            if values.get("type"):
+                types[name] = str(values["type"])
+    return dict(times), types

@@ -37,10 +37,16 @@ MEASURED_HEADER = ("layer", "forward", "backward", "share of step")
 
 
 def measured_rows(measured: MeasuredProfile) -> list[tuple[str, ...]]:
-    """Measured time per layer and per step, then what ran outside the layers."""
+    """Measured time per layer and per step, then what ran outside the layers.
+
+    A layer whose ops ran in one fused kernel with other layers' names them; the
+    warnings under the table (``measured_summary``) say how the kernel's time was split.
+    """
     step = measured.step_time_s
     share = lambda t: f"{100 * t / step:.1f}%" if step > 0 else "-"  # noqa: E731
-    rows = [(l.name, fmt_seconds(l.time_fwd_s), fmt_seconds(l.time_bwd_s), share(l.time_s))
+    rows = [(l.name + (f" (kernel shared with {', '.join(l.fused_with)})"
+                       if l.fused_with else ""),
+             fmt_seconds(l.time_fwd_s), fmt_seconds(l.time_bwd_s), share(l.time_s))
             for l in measured.layers]
     rows.append(("outside layers (loss, optimizer, ...)", "", "",
                  share(measured.unattributed_time_s)))

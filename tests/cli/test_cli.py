@@ -197,6 +197,45 @@ def test_profile_measure_writes_a_capture_and_times_every_layer(tmp_path):
     assert list(logdir.glob("plugins/profile/*/*.xplane.pb")), "no XProf capture written"
 
 
+FUSING_MODEL = """
+import keras
+import numpy as np
+
+loss = "mse"
+
+
+def build_model():
+    inputs = keras.Input((256,))
+    x = keras.layers.Dense(512, name="fc")(inputs)
+    x = keras.layers.Activation("relu", name="act")(x)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(x), name="fusing")
+
+
+def sample_batch(batch_size):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((batch_size, 256), dtype=np.float32),
+            rng.standard_normal((batch_size, 8), dtype=np.float32))
+"""
+
+
+def test_profile_measure_says_which_layers_share_a_fused_kernel(tmp_path):
+    """Dense (no activation) then Activation('relu'): one MatMul+BiasAdd+Relu kernel on x86."""
+    model = tmp_path / "fusing.py"
+    model.write_text(FUSING_MODEL)
+    args = ("profile", str(model), "--batch-size", "256", "--measure", "--steps", "2")
+    r = run_plan(*args, "--logdir", str(tmp_path / "a"), "--json")
+    assert r.returncode == 0, r.stderr
+    measured = json.loads(r.stdout)["measured"]
+    fused = {l["name"]: l["fused_with"] for l in measured["layers"]}
+    assert fused == {"fc": ["act"], "act": ["fc"], "head": []}
+    assert any(w.startswith("fused kernel") and "layers fc, act" in w
+               for w in measured["warnings"]), measured["warnings"]
+    t = run_plan(*args, "--logdir", str(tmp_path / "b"))
+    assert t.returncode == 0, t.stderr
+    assert "fc (kernel shared with act)" in t.stdout and "act (kernel shared with fc)" in t.stdout
+    assert "warning: fused kernel" in t.stdout and "FLOPs" in t.stdout
+
+
 def test_profile_hardware_writes_a_cluster_that_analyze_uses(tmp_path):
     cluster_file = tmp_path / "cluster.json"
     r = run_plan("profile-hardware", "--devices", "cpu:2", "--quick", "--json", "--out",

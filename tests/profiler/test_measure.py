@@ -21,8 +21,10 @@ import pytest
 from tfplan.core.errors import ModelLoadError, PlannerError
 from tfplan.profiler import xprof_reader
 from tfplan.profiler.loader import ModelSource, build, load_model_source
-from tfplan.profiler.measure import (MeasuredProfile, _from_capture, attribute_ops, measure_model,
-                              measure_source)
+from tfplan.profiler.fused_kernels import GraphOp, find_fused_kernels
+from tfplan.profiler.measure import (MeasuredProfile, _from_capture, attribute_kernels,
+                                     attribute_ops, measure_model, measure_source)
+from tfplan.profiler.measured_profile import LayerTime
 from tfplan.profiler.signature import profiled_layers
 from tfplan.profiler.static import profile_model, profile_source
 
@@ -247,3 +249,152 @@ def test_bad_arguments_say_what_was_received(tmp_path, kwargs, text):
 def test_schema_version_is_checked():
     with pytest.raises(PlannerError, match="schema_version"):
         MeasuredProfile.from_dict({"schema_version": 99})
+
+
+# --- fused kernels ----------------------------------------------------------------------------
+def _residual_graph():
+    """m/a: Conv2D -> BiasAdd; m/b: AddV2 of the pool and the bias add (FLOPs made up)."""
+    return [
+        GraphOp("x", "Placeholder"),
+        GraphOp("m/pool/MaxPool", "MaxPool", ("x",), 40),
+        GraphOp("m/a/conv/ReadVariableOp", "ReadVariableOp"),
+        GraphOp("m/a/conv", "Conv2D", ("m/pool/MaxPool", "m/a/conv/ReadVariableOp"), 900),
+        GraphOp("m/a/Squeeze", "Squeeze", ("m/a/conv/ReadVariableOp",)),
+        GraphOp("m/a/BiasAdd", "BiasAdd", ("m/a/conv", "m/a/Squeeze"), 50),
+        GraphOp("m/b/Add", "AddV2", ("m/pool/MaxPool", "m/a/BiasAdd"), 50),
+        GraphOp("m/c/Relu", "Relu", ("m/b/Add",), 50),
+        GraphOp("gradient_tape/m/c/ReluGrad", "ReluGrad", ("m/c/Relu",), 50),
+        GraphOp("gradient_tape/m/a/conv/Shape", "Shape", ("m/a/conv",)),  # shape only
+        GraphOp("adam/Mul", "Mul", (), 10),
+    ]
+
+
+RESIDUAL_SCOPES = {"pool": ["m/pool"], "a": ["m/a"], "b": ["m/b"], "c": ["m/c"]}
+
+
+def test_a_fused_kernel_splits_its_time_among_the_layers_of_its_ops_by_flops():
+    times = {"m/pool/MaxPool": 1.0, "m/a/conv/ReadVariableOp": 0.5, "m/b/Add": 10.0,
+             "m/c/Relu": 2.0, "gradient_tape/m/c/ReluGrad": 3.0, "adam/Mul": 4.0}
+    types = {"m/pool/MaxPool": "_MklNativeMaxPool", "m/a/conv/ReadVariableOp": "ReadVariableOp",
+             "m/b/Add": "_FusedConv2D", "m/c/Relu": "Relu",
+             "gradient_tape/m/c/ReluGrad": "ReluGrad", "adam/Mul": "Mul"}
+    (kernel,) = find_fused_kernels(_residual_graph(), types)
+    assert kernel.op == "m/b/Add" and kernel.kernel_type == "_FusedConv2D"
+    assert kernel.covered == ("m/b/Add", "m/a/BiasAdd", "m/a/conv")  # not the Squeeze
+    assert kernel.shares == pytest.approx((0.05, 0.05, 0.9))
+    layers, other, shared, notes = attribute_kernels(times, types, _residual_graph(),
+                                                     RESIDUAL_SCOPES)
+    assert layers == {"pool": [1.0, 0.0], "a": [pytest.approx(10.0 * 0.95 + 0.5), 0.0],
+                      "b": [pytest.approx(0.5), 0.0], "c": [2.0, 3.0]}
+    assert other == {"adam": 4.0}
+    assert shared == {"a": ("b",), "b": ("a",)}
+    (note,) = notes
+    assert "m/b/Add (_FusedConv2D)" in note and "layers a, b" in note
+    assert "a 95.0%, b 5.0%" in note and "FLOPs" in note and "10000.000 ms" in note
+
+
+def test_unfused_graph_is_attributed_as_before():
+    """Renamed kernels (_MklMatMul) and ops that ran as their own type fuse nothing."""
+    graph = _residual_graph()
+    times = {op.name: float(i + 1) for i, op in enumerate(graph) if op.type != "Placeholder"}
+    types = {op.name: ("_Mkl" + op.type if op.type == "Conv2D" else op.type) for op in graph
+             if op.name in times}
+    assert find_fused_kernels(graph, types) == []
+    layers, other, shared, notes = attribute_kernels(times, types, graph, RESIDUAL_SCOPES)
+    assert (layers, other) == attribute_ops(times, RESIDUAL_SCOPES)
+    assert shared == {} and notes == []
+
+
+def test_an_intermediate_read_elsewhere_is_not_part_of_the_kernel():
+    """The BiasAdd's output also feeds a gradient op: it cannot have vanished into the Add."""
+    graph = _residual_graph() + [GraphOp("gradient_tape/m/a/Mul", "Mul", ("m/a/BiasAdd",), 50)]
+    types = {"m/b/Add": "_FusedConv2D", "m/pool/MaxPool": "MaxPool"}
+    assert find_fused_kernels(graph, types) == []
+    types["m/c/Relu"] = "_MklFusedAddRelu"  # Relu + Add in one kernel; the conv is elsewhere
+    types.pop("m/b/Add")
+    (kernel,) = find_fused_kernels(graph, types)
+    assert kernel.covered == ("m/c/Relu", "m/b/Add") and kernel.shares == (0.5, 0.5)
+
+
+def test_fused_kernel_time_is_conserved_and_split_equally_without_flops():
+    graph = [GraphOp("m/a/MatMul", "MatMul", ("x",)), GraphOp("m/a/BiasAdd", "BiasAdd",
+                                                                ("m/a/MatMul",)),
+             GraphOp("m/b/Relu", "Relu", ("m/a/BiasAdd",)),
+             GraphOp("loss/Mul", "Mul", ("m/b/Relu",), 7)]
+    times = {"m/b/Relu": 0.3, "loss/Mul": 0.7, "gradient_tape/m/a/MatMul": 0.11}
+    types = {"m/b/Relu": "_FusedMatMul", "loss/Mul": "Mul", "gradient_tape/m/a/MatMul": "MatMul"}
+    scopes = {"a": ["m/a"], "b": ["m/b"]}
+    layers, other, shared, notes = attribute_kernels(times, types, graph, scopes)
+    total = sum(f + b for f, b in layers.values()) + sum(other.values())
+    assert total == pytest.approx(sum(times.values()), rel=1e-12)
+    assert layers == {"a": [pytest.approx(0.2), pytest.approx(0.11)],
+                      "b": [pytest.approx(0.1), 0.0]}
+    assert shared == {"a": ("b",), "b": ("a",)} and len(notes) == 1
+
+
+def test_layer_times_keep_what_they_share_and_old_files_still_load():
+    t = LayerTime("add_1", "Add", 1e-6, 0.0, ("cnn_1/add_1_1",), ("conv_3", "relu_1"))
+    assert LayerTime.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    old = {k: v for k, v in t.to_dict().items() if k != "fused_with"}
+    assert LayerTime.from_dict(old).fused_with == ()
+
+
+def test_host_op_types_are_the_kernels_that_ran():
+    events = [_event("_MklNativeFusedMatMul", 0, 5, long_name="m/act/Relu:_MklNativeFusedMatMul"),
+              _event("MatMul", 5, 5, long_name="m/h/MatMul:_MklMatMul"),
+              _event("ThreadpoolListener::Region", 0, 10)]
+    assert xprof_reader.host_op_types(events) == {"m/act/Relu": "_MklNativeFusedMatMul",
+                                                  "m/h/MatMul": "_MklMatMul"}
+
+
+def test_dense_then_separate_relu_layer_share_one_measured_kernel(tmp_path):
+    """Grappler's remapper (and oneDNN) fuse MatMul + BiasAdd + Relu on x86 CPUs, here across
+    two layers: the kernel is named after the Activation layer's Relu. The Dense's
+    multiply gets most of it; both layers say they share a kernel; a warning says how."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    x = keras.layers.Dense(512, name="fc")(inputs)
+    x = keras.layers.Activation("relu", name="act")(x)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="head")(x))
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((256, 256), dtype=np.float32),
+             rng.standard_normal((256, 8), dtype=np.float32))
+    m = measure_model(model, batch, batch_size=256, loss="mse", optimizer="sgd", steps=2,
+                      warmup_steps=1, logdir=str(tmp_path))
+    fc, act, head = m.layers
+    assert fc.time_fwd_s > 0 and act.time_fwd_s > 0
+    assert fc.time_fwd_s > 10 * act.time_fwd_s  # 2 x 256 multiply-adds per relu element
+    assert (fc.fused_with, act.fused_with, head.fused_with) == (("act",), ("fc",), ())
+    notes = [w for w in m.warnings if w.startswith("fused kernel")]
+    assert len(notes) == 1 and "layers fc, act" in notes[0] and "FLOPs" in notes[0], m.warnings
+    assert MeasuredProfile.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+def test_gpu_capture_splits_a_fused_kernel(monkeypatch):
+    """The GPU branch reads kernel types from framework_op_stats' type column."""
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "measured_train_step 0", "ts": 0, "dur": 1000, "pid": 1, "tid": 1,
+         "args": {"step_num": "0"}}]}
+    cols = [{"id": c} for c in ("host_or_device", "type", "operation", "total_self_time")]
+    stats = [{"cols": cols, "rows": [{"c": [{"v": v} for v in (
+        "Device", "_FusedMatMul", "m_1/act_1/Relu", 500.0)]}]}]
+    monkeypatch.setattr(xprof_reader, "tool_json",
+                        lambda paths, tool: trace if tool == "trace_viewer" else stats)
+    graph = [GraphOp("m_1/fc_1/MatMul", "MatMul", ("x",), 98),
+             GraphOp("m_1/fc_1/BiasAdd", "BiasAdd", ("m_1/fc_1/MatMul",), 1),
+             GraphOp("m_1/act_1/Relu", "Relu", ("m_1/fc_1/BiasAdd",), 1)]
+
+    class Dense:
+        pass
+
+    class Activation:
+        pass
+
+    m = _from_capture([("fc", Dense()), ("act", Activation())],
+                      {"fc": ["m_1/fc_1"], "act": ["m_1/act_1"]}, ["x.xplane.pb"], graph=graph,
+                      batch_size=4, steps=1, warmup_steps=1, device="GPU:0 (test)",
+                      step_time_unprofiled_s=1e-3, peak_memory_bytes=10,
+                      peak_memory_source="test", logdir="/tmp", name="m")
+    fc, act = m.layers
+    assert (fc.time_fwd_s, act.time_fwd_s) == (pytest.approx(495e-6), pytest.approx(5e-6))
+    assert fc.fused_with == ("act",) and any("_FusedMatMul" in w for w in m.warnings)
