@@ -36,6 +36,7 @@ connect to the others before TensorFlow starts, before any plan could be searche
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -170,8 +171,6 @@ def check_same_plan(plan: Plan) -> None:
     """PlanMismatchError unless every worker of the multi-worker job chose ``plan``: the
     sum over the workers of a 31-bit hash of the plan's JSON must be W times this
     worker's (a collective of the MultiWorkerMirroredStrategy)."""
-    import hashlib
-
     import tensorflow as tf
 
     text = json.dumps(plan.to_dict(), sort_keys=True)

@@ -114,8 +114,12 @@ def plan_replica_tasks(plan: Plan) -> list[int]:
     PlannerError naming the replica when one replica's devices (its stages, its tp
     ranks) are on several workers: apply runs a replica inside one worker process.
     """
+    return _replica_tasks(plan, _replica_workers(plan))
+
+
+def _replica_tasks(plan: Plan, replica_workers: list[set[int | None]]) -> list[int]:
     tasks = []
-    for r, where in enumerate(_replica_workers(plan)):
+    for r, where in enumerate(replica_workers):
         if len(where) != 1:
             raise PlannerError(
                 f"Plan {plan.name!r} runs data-parallel replica {r} on workers "
@@ -138,14 +142,18 @@ def is_hybrid(plan: Plan, tasks: dict[int, list[tuple[str, int]]] | None = None)
     return s.pp > 1 or s.tp > 1 or per_worker != {1}
 
 
-def run_processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]] | None = None
-                  ) -> Processes:
+def run_processes(plan: Plan) -> Processes:
     """Which processes run ``plan`` (no other check of the plan; ``apply.ensure_devices``
-    sets them up). ``tasks``: ``plan_tasks(plan)`` when the caller has it."""
-    tasks = plan_tasks(plan) if tasks is None else tasks
+    sets them up)."""
+    tasks = plan_tasks(plan)
+    return _processes(plan, tasks, _replica_workers(plan) if len(tasks) > 1 else [])
+
+
+def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]],
+               replica_workers: list[set[int | None]]) -> Processes:
     if len(tasks) <= 1:
         return Processes.ONE_HOST
-    if plan.placement == "general" or replicas_span_workers(plan):
+    if plan.placement == "general" or any(len(where) > 1 for where in replica_workers):
         return Processes.REMOTE
     return Processes.PER_WORKER
 
@@ -179,11 +187,12 @@ def execution_mode(plan: Plan) -> ExecutionMode:
             "them all. Re-plan for fewer workers (plan launch --workers "
             f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
             f"dp={plan.cluster.num_nodes}).")
-    processes = run_processes(plan, tasks)
+    replica_workers = _replica_workers(plan) if len(tasks) > 1 else []
+    processes = _processes(plan, tasks, replica_workers)
     workers = tuple(sorted(tasks))
     if processes is Processes.PER_WORKER:  # one program per worker
         if is_hybrid(plan, tasks) or s.optimizer_sharding:  # pp / tp / local replicas / ZeRO-1
-            replica_tasks = tuple(plan_replica_tasks(plan))
+            replica_tasks = tuple(_replica_tasks(plan, replica_workers))
             return ExecutionMode(Mode.MULTI_WORKER_HYBRID, processes, workers, replica_tasks)
         return ExecutionMode(Mode.MULTI_WORKER, processes, workers)
     # below: one process drives every device (one host, or worker 0 of a cluster whose

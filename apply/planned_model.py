@@ -23,7 +23,9 @@ order as the user's model, so weight files load either way) that adds:
   registered with Keras under the package name ``apply``);
 * ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
   strategy scope, place optimizer slots), so calling ``compile()`` on the
-  wrapped model after ``wrap`` works as usual.
+  wrapped model after ``wrap`` works as usual;
+* for a model wrapped with ``logdir``, ``fit`` adds ``apply.monitor.PlanMonitor``
+  (predicted against measured step times).
 """
 from __future__ import annotations
 
