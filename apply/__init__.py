@@ -7,6 +7,7 @@ keras.Model to compile and fit; ``variable_devices(model)`` says where each
 variable and optimizer slot lives. ``auto(model, global_batch)`` plans for this
 process's devices and wraps in one call (``apply.auto``; ``PLAN_FILE`` loads a
 plan instead; ``auto_devices()`` before building the model makes its devices).
+How a plan runs is decided once (``apply.mode.execution_mode``).
 Modes: single device and pipeline (``apply.pipeline``), data parallel
 (``apply.data_parallel``), tensor parallel and one-host hybrids
 (``apply.tensor_parallel``, ZeRO-1 in ``apply.zero``), data parallel across worker

@@ -35,14 +35,23 @@ connect to the others before TensorFlow starts, before any plan could be searche
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import sys
 import warnings
 from typing import Any
 
+from tfplan.apply.batches import nearest_multiples
+from tfplan.apply.device_names import logical_cpus, short_name
+from tfplan.apply.devices import ensure_devices
+from tfplan.apply.mode import execution_mode
+from tfplan.apply.workers import ensure_strategy, get_strategy, local_devices
+from tfplan.apply.wrap import wrap
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import ClusterSpecError, PlanMismatchError, PlannerError
+from tfplan.core.presets import cpu_cluster, known_presets, parse_cluster, preset_cluster
 from tfplan.planner.plan import Plan, load_plan
 
 PLAN_FILE_ENV = "PLAN_FILE"
@@ -65,8 +74,6 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
     ClusterSpec or ``parse_cluster`` text instead of the devices found
     (``local_cluster()``); the plan's devices must still exist here.
     """
-    from tfplan.apply.wrap import wrap
-
     _check_global_batch_value(global_batch)
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
@@ -81,8 +88,6 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
         if cluster is None:
             cluster = multi_worker_cluster(workers) if len(workers) > 1 else local_cluster()
         elif isinstance(cluster, str):
-            from tfplan.core.presets import parse_cluster
-
             cluster = parse_cluster(cluster)
         plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
                         precision=precision, time_limit_s=time_limit_s)
@@ -104,14 +109,10 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
     """
     import tensorflow as tf
 
-    from tfplan.apply.devices import ensure_devices, logical_cpus, short_name
-
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
         return ensure_devices(load_plan(plan_file))
     if len(tf_config_workers()) > 1:  # a multi-worker job: its strategy, before the runtime
-        from tfplan.apply.multi_worker import ensure_strategy, local_devices
-
         if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int)
                                  or cpus < 1):
             raise PlannerError(f"cpus={cpus!r}; expected a number of logical CPU devices >= 1.")
@@ -170,11 +171,7 @@ def check_same_plan(plan: Plan) -> None:
     """PlanMismatchError unless every worker of the multi-worker job chose ``plan``: the
     sum over the workers of a 31-bit hash of the plan's JSON must be W times this
     worker's (a collective of the MultiWorkerMirroredStrategy)."""
-    import hashlib
-
     import tensorflow as tf
-
-    from tfplan.apply.multi_worker import get_strategy
 
     text = json.dumps(plan.to_dict(), sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
@@ -196,19 +193,16 @@ def runnable(plan: Plan) -> bool:
 
 def not_runnable_reason(plan: Plan) -> str | None:
     """Why ``apply.wrap`` cannot run ``plan`` in full (None if it can)."""
-    from tfplan.apply.remote import needs_remote
-    from tfplan.apply.wrap import plan_mode
-
-    if needs_remote(plan):  # apply.remote: must be set up before TensorFlow starts
-        return ("its replicas span worker processes, which apply.wrap runs only from a "
-                f"saved plan ({PLAN_FILE_ENV}: worker 0 then drives every worker's devices, "
-                "set up before TensorFlow starts)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            plan_mode(plan)
+            mode = execution_mode(plan)
         except PlannerError as e:
             return _first_clause(str(e), plan)
+    if mode.remote:  # apply.remote: must be set up before TensorFlow starts
+        return ("its replicas span worker processes, which apply.wrap runs only from a "
+                f"saved plan ({PLAN_FILE_ENV}: worker 0 then drives every worker's devices, "
+                "set up before TensorFlow starts)")
     if caught:
         return _first_clause(str(caught[0].message), plan)
     return None
@@ -228,7 +222,6 @@ def check_global_batch(plan: Plan, global_batch: int) -> None:
     s = plan.strategy
     parts = s.dp * s.num_microbatches
     if global_batch % parts:
-        from tfplan.apply.planned_model import nearest_multiples
         options = nearest_multiples(global_batch, parts)
         raise PlanMismatchError(
             f"Global batch {global_batch} does not split into plan {plan.name!r}'s "
@@ -268,10 +261,6 @@ def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
     preset (``gpu_cluster``) on W nodes, with the preset's inter-node network (when the
     preset has none, a 100 Gb/s InfiniBand-class link is assumed, and said).
     """
-    import dataclasses
-
-    from tfplan.apply.multi_worker import get_strategy, local_devices
-
     try:
         get_strategy()
     except PlannerError:
@@ -281,14 +270,10 @@ def multi_worker_cluster(workers: list[str]) -> ClusterSpec:
             "apply.auto_devices() at the top of the script, before building the model.") from None
     gpus = local_devices("GPU")
     if not gpus:
-        from tfplan.core.presets import parse_cluster
-
         return parse_cluster(f"{len(workers)}xcpu:{len(local_devices('CPU'))}")
     base = gpu_cluster(len(gpus))
     inter = base.inter_node_link
     if inter is None:
-        from tfplan.core.presets import preset_cluster
-
         inter = preset_cluster("8xA100-80GB").inter_node_link
         _say("note: no inter-node network is known for this GPU; assuming the DGX A100's.")
     return dataclasses.replace(base, name=f"{len(workers)}x{base.name}",
@@ -302,8 +287,6 @@ def local_cluster() -> ClusterSpec:
     gpus = tf.config.list_logical_devices("GPU")
     if gpus:
         return gpu_cluster(len(gpus))
-    from tfplan.core.presets import cpu_cluster
-
     return cpu_cluster(len(tf.config.list_logical_devices("CPU")))
 
 
@@ -314,11 +297,7 @@ def gpu_cluster(n: int) -> ClusterSpec:
     generation (H100 figures for Hopper and later, A100 for Ampere, V100 before)
     and the memory TensorFlow reports for it, with a note on stderr.
     """
-    import dataclasses
-
     import tensorflow as tf
-
-    from tfplan.core.presets import known_presets, preset_cluster
 
     if n < 1:
         raise ClusterSpecError(f"gpu_cluster({n}): expected at least one GPU.")

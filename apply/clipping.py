@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import tensorflow as tf
 from keras.src.optimizers.base_optimizer import global_norm
 
-from tfplan.apply.placement import _inner, tf_variable
+from tfplan.apply.placement import inner_optimizer as _inner, tf_variable
 
 _LOCK = threading.Lock()
 _ACTIVE: dict[tuple[int, str], list[Any]] = {}  # (id(obj), name): [depth, had it, old value]

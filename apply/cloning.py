@@ -47,7 +47,8 @@ def to_functional(model: Any) -> Any:
     return Functional(inputs, outputs, name=model.name)
 
 
-def _default_clone(layer: Any) -> Any:
+def clone_layer(layer: Any) -> Any:
+    """A new layer from ``layer``'s config (unbuilt: it builds where it is first called)."""
     try:
         return layer.__class__.from_config(layer.get_config())
     except Exception as e:
@@ -74,7 +75,7 @@ def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None) ->
 
     def clone_function(layer: Any) -> Any:
         with where(layer):
-            return _default_clone(layer)
+            return clone_layer(layer)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
         with where(layer):

@@ -50,10 +50,11 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan.apply.batches import leading_dim
 from tfplan.apply.clipping import (all_reduced_and_clipped, clips_globally, keras_all_reduce_off,
                             optimizer_clipping_off)
 from tfplan.apply.cloning import clone_graph, copy_weights
-from tfplan.apply.planned_model import PlannedModel, _leading_dim
+from tfplan.apply.planned_model import PlannedModel
 from tfplan.apply.recompute import recompute_call
 from tfplan.core.errors import PlannerError
 
@@ -134,12 +135,12 @@ class DataParallelModel(PlannedModel):
 
     # --- one-batch methods that split the batch across the replicas -----------------------
     def _splits_evenly(self, x: Any) -> bool:
-        n = _leading_dim(x)
+        n = leading_dim(x)
         return n is not None and n % self.num_replicas == 0
 
     def _per_replica(self, data: Any) -> Any:
         """``data`` (a batch that splits evenly) as PerReplica values, one slice per replica."""
-        n = _leading_dim(data)
+        n = leading_dim(data)
         data = keras.tree.map_structure(_sliceable, data)
         per = n // self.num_replicas
 
@@ -153,7 +154,7 @@ class DataParallelModel(PlannedModel):
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         self._assert_compile_called("train_on_batch")
-        self._check_batch(_leading_dim(x), "The batch given to train_on_batch")
+        self._check_batch(leading_dim(x), "The batch given to train_on_batch")
         if class_weight is not None:
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
@@ -173,7 +174,7 @@ class DataParallelModel(PlannedModel):
 
     def predict_on_batch(self, x: Any) -> Any:
         if not self._splits_evenly(x):  # prediction has no batch rule: let Keras split it
-            return self.predict(x, batch_size=_leading_dim(x), verbose=0)
+            return self.predict(x, batch_size=leading_dim(x), verbose=0)
         self.make_predict_function()
         outputs = self.predict_function([(self._per_replica(x),)])
         return keras.tree.map_structure(lambda t: t.numpy(), outputs)

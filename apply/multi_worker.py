@@ -1,13 +1,13 @@
 """Multi-worker data parallel: one plan, several worker processes, MultiWorkerMirroredStrategy.
 
-Pipeline position: ``apply.ensure_devices`` calls ``ensure_cluster`` for a plan
-whose devices span several workers (``/job:worker/task:w/device:CPU:i``, made
-for a ``Wxcpu:N`` or ``NxPRESET`` cluster with ``num_nodes`` > 1), and
+Pipeline position: ``apply.ensure_devices`` calls ``apply.workers.ensure_cluster``
+for a plan whose devices span several workers (``/job:worker/task:w/device:CPU:i``,
+made for a ``Wxcpu:N`` or ``NxPRESET`` cluster with ``num_nodes`` > 1), and
 ``apply.wrap`` calls ``wrap_multi_worker`` for such a plan when it is data
-parallel (one stage on every device). The worker processes are started with
+parallel (one stage on every device; ``apply.mode.Mode.MULTI_WORKER``). The worker processes are started with
 ``TF_CONFIG`` set (``plan launch --workers W SCRIPT``, ``planner.launch``).
 
-* The strategy: ``tf.distribute.MultiWorkerMirroredStrategy`` built from
+* The strategy (``apply.workers``): ``tf.distribute.MultiWorkerMirroredStrategy`` built from
   ``TF_CONFIG`` (collectives over gRPC; RING on CPUs, NCCL or RING on GPUs as
   TensorFlow chooses). TensorFlow accepts it only before its runtime starts,
   so a training script calls ``apply.ensure_devices(plan)`` right after
@@ -44,8 +44,6 @@ parallel (one stage on every device). The worker processes are started with
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Collection
 
 import keras
@@ -53,174 +51,13 @@ import numpy as np
 import tensorflow as tf
 from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan.apply.batches import KERAS_DEFAULT_BATCH_SIZE, leading_dim
 from tfplan.apply.cloning import clone_graph, copy_weights
 from tfplan.apply.data_parallel import DataParallelModel
-from tfplan.apply.devices import logical_cpus
-from tfplan.apply.planned_model import KERAS_DEFAULT_BATCH_SIZE, _leading_dim
+from tfplan.apply.workers import get_strategy
 from tfplan.core.errors import PlanMismatchError, PlannerError
-from tfplan.planner.plan import Plan
 
 SHUFFLE_SEED = 1337  # fit(shuffle=True): the same order on every worker, per epoch
-_STRATEGY: tf.distribute.MultiWorkerMirroredStrategy | None = None
-
-
-# --- the plan's workers and TF_CONFIG ---------------------------------------------------
-
-def plan_tasks(plan: Plan) -> dict[int, list[tuple[str, int]]]:
-    """{worker task: [(device type, index), ...]} for a plan with ``/job:worker`` names.
-
-    Empty when the plan names no ``/job:worker`` devices (a one-host plan).
-    """
-    tasks: dict[int, list[tuple[str, int]]] = {}
-    for name in plan.devices:
-        spec = tf.DeviceSpec.from_string(name)
-        if spec.job != "worker":
-            continue
-        if spec.task is None or spec.device_type is None or spec.device_index is None:
-            raise PlanMismatchError(
-                f"Plan {plan.name!r} names device {name!r}; expected "
-                "'/job:worker/task:w/device:CPU:i' (or GPU). Regenerate the plan.")
-        tasks.setdefault(int(spec.task), []).append((spec.device_type.upper(),
-                                                     int(spec.device_index)))
-    return tasks
-
-
-def spans_workers(plan: Plan) -> bool:
-    """True when the plan's devices belong to more than one worker process."""
-    return len(plan_tasks(plan)) > 1
-
-
-def read_tf_config() -> tuple[list[str], int]:
-    """(worker addresses, this worker's index) from the TF_CONFIG environment variable."""
-    text = os.environ.get("TF_CONFIG", "")
-    if not text.strip():
-        raise PlannerError(
-            "This plan trains on several worker processes, but TF_CONFIG is not set in this "
-            "process, so it does not know its cluster. Start the script with `plan launch "
-            "--workers W SCRIPT ARGS...` (local processes), or set TF_CONFIG on each host "
-            "(`plan launch --emit tf-config --workers W --hosts h1,h2`).")
-    try:
-        doc = json.loads(text)
-        workers = list(doc["cluster"]["worker"])
-        task = doc["task"]
-        kind, index = task["type"], int(task["index"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise PlannerError(
-            f"TF_CONFIG is {text[:200]!r}, which is not a TensorFlow cluster description "
-            f"({type(e).__name__}: {e}). Expected {{\"cluster\": {{\"worker\": [\"host:port\", "
-            "...]}, \"task\": {\"type\": \"worker\", \"index\": i}}.") from None
-    if kind != "worker" or not 0 <= index < len(workers):
-        raise PlannerError(
-            f"TF_CONFIG names task {kind!r} {index} in a cluster of {len(workers)} worker(s); "
-            "expected type 'worker' and an index below the number of workers.")
-    return workers, index
-
-
-def check_workers(plan: Plan, tasks: dict[int, list[tuple[str, int]]],
-                  workers: list[str]) -> None:
-    """PlanMismatchError unless the plan uses exactly TF_CONFIG's workers."""
-    if sorted(tasks) != list(range(len(workers))):
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} is for {len(tasks)} worker(s) (tasks {sorted(tasks)}), but "
-            f"TF_CONFIG describes {len(workers)}. Launch as many workers as the plan has "
-            f"(plan launch --workers {len(tasks)}), or re-plan (--cluster "
-            f"{len(workers)}xcpu:1).")
-
-
-def ensure_cluster(plan: Plan) -> tuple[str, ...]:
-    """Check the plan against TF_CONFIG and this worker's devices; make the strategy.
-
-    Called by ``apply.ensure_devices`` for multi-worker plans: must run before
-    TensorFlow's runtime starts (before any model is built). Returns the plan's devices.
-    """
-    global _STRATEGY
-    tasks = plan_tasks(plan)
-    workers, index = read_tf_config()
-    check_workers(plan, tasks, workers)
-    local = sorted(tasks[index])
-    types = {t for t, _ in local}
-    if len(types) != 1 or any(sorted(i for _, i in tasks[t]) != [i for _, i in local]
-                              for t in tasks):
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} gives its workers different devices ({tasks}); every worker "
-            "needs the same local devices. Regenerate the plan.")
-    device_type = types.pop()
-    if _STRATEGY is None:
-        if device_type == "CPU":
-            make_local_cpus(plan, 1 + max(i for _, i in local))
-        _STRATEGY = _make_strategy(f"Plan {plan.name!r}", device_type)
-    strategy = _STRATEGY
-    if device_type == "GPU":
-        have = len(strategy.extended.worker_devices)
-        if have != len(local) or not all(":GPU:" in d.upper()
-                                         for d in strategy.extended.worker_devices):
-            raise PlanMismatchError(
-                f"Plan {plan.name!r} uses {len(local)} GPU(s) per worker, but this worker "
-                f"trains on {list(strategy.extended.worker_devices)}. Run on hosts with that "
-                "many GPUs (check CUDA_VISIBLE_DEVICES), or re-plan.")
-    return tuple(plan.devices)
-
-
-def make_local_cpus(plan: Plan, need: int) -> None:
-    """Make ``need`` logical CPU devices on this worker (before the runtime starts)."""
-    logical_cpus(need, exact=False, error=lambda have: PlanMismatchError(
-        f"Plan {plan.name!r} uses {need} CPU devices on each worker, and TensorFlow's "
-        "runtime has already started in this process, so no more can be added. Call "
-        "apply.ensure_devices(plan) right after load_plan(), before building the model "
-        "or running any TensorFlow op."))
-
-
-def ensure_strategy(device_type: str, local_cpus: int = 1
-                    ) -> tf.distribute.MultiWorkerMirroredStrategy:
-    """The process's strategy, made from TF_CONFIG without a plan (``apply.auto_devices``
-    plans later): ``local_cpus`` logical CPUs on this worker first, when training on CPUs."""
-    global _STRATEGY
-    if _STRATEGY is None:
-        what = "This multi-worker job (TF_CONFIG)"
-        if device_type == "CPU":
-            logical_cpus(local_cpus, exact=True, error=lambda have: PlanMismatchError(
-                f"{what} asks for {local_cpus} logical CPU devices per worker, but "
-                "TensorFlow's runtime has already started. Call "
-                "apply.auto_devices() before building the model."))
-        _STRATEGY = _make_strategy(what, device_type)
-    return _STRATEGY
-
-
-def local_devices(device_type: str) -> list[str]:
-    """This worker's logical devices of ``device_type`` (a cluster lists every task's)."""
-    _, index = read_tf_config()
-    names = [d.name for d in tf.config.list_logical_devices(device_type)]
-    mine = [n for n in names if tf.DeviceSpec.from_string(n).task in (index, None)]
-    return mine
-
-
-def _make_strategy(what: str, device_type: str) -> tf.distribute.MultiWorkerMirroredStrategy:
-    impl = tf.distribute.experimental.CommunicationImplementation
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=impl.RING if device_type == "CPU" else impl.AUTO)
-    try:
-        if device_type == "CPU" and tf.config.list_physical_devices("GPU"):
-            # the strategy takes every local GPU: a CPU plan trains on CPU:0 as planned
-            tf.config.set_visible_devices([], "GPU")
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    except RuntimeError as e:
-        if "startup" not in str(e) and "initialized" not in str(e):
-            raise
-        raise PlanMismatchError(
-            f"{what} trains on several workers, and TensorFlow can set up its "
-            "collectives only before its runtime starts, which has already happened in this "
-            "process. Call apply.ensure_devices(plan) right after load_plan(), before "
-            "building the model, importing a model file that creates TensorFlow objects, or "
-            "running any TensorFlow op.") from None
-
-
-def get_strategy() -> tf.distribute.MultiWorkerMirroredStrategy:
-    """The process's MultiWorkerMirroredStrategy (made by ``ensure_cluster``)."""
-    if _STRATEGY is None:
-        raise PlannerError("No multi-worker strategy exists yet: call "
-                           "apply.ensure_devices(plan) before apply.wrap (and before "
-                           "building the model).")
-    return _STRATEGY
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -269,12 +106,12 @@ class MultiWorkerModel(DataParallelModel):
 
     # --- slicing a global batch over the replicas of all workers -------------------------
     def _splits_evenly(self, x: Any) -> bool:  # evaluate/predict: any batch of >= R rows
-        n = _leading_dim(x)
+        n = leading_dim(x)
         return n is not None and n >= self.num_replicas
 
     def _per_replica(self, data: Any) -> Any:
         """Global replica r gets rows [floor(r*n/R), floor((r+1)*n/R)) of the batch."""
-        n = _leading_dim(data)
+        n = leading_dim(data)
         data = keras.tree.map_structure(tf.convert_to_tensor, data)
         bounds = [r * n // self.num_replicas for r in range(self.num_replicas + 1)]
 
@@ -294,12 +131,12 @@ class MultiWorkerModel(DataParallelModel):
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
         if not self._splits_evenly(x):
-            raise self._small_batch_error(_leading_dim(x), "The batch given to test_on_batch")
+            raise self._small_batch_error(leading_dim(x), "The batch given to test_on_batch")
         return super().test_on_batch(x, y, sample_weight, return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
         if not self._splits_evenly(x):
-            raise self._small_batch_error(_leading_dim(x),
+            raise self._small_batch_error(leading_dim(x),
                                           "The batch given to predict_on_batch")
         return super().predict_on_batch(x)
 
@@ -328,7 +165,7 @@ class MultiWorkerModel(DataParallelModel):
             for step, data in enumerate(_batches(x, y, sample_weight, batch_size, order)):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
-                self._check_batch(_leading_dim(data), "A training batch")
+                self._check_batch(leading_dim(data), "A training batch")
                 callback_list.on_train_batch_begin(step)
                 logs = pythonify_logs(self.train_function([self._per_replica(data)]))
                 callback_list.on_train_batch_end(step, logs)
@@ -358,10 +195,10 @@ class MultiWorkerModel(DataParallelModel):
             if steps is not None and i >= steps:
                 break
             if not self._splits_evenly(data):  # a dataset's small last batch
-                raise self._small_batch_error(_leading_dim(data), "A batch given to evaluate")
+                raise self._small_batch_error(leading_dim(data), "A batch given to evaluate")
             logs = self.test_function([self._per_replica(data)])
         if logs is None:
-            raise self._small_batch_error(_leading_dim(x), "The data given to evaluate")
+            raise self._small_batch_error(leading_dim(x), "The data given to evaluate")
         logs = pythonify_logs(logs)
         return logs if return_dict else self._flatten_metrics_in_order(logs)
 
@@ -376,10 +213,10 @@ class MultiWorkerModel(DataParallelModel):
                 break
             xb = data[0] if isinstance(data, tuple) else data
             if not self._splits_evenly(xb):
-                raise self._small_batch_error(_leading_dim(xb), "A batch given to predict")
+                raise self._small_batch_error(leading_dim(xb), "A batch given to predict")
             outputs.append(self.predict_function([(self._per_replica(xb),)]))
         if not outputs:
-            raise self._small_batch_error(_leading_dim(x), "The data given to predict")
+            raise self._small_batch_error(leading_dim(x), "The data given to predict")
         return keras.tree.map_structure(
             lambda *t: np.concatenate([np.asarray(a) for a in t], axis=0), *outputs)
 
@@ -416,7 +253,7 @@ def _num_batches(x: Any, batch_size: int | None) -> int | None:
     if isinstance(x, tf.data.Dataset):
         n = int(x.cardinality())
         return n if n >= 0 else None
-    n = _leading_dim(x)
+    n = leading_dim(x)
     b = batch_size or KERAS_DEFAULT_BATCH_SIZE
     return None if n is None else -(-n // b)
 
@@ -433,7 +270,7 @@ def _batches(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle
         for element in x:
             yield element if isinstance(element, tuple) else (element,)
         return
-    n = _leading_dim(x)
+    n = leading_dim(x)
     if n is None:
         raise PlannerError(
             f"A multi-worker model trains on arrays or a tf.data.Dataset; received "

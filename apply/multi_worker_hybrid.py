@@ -7,11 +7,11 @@ replica -- all its pipeline stages and tensor ranks -- lies on one worker, unles
 plain data parallelism with one device per worker (``apply.multi_worker``). The workers
 are started with ``TF_CONFIG`` set (``plan launch --workers W SCRIPT``), and
 ``apply.ensure_devices(plan)`` has made the MultiWorkerMirroredStrategy and this worker's
-logical devices (``apply.multi_worker.ensure_cluster``).
+logical devices (``apply.workers.ensure_cluster``).
 
-* Within a worker: its replicas (``plan_replica_tasks``: replica r's devices at
-  ``stages[s].devices[r*tp:(r+1)*tp]``) are built exactly as on one host by
-  ``apply.tensor_parallel`` (split layers sharded over their tp devices, pipeline
+* Within a worker: its replicas (``ExecutionMode.replica_tasks``, ``apply.mode``:
+  replica r's devices at ``stages[s].devices[r*tp:(r+1)*tp]``) are built exactly as on
+  one host by ``apply.tensor_parallel`` (split layers sharded over their tp devices, pipeline
   stages on their devices, micro-batches, several local replicas summed by placed
   ``add_n``), from a local copy of the plan whose device names are this worker's
   (``/device:CPU:i``, which TensorFlow resolves to ``/job:worker/task:w``).
@@ -57,50 +57,22 @@ import keras
 import tensorflow as tf
 
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
-from tfplan.apply.multi_worker import get_strategy, plan_tasks, read_tf_config
-from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
-from tfplan.apply.tensor_parallel import TensorParallelModel, _sum, wrap_tensor_parallel
+from tfplan.apply.gradients import sum_gradients
+from tfplan.apply.mode import ExecutionMode
+from tfplan.apply.placement import build_optimizer_on_devices, tf_variable, top_level_devices
+from tfplan.apply.tensor_parallel import TensorParallelModel, wrap_tensor_parallel
+from tfplan.apply.workers import get_strategy, read_tf_config
 from tfplan.apply.zero_workers import JobWeight, apply_job_sharded, job_weights, owned_copies
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan, Stage
 
 
-def plan_replica_tasks(plan: Plan) -> list[int]:
-    """The worker task of each data-parallel replica of a multi-worker plan.
-
-    PlannerError naming the replica when one replica's devices (its stages, its tp
-    ranks) are on several workers: apply runs a replica inside one worker process.
-    """
-    tp = max(1, plan.strategy.tp)
-    tasks = []
-    for r in range(plan.strategy.dp):
-        where = {tf.DeviceSpec.from_string(d).task for stage in plan.stages
-                 for d in stage.devices[r * tp:(r + 1) * tp]}
-        if len(where) != 1:
-            raise PlannerError(
-                f"Plan {plan.name!r} runs data-parallel replica {r} on workers "
-                f"{sorted(w for w in where if w is not None)}: its pipeline stages or tensor "
-                "ranks span worker processes. apply runs each replica inside one worker "
-                "(MultiWorkerMirroredStrategy between workers, placement within). Re-plan "
-                "with the dp-outer layout (plan analyze --layout tp-pp-dp) or with "
-                "pp x tp no larger than one worker's devices.")
-        tasks.append(int(where.pop()))
-    return tasks
-
-
-def is_hybrid(plan: Plan) -> bool:
-    """True for a multi-worker plan that is more than one device per worker doing data
-    parallelism (pipeline, tensor parallel, or several replicas on a worker)."""
-    s = plan.strategy
-    per_worker = {len(devices) for devices in plan_tasks(plan).values()}
-    return s.pp > 1 or s.tp > 1 or per_worker != {1}
-
-
-def local_plan(plan: Plan, task: int) -> Plan:
-    """The part of ``plan`` worker ``task`` runs: its replicas, with local device names."""
-    tasks = plan_replica_tasks(plan)
+def local_plan(plan: Plan, mode: ExecutionMode, task: int) -> Plan:
+    """The part of ``plan`` worker ``task`` runs: its replicas, with local device names.
+    ``mode``: the plan's ``apply.mode.execution_mode`` (a multi-worker hybrid)."""
+    tasks = list(mode.replica_tasks)
     counts = {w: tasks.count(w) for w in set(tasks)}
-    if len(set(counts.values())) != 1 or sorted(counts) != sorted(plan_tasks(plan)):
+    if len(set(counts.values())) != 1 or sorted(counts) != list(mode.worker_tasks):
         raise PlanMismatchError(
             f"Plan {plan.name!r} gives its workers different numbers of data-parallel "
             f"replicas ({dict(sorted(counts.items()))}); every worker needs the same share. "
@@ -206,7 +178,7 @@ class MultiWorkerHybridModel(TensorParallelModel):
                 sums.append(None)
                 continue
             with tf.device(tf_variable(variables[i]).device):
-                sums.append(_sum(grads))  # IndexedSlices stay sparse (Adam treats them so)
+                sums.append(sum_gradients(grads))  # IndexedSlices stay sparse (Adam treats them so)
         present = [s for s in sums if s is not None]
         reduced = iter(tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, present) if present else [])
@@ -229,12 +201,11 @@ def barrier() -> None:
     strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
 
 
-def wrap_multi_worker_hybrid(view: Any, plan: Plan, *,
+def wrap_multi_worker_hybrid(view: Any, plan: Plan, mode: ExecutionMode, *,
                              recompute_layers: Collection[str] = ()) -> MultiWorkerHybridModel:
     """This worker's replicas of ``plan`` (``local_plan``), built by apply.tensor_parallel,
-    as a MultiWorkerHybridModel that trains with the other workers."""
-    from tfplan.apply.wrap import top_level_devices
-
+    as a MultiWorkerHybridModel that trains with the other workers. ``mode``: the plan's
+    ``apply.mode.execution_mode``, a multi-worker hybrid."""
     workers, task = read_tf_config()
     strategy = get_strategy()
     if strategy.num_replicas_in_sync != len(workers):
@@ -244,7 +215,7 @@ def wrap_multi_worker_hybrid(view: Any, plan: Plan, *,
             f"{strategy.num_replicas_in_sync}. Run each worker on CPUs (GPUs hidden) or "
             "re-plan.")
     zero = plan.strategy.optimizer_sharding  # over the whole job, not per worker
-    mine = local_plan(plan, task)
+    mine = local_plan(plan, mode, task)
     mine = dataclasses.replace(mine, strategy=dataclasses.replace(
         mine.strategy, optimizer_sharding=False))
     model = wrap_tensor_parallel(view, mine, top_level_devices(mine),

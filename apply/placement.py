@@ -1,7 +1,8 @@
 """Device placement for ops and optimizer state, and a report of where variables live.
 
 Pipeline position: used by ``apply.pipeline`` (single-device and pipeline
-plans, which place by hand with ``tf.device``) and by anyone who wants to see
+plans, which place by hand with ``tf.device``; ``top_level_devices`` says where each
+top-level layer of a plan goes) and by anyone who wants to see
 where a wrapped model's state ended up (``variable_devices``: examples/train.py
 ``--json``, the tests).
 
@@ -32,7 +33,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping
 
-from tfplan.apply.devices import short_name
+from tfplan.apply.device_names import short_name
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import Plan
 
 
 def operation_devices(functional: Any, device_of_layer: Mapping[str, str],
@@ -61,7 +64,7 @@ def operation_values(functional: Any, value_of_layer: Mapping[str, Any],
     return values
 
 
-def _inner(optimizer: Any) -> Any:
+def inner_optimizer(optimizer: Any) -> Any:
     """The optimizer that owns the slots (a LossScaleOptimizer wraps another one)."""
     return getattr(optimizer, "inner_optimizer", optimizer)
 
@@ -86,7 +89,7 @@ def build_optimizer_on_devices(optimizer: Any, variables: list[Any]) -> None:
 
     if optimizer is None or optimizer.built:
         return
-    target = _inner(optimizer)
+    target = inner_optimizer(optimizer)
     original = target.add_variable_from_reference
 
     def placed(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +109,7 @@ def updates_on_variable_devices(optimizer: Any) -> Iterator[None]:
     """While tracing ``apply_gradients``: run each variable's update on its device."""
     import tensorflow as tf
 
-    target = _inner(optimizer)
+    target = inner_optimizer(optimizer)
     original = target.update_step
 
     def placed(gradient: Any, variable: Any, learning_rate: Any) -> Any:
@@ -143,3 +146,25 @@ def variable_devices(model: Any) -> dict[str, list[str]]:
         for v in optimizer.variables:
             out[v.path] = devices_of(v)
     return out
+
+
+def top_level_devices(plan: Plan) -> dict[str, str]:
+    """Device of each top-level layer of the model (replica 0).
+
+    Plans name a nested model's layers ``outer/inner`` (``profiler.signature``);
+    ``apply`` places whole top-level operations, so a nested model goes where all
+    its layers are planned. A stage boundary inside a nested model cannot be
+    applied yet and is refused rather than silently placed elsewhere.
+    """
+    devices: dict[str, set[str]] = {}
+    for name, device in plan.device_of_layer().items():
+        devices.setdefault(name.split("/", 1)[0], set()).add(device)
+    split = {top: sorted(d) for top, d in devices.items() if len(d) > 1}
+    if split:
+        top, where = next(iter(split.items()))
+        raise PlannerError(
+            f"Plan {plan.name!r} splits nested model {top!r} across devices {where}; apply "
+            "places a nested model as a whole, so a stage boundary inside it cannot be "
+            "applied yet. Re-plan with the pipeline cut outside it (e.g. --fix with fewer "
+            "stages) or flatten the model.")
+    return {top: d.pop() for top, d in devices.items()}

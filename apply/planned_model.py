@@ -23,7 +23,9 @@ order as the user's model, so weight files load either way) that adds:
   registered with Keras under the package name ``apply``);
 * ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
   strategy scope, place optimizer slots), so calling ``compile()`` on the
-  wrapped model after ``wrap`` works as usual.
+  wrapped model after ``wrap`` works as usual;
+* for a model wrapped with ``logdir``, ``fit`` adds ``apply.monitor.PlanMonitor``
+  (predicted against measured step times).
 """
 from __future__ import annotations
 
@@ -38,11 +40,11 @@ from keras.src.models.functional import Functional
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
+                                  nearest_multiples, split_microbatches)
+from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import tf_variable
 from tfplan.core.errors import PlanMismatchError
-
-KERAS_DEFAULT_BATCH_SIZE = 32  # what fit() uses for arrays when batch_size is None
-RUNTIME_BATCH_CHECK = "apply: batch size not a multiple of the micro-batch count:"
 
 
 class PlannedModel(Functional):
@@ -134,7 +136,6 @@ class PlannedModel(Functional):
                               kwargs.get("steps_per_epoch"))
         monitor_dir = getattr(self, "plan_logdir", None)  # apply.wrap(..., logdir=)
         if monitor_dir is not None and getattr(self, "plan", None) is not None and not args:
-            from tfplan.reports.training import PlanMonitor
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
                                    PlanMonitor(self.plan, monitor_dir)]
         try:
@@ -155,7 +156,7 @@ class PlannedModel(Functional):
         the step in one compiled call (``_reset_and_step``): Keras resets each metric
         variable with an eager op before every call, a fixed cost that a loop of
         ``train_on_batch`` calls pays each time."""
-        self._check_batch(_leading_dim(x), "The batch given to train_on_batch")
+        self._check_batch(leading_dim(x), "The batch given to train_on_batch")
         self._assert_compile_called("train_on_batch")
         if class_weight is not None:
             if sample_weight is not None:
@@ -206,9 +207,9 @@ class PlannedModel(Functional):
     def _check_fit_input(self, x: Any, batch_size: int | None, validation_split: float,
                          steps_per_epoch: int | None) -> None:
         if isinstance(x, tf.data.Dataset):
-            self._check_batch(_leading_dim(x.element_spec), "Each batch of the dataset")
+            self._check_batch(leading_dim(x.element_spec), "Each batch of the dataset")
             return
-        n = _leading_dim(x)
+        n = leading_dim(x)
         if n is None:  # a generator or PyDataset: checked when the train step is traced
             return
         if validation_split:
@@ -263,54 +264,6 @@ class _OneBatchFunction:
 
     def __init__(self, key: tuple[int, ...], function: Any) -> None:
         self.key, self.function = key, function
-
-
-def nearest_multiples(size: int, m: int) -> str:
-    """The multiples of ``m`` around ``size``, as an error message offers them."""
-    lower, upper = (size // m) * m, (size // m + 1) * m
-    return f"{lower} or {upper}" if lower else f"{upper}"
-
-
-def _leading_dim(x: Any) -> int | None:
-    """The batch size of an array structure or a TensorSpec structure (None if unknown)."""
-    if x is None:
-        return None
-    try:
-        leaves = keras.tree.flatten(x)
-    except (TypeError, ValueError):
-        return None
-    for leaf in leaves:
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) > 0:
-            dim = shape[0]
-            return None if dim is None else int(dim)
-    return None
-
-
-def split_microbatches(data: tuple[Any, Any, Any], m: int,
-                       error: Any) -> list[tuple[Any, Any, Any]]:
-    """Split (x, y, sample_weight) along the batch axis into ``m`` equal parts."""
-    if m == 1:
-        return [data]
-    first = keras.tree.flatten(data[0])[0]
-    static = first.shape[0]
-    if static is not None:
-        if static % m:
-            raise error(int(static), "A training batch (per replica)")
-        checks = []
-    else:
-        n = tf.shape(first)[0]
-        checks = [tf.debugging.Assert(tf.equal(n % m, 0), [RUNTIME_BATCH_CHECK, n])]
-    with tf.control_dependencies(checks):
-        columns = [_split_structure(part, m) for part in data]
-    return [tuple(column[i] for column in columns) for i in range(m)]
-
-
-def _split_structure(part: Any, m: int) -> list[Any]:
-    if part is None:
-        return [None] * m
-    pieces = [tf.split(t, m, axis=0) for t in keras.tree.flatten(part)]
-    return [keras.tree.pack_sequence_as(part, [p[i] for p in pieces]) for i in range(m)]
 
 
 def _device_scope(variable: Any) -> Any:

@@ -3,7 +3,7 @@
 Pipeline position: ``apply.ensure_devices`` calls ``ensure_remote_cluster`` for a plan
 whose devices span several workers (``/job:worker/task:w/device:CPU:i``) and that
 ``apply.multi_worker`` / ``apply.multi_worker_hybrid`` cannot run with one program per
-worker: a data-parallel replica whose pipeline stages or tensor ranks lie on several
+worker (``apply.mode.Processes.REMOTE``): a data-parallel replica whose pipeline stages or tensor ranks lie on several
 workers (the Megatron layout that puts pp across nodes, a ``pp`` or ``tp`` plan over
 ``Wxcpu:1``), or a general placement across workers. ``apply.wrap`` then runs the plan
 with the one-host modes (``apply.pipeline``, ``apply.tensor_parallel``), whose
@@ -37,6 +37,9 @@ import socket
 import sys
 import time
 
+from tfplan.apply.device_names import short_name
+from tfplan.apply.mode import plan_tasks
+from tfplan.apply.workers import check_workers, make_local_cpus, read_tf_config
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan
 
@@ -44,29 +47,6 @@ CONNECT_TIMEOUT_S = 600.0  # how long the chief waits for the others, and they f
 PROBE_INTERVAL_S = 0.5
 NOTICE_INTERVAL_S = 10.0  # how often a wait says what it waits for
 _CONNECTED: tuple[tuple[str, ...], int] | None = None  # (cluster addresses, CPUs per worker)
-
-
-def replicas_span_workers(plan: Plan) -> bool:
-    """True when some data-parallel replica's devices (its stages, its tp ranks) are on
-    more than one worker."""
-    import tensorflow as tf
-
-    tp = max(1, plan.strategy.tp)
-    for r in range(plan.strategy.dp):
-        where = {tf.DeviceSpec.from_string(d).task for stage in plan.stages
-                 for d in stage.devices[r * tp:(r + 1) * tp]}
-        if len(where) > 1:
-            return True
-    return False
-
-
-def needs_remote(plan: Plan) -> bool:
-    """True for a multi-worker plan that worker 0 must drive alone (see the module
-    docstring): a replica across workers, or a general placement across workers."""
-    from tfplan.apply.multi_worker import spans_workers
-
-    return spans_workers(plan) and (plan.placement == "general"
-                                    or replicas_span_workers(plan))
 
 
 def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
@@ -78,9 +58,6 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
     """
     global _CONNECTED
     import tensorflow as tf
-
-    from tfplan.apply.multi_worker import check_workers, make_local_cpus, plan_tasks, \
-        read_tf_config
 
     tasks = plan_tasks(plan)
     workers, index = read_tf_config()
@@ -131,8 +108,6 @@ def ensure_remote_cluster(plan: Plan) -> tuple[str, ...]:
 
 def _check_devices(plan: Plan) -> tuple[str, ...]:
     import tensorflow as tf
-
-    from tfplan.apply.devices import short_name
 
     have = {short_name(d.name) for d in tf.config.list_logical_devices()}
     missing = [d for d in plan.devices if short_name(d) not in have]

@@ -47,6 +47,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from tfplan.apply.placement import operation_values
 from tfplan.core.errors import PlannerError
 from tfplan.planner.pipeline_order import Slot, device_order  # noqa: F401 (re-exported)
 
@@ -133,8 +134,6 @@ def schedule_of(plan: Any) -> PipelineSchedule | None:
 def operation_stages(functional: Any, stage_of_layer: Mapping[str, int]) -> dict[int, int]:
     """``{id(operation): stage}``: a planned layer its stage, any other operation the stage
     of the operation that produced its first input (as ``apply.placement`` places them)."""
-    from tfplan.apply.placement import operation_values
-
     return operation_values(functional, stage_of_layer, 0)
 
 

@@ -46,13 +46,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfplan.apply.batches import split_microbatches
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
-from tfplan.apply.cloning import _default_clone, copy_weights
+from tfplan.apply.cloning import clone_layer, copy_weights
+from tfplan.apply.gradients import sum_gradients
+from tfplan.apply.mode import Processes, run_processes
 from tfplan.apply.pipeline import PlacedModel
 from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
-from tfplan.apply.planned_model import split_microbatches
 from tfplan.apply.schedule import schedule_of
 from tfplan.apply.sharded_layers import sharded_clone
+from tfplan.apply.zero import apply_sharded, owned_variables
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
@@ -104,8 +107,6 @@ class TensorParallelModel(PlacedModel):
 
     def _after_compile(self) -> None:
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
-            from tfplan.apply.zero import owned_variables
-
             build_optimizer_on_devices(self.optimizer, owned_variables(
                 self.trainable_variables, 1 + len(self._others.models)))
             return
@@ -114,8 +115,6 @@ class TensorParallelModel(PlacedModel):
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
         if dp > 1 and self.optimizer_sharding:  # ZeRO-1: reduce, owner update, copy out
-            from tfplan.apply.zero import apply_sharded
-
             apply_sharded(super()._apply_gradients, gradients, variables, dp)
             return
         if dp > 1:  # each copy of a weight gets the sum of all replicas' gradients for it
@@ -127,7 +126,7 @@ class TensorParallelModel(PlacedModel):
                     continue
                 for r in range(dp):  # the same sum, in the same order, on each replica
                     with tf.device(tf_variable(variables[r * n + i]).device):
-                        summed[r * n + i] = _sum(grads)
+                        summed[r * n + i] = sum_gradients(grads)
             gradients = clipped_over_one_copy(self.optimizer, summed, variables, dp)
             with optimizer_clipping_off(self.optimizer):  # global_clipnorm: apply.clipping
                 super()._apply_gradients(gradients, variables)
@@ -170,13 +169,6 @@ class _Replicas:
         self.models = models
 
 
-def _sum(grads: Sequence[Any]) -> Any:
-    if all(isinstance(g, tf.IndexedSlices) for g in grads):
-        return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
-                                tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in grads])
-
-
 def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str], *,
                          recompute_layers: Collection[str] = ()) -> TensorParallelModel:
     """Clone ``view`` with ``plan.tp_splits``' layers sharded over their stage's tp
@@ -189,10 +181,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     on each copy's device), so the copies stay equal and train like one device.
     """
     tp, dp = plan.strategy.tp, plan.strategy.dp
-    from tfplan.apply.multi_worker import spans_workers
-    from tfplan.apply.remote import needs_remote
-
-    if spans_workers(plan) and not needs_remote(plan):  # one program per worker
+    if run_processes(plan) is Processes.PER_WORKER:  # one program per worker
         raise PlannerError(
             f"Plan {plan.name!r} keeps each replica inside one worker process; it runs "
             "through apply.wrap (apply.multi_worker_hybrid builds each worker's part), not "
@@ -235,7 +224,7 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
             split = splits.get(layer.name, "")
             if split:
                 return sharded_clone(layer, split, shard_devices[layer.name], plan.name)
-            return _default_clone(layer)
+            return clone_layer(layer)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
         with where(layer):

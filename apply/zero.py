@@ -34,9 +34,9 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from tfplan.apply.devices import short_name
+from tfplan.apply.device_names import short_name
+from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.placement import tf_variable
-from tfplan.apply.tensor_parallel import _sum
 from tfplan.core.errors import PlannerError
 from tfplan.planner.zero import owners_by_device_group
 
@@ -107,7 +107,7 @@ def apply_sharded(apply: Callable[[list[Any], list[Any]], None], gradients: Sequ
             sums.append(None)  # not trained by this loss: Keras skips it, nothing to copy
             continue
         with tf.device(tf_variable(g.owner_copy).device):  # a reduce, not an all-reduce
-            sums.append(_sum(present))  # apply.tensor_parallel's sum, in replica order
+            sums.append(sum_gradients(present))  # in replica order
     apply(sums, [g.owner_copy for g in groups])
     for g, summed in zip(groups, sums):
         if summed is None:

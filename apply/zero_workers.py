@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from tfplan.apply.devices import short_name
+from tfplan.apply.device_names import short_name
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.zero import assign_copies
 from tfplan.core.errors import PlannerError

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import tensorflow as tf
 
-from tfplan.apply.devices import ensure_devices, parse_device, short_name
+from tfplan.apply.device_names import parse_device, short_name
+from tfplan.apply.devices import ensure_devices
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Stage
 from tests.apply.helpers import base_model, cpus, make_plan

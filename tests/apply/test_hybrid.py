@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tfplan import apply
-from tfplan.apply.wrap import plan_mode
+from tfplan.apply.mode import execution_mode
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
@@ -18,7 +18,7 @@ def test_dp2_pp2_trains_like_one_device(name, microbatches):
     module, model = base_model(name)
     plan = make_plan(model, [cpus(0, 1), cpus(2, 3)], num_microbatches=microbatches)
     assert (plan.strategy.dp, plan.strategy.pp) == (2, 2)
-    assert plan_mode(plan) == "tensor_parallel"
+    assert execution_mode(plan).mode == "tensor_parallel"
     wrapped = apply.wrap(model, plan)
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tfplan import apply
 from tfplan.apply.schedule import schedule_of
-from tfplan.apply.wrap import plan_mode
+from tfplan.apply.mode import execution_mode
 from tfplan.planner.plan import Stage
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.signature import model_signature
@@ -39,7 +39,7 @@ def test_interleaved_plan_places_chunks_round_robin_and_trains_like_one_device()
     validate_plan(plan, model_signature(model))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the schedule is applied: nothing to warn about
-        assert plan_mode(plan) == "pipeline"
+        assert execution_mode(plan).mode == "pipeline"
         wrapped = apply.wrap(model, plan)
     assert wrapped.pipeline_schedule == schedule_of(plan)
     assert wrapped.pipeline_schedule.kind == "interleaved"

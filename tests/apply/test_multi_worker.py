@@ -165,12 +165,12 @@ def test_a_plan_over_workers_is_multi_worker_mode_and_needs_tf_config(monkeypatc
     import pytest
 
     from tfplan import apply
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import execution_mode
     from tfplan.core.errors import PlanMismatchError, PlannerError
 
     _, model = base_model("tiny_mlp")
     plan = worker_plan(model)
-    assert plan_mode(plan) == "multi_worker"
+    assert execution_mode(plan).mode == "multi_worker"
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(PlannerError, match="plan launch --workers"):
         apply.ensure_devices(plan)
@@ -181,7 +181,7 @@ def test_a_plan_over_workers_is_multi_worker_mode_and_needs_tf_config(monkeypatc
         apply.ensure_devices(plan)
     pipeline = make_plan(model, [[d] for d in plan.devices], name="pipeline over workers")
     pipeline = dataclasses.replace(pipeline, cluster=plan.cluster)
-    assert plan_mode(pipeline) == "pipeline"  # worker 0 drives both (apply.remote)
+    assert execution_mode(pipeline).mode == "pipeline"  # worker 0 drives both (apply.remote)
 
 
 if __name__ == "__main__":

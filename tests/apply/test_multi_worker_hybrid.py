@@ -186,13 +186,13 @@ def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str,
 def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
     import numpy as np
 
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import execution_mode
     from tfplan.planner.plan import save_plan
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = worker_plan(base_model(name)[1], name, kind)
-        assert plan_mode(plan) == ("multi_worker" if kind in ("dp2", "dp2+clip")
-                                   else "multi_worker_hybrid")
+        assert execution_mode(plan).mode == ("multi_worker" if kind in ("dp2", "dp2+clip")
+                                             else "multi_worker_hybrid")
         save_plan(plan, tmp_path / f"plan{i}.json")
     returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
     assert returncode == 0, logs[-6000:]
@@ -295,9 +295,7 @@ def _check_devices(devices: dict, plan, task: int) -> None:
 def test_a_replica_across_workers_is_not_a_hybrid():
     import pytest
 
-    from tfplan.apply.multi_worker_hybrid import plan_replica_tasks
-    from tfplan.apply.remote import needs_remote
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import execution_mode, plan_replica_tasks
     from tfplan.core.errors import PlannerError
 
     _, model = base_model("tiny_mlp")
@@ -307,7 +305,7 @@ def test_a_replica_across_workers_is_not_a_hybrid():
     stages = tuple(dataclasses.replace(st, devices=(dev(s, 0), dev(s, 1)))
                    for s, st in enumerate(plan.stages))
     across = dataclasses.replace(plan, stages=stages)
-    assert needs_remote(across) and plan_mode(across) == "tensor_parallel"
+    assert execution_mode(across).remote and execution_mode(across).mode == "tensor_parallel"
     with pytest.raises(PlannerError, match="replica 0 on workers \\[0, 1\\]"):
         plan_replica_tasks(across)
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.pipeline import PlacedModel
-from tfplan.apply.wrap import plan_mode
+from tfplan.apply.mode import execution_mode
 from tfplan.core.errors import PlanMismatchError
 from tfplan.core.presets import parse_cluster
 from tfplan.planner.search import search
@@ -65,7 +65,7 @@ HAND_MADE = {  # stage layers that are not runs of consecutive layers
 def _train_and_check(plan):
     module, model = base_model(NAME)
     wrapped = apply.wrap(model, plan)
-    assert isinstance(wrapped, PlacedModel) and plan_mode(plan) == "placement"
+    assert isinstance(wrapped, PlacedModel) and execution_mode(plan).mode == "placement"
     assert wrapped.num_microbatches == 1
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)

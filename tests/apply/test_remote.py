@@ -82,13 +82,13 @@ def worker_main(out_dir: str) -> None:
 def test_plans_across_workers_train_like_one_device(tmp_path):
     import numpy as np
 
-    from tfplan.apply.remote import needs_remote
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import execution_mode
     from tfplan.planner.plan import save_plan
 
     for i, (name, kind) in enumerate(CASES):  # the workers read them
         plan = remote_plan(base_model(name)[1], name, kind)
-        assert needs_remote(plan) and plan_mode(plan) == MODE[kind], (name, kind)
+        mode = execution_mode(plan)
+        assert mode.remote and mode.mode == MODE[kind], (name, kind)
         save_plan(plan, tmp_path / f"plan{i}.json")
     returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
     assert returncode == 0, logs[-6000:]
@@ -176,18 +176,17 @@ def test_plan_mode_and_auto_for_replicas_across_workers():
     apply.auto does not pick such a plan without PLAN_FILE (it must be set up before
     TensorFlow starts)."""
     from tfplan.apply.auto import not_runnable_reason
-    from tfplan.apply.multi_worker_hybrid import is_hybrid
-    from tfplan.apply.remote import needs_remote, replicas_span_workers
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import Processes, execution_mode, is_hybrid, replicas_span_workers
     from tests.apply.test_multi_worker_hybrid import worker_plan
 
     _, model = base_model("tiny_mlp")
     inside = worker_plan(model, "tiny_mlp", "dp2xpp2")  # each replica on one worker
     assert is_hybrid(inside) and not replicas_span_workers(inside)
-    assert not needs_remote(inside) and plan_mode(inside) == "multi_worker_hybrid"
+    assert execution_mode(inside).processes is Processes.PER_WORKER
+    assert execution_mode(inside).mode == "multi_worker_hybrid"
     across = remote_plan(model, "tiny_mlp", "pp2")
-    assert replicas_span_workers(across) and needs_remote(across)
-    assert plan_mode(across) == "pipeline"
+    assert replicas_span_workers(across) and execution_mode(across).remote
+    assert execution_mode(across).mode == "pipeline"
     assert "PLAN_FILE" in not_runnable_reason(across)
     assert not_runnable_reason(inside) is None
 

@@ -21,7 +21,7 @@ from tfplan import apply
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.schedule import (PipelineSchedule, Slot, device_order, forward_waits,
                             schedule_of)
-from tfplan.apply.wrap import top_level_devices
+from tfplan.apply.placement import top_level_devices
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Stage
 from tfplan.profiler.signature import model_signature

@@ -157,14 +157,15 @@ def test_layer_that_cannot_be_recreated_is_named():
 
 
 def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
-    from tfplan.apply.wrap import plan_mode
+    from tfplan.apply.mode import execution_mode
     from tfplan.core.presets import parse_cluster
 
     _, mlp = base_model("tiny_mlp")
     plan = make_plan(mlp, [cpus(0, 1)])
     saver = dataclasses.replace(plan, strategy=dataclasses.replace(
         plan.strategy, recompute="full", optimizer_sharding=True, schedule="1f1b"))
-    assert plan_mode(saver) == "tensor_parallel"  # ZeRO-1 runs on the replicated machinery
+    # ZeRO-1 runs on the replicated machinery
+    assert execution_mode(saver).mode == "tensor_parallel"
     assert not [w for w in recwarn if "does not apply" in str(w.message)]
     workers = dataclasses.replace(
         make_plan(mlp, [[f"/job:worker/task:{w}/device:CPU:0" for w in range(2)]]),
@@ -172,5 +173,5 @@ def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
     workers = dataclasses.replace(workers, strategy=dataclasses.replace(
         workers.strategy, optimizer_sharding=True))
     # ZeRO-1 across workers: the hybrid machinery (apply.zero_workers), no warning
-    assert plan_mode(workers) == "multi_worker_hybrid"
+    assert execution_mode(workers).mode == "multi_worker_hybrid"
     assert not [w for w in recwarn if "does not apply" in str(w.message)]

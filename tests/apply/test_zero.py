@@ -16,10 +16,10 @@ import pytest
 import tensorflow as tf
 
 from tfplan import apply
-from tfplan.apply.devices import short_name
+from tfplan.apply.device_names import short_name
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.tensor_parallel import TensorParallelModel
-from tfplan.apply.wrap import plan_mode
+from tfplan.apply.mode import execution_mode
 from tfplan.apply.zero import weight_groups
 from tfplan.planner.zero import owners_by_device_group
 from tests.apply import helpers  # noqa: E402
@@ -68,7 +68,7 @@ def test_sharded_optimizer_trains_like_one_device(case, recwarn):
     name, devices, m, dp, splits = CASES[case]
     module, model = base_model(name)
     plan = zero_plan(model, devices, num_microbatches=m, dp=dp, splits=splits)
-    assert plan_mode(plan) == "tensor_parallel"
+    assert execution_mode(plan).mode == "tensor_parallel"
     wrapped = apply.wrap(model, plan)
     assert not [w for w in recwarn.list if "optimizer_sharding" in str(w.message)
                 or "ZeRO" in str(w.message)]  # applied, so no "not applied yet" warning

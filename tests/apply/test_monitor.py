@@ -1,4 +1,4 @@
-"""reports.training.PlanMonitor: predicted and measured step times written per step,
+"""apply.monitor.PlanMonitor: predicted and measured step times written per step,
 read back with TensorBoard's event reader."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tfplan.planner.search import search
-from tfplan.reports.training import PlanMonitor
+from tfplan.apply.monitor import PlanMonitor
 from tests.planner.test_search import chain_profile, make_cluster
 
 

@@ -1,9 +1,10 @@
 """Predicted against measured while a wrapped model trains: a Keras callback that writes
 both into a TensorBoard run.
 
-Pipeline position: ``apply.wrap(model, plan, logdir=DIR)`` adds ``PlanMonitor`` to
-every ``fit`` of the wrapped model (``apply.planned_model``); anyone can also pass it
-to ``fit(callbacks=[...])`` themselves. Per training step it writes, under DIR:
+Pipeline position: below ``apply.planned_model``, whose ``fit`` adds ``PlanMonitor``
+when the model was wrapped with ``apply.wrap(model, plan, logdir=DIR)``; anyone can
+also pass it to ``fit(callbacks=[...])`` themselves. TensorBoard shows the run beside
+the plan's report (``reports``). Per training step it writes, under DIR:
 
 * ``measured/step_time_s`` and ``measured/samples_per_s`` -- wall time between the
   step's begin and end callbacks (Keras runs one step per callback pair with the

@@ -1,0 +1,112 @@
+"""apply.mode: how a plan runs, decided once from the plan (no devices, no TF_CONFIG);
+and the apply package's import layering that keeps it at the bottom."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import graphlib
+import os
+
+import pytest
+
+import tfplan.apply
+from tfplan.apply.mode import Mode, Processes, execution_mode, run_processes
+from tfplan.core.errors import PlannerError
+from tests.apply.helpers import cpus, make_plan
+
+SIGNATURE = tuple((f"l{i}", "Dense", 10) for i in range(4))
+
+
+def dev(task: int, cpu: int) -> str:
+    return f"/job:worker/task:{task}/device:CPU:{cpu}"
+
+
+def plan(stage_devices, *, workers: int = 1, **strategy):
+    p = make_plan(None, stage_devices, signature=SIGNATURE, global_batch=16)
+    placement = strategy.pop("placement", p.placement)
+    p = dataclasses.replace(p, placement=placement,
+                            strategy=dataclasses.replace(p.strategy, **strategy))
+    if workers > 1:
+        p = dataclasses.replace(p, cluster=dataclasses.replace(
+            p.cluster, num_nodes=workers, inter_node_link=p.cluster.intra_node_link))
+    return p
+
+
+@pytest.mark.parametrize("stage_devices, strategy, expected", [
+    ([cpus(0)], {}, Mode.SINGLE_DEVICE),
+    ([cpus(0, 1)], {}, Mode.DATA_PARALLEL),
+    ([cpus(0), cpus(1)], {}, Mode.PIPELINE),
+    ([cpus(0), cpus(1)], {"placement": "general"}, Mode.PLACEMENT),
+    ([cpus(0, 1), cpus(2, 3)], {}, Mode.TENSOR_PARALLEL),  # dp x pp
+    ([cpus(0, 1)], {"optimizer_sharding": True}, Mode.TENSOR_PARALLEL),  # ZeRO-1
+    ([cpus(0, 1)], {"dp": 1, "tp": 2}, Mode.TENSOR_PARALLEL),
+])
+def test_one_host_plans(stage_devices, strategy, expected):
+    mode = execution_mode(plan(stage_devices, **strategy))
+    assert mode.mode is expected and mode.mode == expected.value
+    assert mode.processes is Processes.ONE_HOST and not mode.remote
+    assert mode.worker_tasks == () and mode.replica_tasks == ()
+
+
+def test_plans_over_workers():
+    dp = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2))
+    assert (dp.mode, dp.processes) == (Mode.MULTI_WORKER, Processes.PER_WORKER)
+    assert dp.worker_tasks == (0, 1) and dp.replica_tasks == ()
+    # replica r on device r: replicas 0 and 1 on worker 0, 2 and 3 on worker 1
+    dp4 = execution_mode(plan([[dev(w, i) for w in range(2) for i in range(2)]], workers=2))
+    assert (dp4.mode, dp4.processes) == (Mode.MULTI_WORKER_HYBRID, Processes.PER_WORKER)
+    assert dp4.replica_tasks == (0, 0, 1, 1)
+    zero = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, optimizer_sharding=True))
+    assert zero.mode is Mode.MULTI_WORKER_HYBRID and zero.replica_tasks == (0, 1)
+    # a replica across workers: worker 0 drives both (apply.remote), the one-host mode
+    pp = plan([[dev(0, 0)], [dev(1, 0)]], workers=2)
+    assert (execution_mode(pp).mode, execution_mode(pp).processes) == (Mode.PIPELINE,
+                                                                        Processes.REMOTE)
+    assert run_processes(pp) is Processes.REMOTE and execution_mode(pp).remote
+    general = plan([[dev(0, 0)], [dev(1, 0)]], workers=2, placement="general")
+    assert execution_mode(general).mode is Mode.PLACEMENT and execution_mode(general).remote
+
+
+def test_a_plan_that_leaves_a_worker_idle_is_refused():
+    idle = plan([[dev(0, 0), dev(1, 0)]], workers=3)
+    with pytest.raises(PlannerError, match="uses 2 of its cluster's 3 workers"):
+        execution_mode(idle)
+    assert run_processes(idle) is Processes.PER_WORKER  # ensure_devices' question only
+
+
+def _apply_imports() -> dict[str, set[str]]:
+    """{apply module: apply modules it imports}, counting imports inside functions."""
+    folder = os.path.dirname(tfplan.apply.__file__)
+    graph: dict[str, set[str]] = {}
+    for file in sorted(os.listdir(folder)):
+        if not file.endswith(".py") or file == "__init__.py":
+            continue
+        module = f"tfplan.apply.{file[:-3]}"
+        with open(os.path.join(folder, file), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfplan."):
+                assert not node.level
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{module} imports {private} from {node.module}"
+                assert not node.module.startswith(("tfplan.reports", "tfplan.cli")), \
+                    f"{module} imports {node.module}, above apply"
+                targets = [node.module] if node.module != "tfplan.apply" else \
+                    [f"tfplan.apply.{a.name}" for a in node.names]
+                graph[module] |= {t for t in targets if t.startswith("tfplan.apply.")}
+            elif isinstance(node, ast.Import):
+                graph[module] |= {a.name for a in node.names
+                                  if a.name.startswith("tfplan.apply.")}
+        graph[module].discard(module)
+    return graph
+
+
+def test_apply_modules_import_in_layers_with_mode_at_the_bottom():
+    graph = _apply_imports()
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # CycleError on a cycle
+    assert graph["tfplan.apply.mode"] == set()
+    assert order.index("tfplan.apply.mode") < order.index("tfplan.apply.devices") \
+        < order.index("tfplan.apply.wrap") < order.index("tfplan.apply.auto")
+    assert [m for m, deps in graph.items() if "tfplan.apply.wrap" in deps] == [
+        "tfplan.apply.auto"]  # the modes stand below wrap; only auto above it
