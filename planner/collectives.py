@@ -1,12 +1,13 @@
 """Collectives: the one place every transfer and collective the planner prices is priced.
 
-Pipeline position: below ``planner.cost_model``'s callers and beside it: the strategy
-search (``planner.search``: plain data parallelism, GPipe boundaries), the hybrid
-pricing (``planner.pricing``: tensor-parallel all-reduces, pipeline sends, the
-data-parallel gradient all-reduce), the tensor-parallel ILP (``planner.tp_ilp``,
+Pipeline position: beside ``planner.cost_model`` (which prices compute, memory and
+the pipeline schedule), below everything that prices a candidate: the strategy search
+(``planner.search``: plain data parallelism, GPipe boundaries), the hybrid pricing
+(``planner.pricing``: tensor-parallel all-reduces, pipeline sends, the data-parallel
+gradient all-reduce), the tensor-parallel ILP (``planner.tp_ilp``, through
 ``planner.tp_splits``) and general placement (``planner.placement_search``) all call
-these functions; none prices a collective itself. Pure functions of bytes, group sizes
-and ``LinkSpec``s (alpha: ``latency_s``, beta: ``bandwidth_bytes_per_s``, one
+these functions, and none prices a collective itself. Pure functions of bytes, group
+sizes and ``LinkSpec``s (alpha: ``latency_s``, beta: ``bandwidth_bytes_per_s``, one
 direction), each citing its formula. Which devices a group holds, and which link joins
 two devices, is ``planner.topology``'s.
 """
