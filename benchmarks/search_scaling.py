@@ -68,10 +68,10 @@ def profile_gpt(blocks: int, hidden: int, heads: int, vocab: int, seq: int, cach
 
 
 def _timing_highs():
-    """Wrap ``pipeline_ilp._Milp.solve`` (HiGHS's own run) to record its seconds."""
-    from tfplan.planner import pipeline_ilp
+    """Wrap ``milp.Milp.solve`` (HiGHS's own run) to record its seconds."""
+    from tfplan.planner import milp
     seconds: list[float] = []
-    original = pipeline_ilp._Milp.solve
+    original = milp.Milp.solve
 
     def solve(self, time_limit_s):
         t0 = time.perf_counter()
@@ -80,19 +80,20 @@ def _timing_highs():
         finally:
             seconds.append(time.perf_counter() - t0)
 
-    pipeline_ilp._Milp.solve = solve
-    return seconds, lambda: setattr(pipeline_ilp._Milp, "solve", original)
+    milp.Milp.solve = solve
+    return seconds, lambda: setattr(milp.Milp, "solve", original)
 
 
 def time_tp_ilp(profile, cluster, global_batch: int, repeats: int) -> dict[int, dict]:
     """Median seconds per tp of: building the TPProblem, ilp_tp (and HiGHS within it),
     solve_splits end to end."""
-    from tfplan.planner.search import _context
-    from tfplan.planner.strategies import Pricer, divisors
+    from tfplan.planner.candidates import divisors
+    from tfplan.planner.context import search_context
+    from tfplan.planner.pricing import Pricer
     from tfplan.planner.tp_ilp import ilp_tp
     from tfplan.planner.tp_splits import reference_samples, solve_splits, tp_problem
 
-    ctx = _context(profile, cluster, global_batch)
+    ctx = search_context(profile, cluster, global_batch)
     out = {}
     highs_s, restore = _timing_highs()
     for tp in [t for t in divisors(cluster.devices_per_node) if t > 1]:

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tfplan.planner import pipeline_ilp  # noqa: E402
+from tfplan.planner import milp  # noqa: E402
 from tfplan.core.cluster import LinkSpec  # noqa: E402
 from tfplan.planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem,  # noqa: E402
                             ilp_tp)
@@ -75,7 +75,7 @@ def _timed_solve(original):
 
 # HiGHS's own time, apart from building the rows and re-checking the answer (both
 # linear in the layers, pure Python).
-pipeline_ilp._Milp.solve = _timed_solve(pipeline_ilp._Milp.solve)
+milp.Milp.solve = _timed_solve(milp.Milp.solve)
 
 
 def timed(p: TPProblem, repeats: int = 15) -> tuple[float, float, object]:

@@ -1,8 +1,10 @@
 """The cost model: pure functions from profile numbers and hardware to seconds and bytes.
 
-Pipeline position: read by ``planner.search`` (to price each candidate) and
-``planner.pipeline_ilp`` (through the per-layer numbers search hands it). Every
-function is pure, names its symbols, and cites where its formula comes from.
+Pipeline position: read by ``planner.search`` and ``planner.pricing`` (to price each
+candidate), ``planner.tp_splits`` and, through the per-layer numbers the search hands
+them, the ILPs. Every function is pure, names its symbols, and cites where its formula
+comes from. Transfers and collectives are priced in ``planner.collectives``, nowhere
+else.
 
 Profile numbers are for ``ModelProfile.batch_size`` samples (b); a cost for
 ``samples`` samples scales them linearly: ``value * samples / b``.
@@ -13,7 +15,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from tfplan.core.cluster import ClusterSpec, DeviceSpec
 from tfplan.planner.plan import Breakdown
 from tfplan.profiler.model_profile import LayerProfile
 
@@ -148,31 +150,6 @@ def layer_pass_time_s(layer: LayerProfile, samples: float, profile_batch_size: i
     return fwd + bwd
 
 
-def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
-    """Point-to-point transfer, alpha-beta model: t = alpha + n / beta.
-
-    alpha: ``link.latency_s``; beta: ``link.bandwidth_bytes_per_s`` (one
-    direction); n: bytes (Hockney, "The communication challenge for MPP", 1994).
-    """
-    return link.latency_s + nbytes / link.bandwidth_bytes_per_s
-
-
-def ring_allreduce_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-reduce of ``nbytes`` on ``n`` devices.
-
-    t = 2 (n-1)/n * N / beta + 2 (n-1) * alpha; 0 for n == 1.
-    A reduce-scatter then an all-gather, each n-1 steps of N/n bytes
-    (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-    workstations", JPDC 2009; NCCL docs, "Performance: algorithm bandwidth vs bus
-    bandwidth", bus factor 2(n-1)/n).
-    """
-    if n < 1:
-        raise ValueError(f"all-reduce over {n} devices; expected n >= 1")
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
-
-
 def optimizer_time_s(param_bytes: float, grad_bytes: float, optimizer_bytes: float,
                      device: DeviceSpec) -> float:
     """Optimizer update, memory-bound: t = (2 W + G + 2 S) / B_mem.
@@ -234,59 +211,6 @@ def model_tflops_per_device(flops_per_sample: float, global_batch: int, step_tim
     (the "model FLOPs" of Chowdhery et al., PaLM, 2022, App. B: recomputation
     not counted)."""
     return flops_per_sample * global_batch / step_time_s / devices_used / 1e12
-
-
-# --- collectives beyond the ring all-reduce (alpha-beta per link level) ---------------------
-
-def ring_allgather_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-gather of an ``nbytes`` result over ``n`` devices (each holds N/n).
-
-    t = (n-1)/n * N / beta + (n-1) * alpha; 0 for n == 1 (Thakur, Rabenseifner &
-    Gropp, "Optimization of collective communication operations in MPICH", IJHPCA
-    2005, ring algorithm).
-    """
-    if n < 1:
-        raise ValueError(f"all-gather over {n} devices; expected n >= 1")
-    if n == 1:
-        return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
-
-
-def ring_reduce_scatter_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring reduce-scatter of ``nbytes`` over ``n`` devices: the mirror of the all-gather,
-    same cost t = (n-1)/n * N / beta + (n-1) * alpha (Thakur et al., IJHPCA 2005)."""
-    return ring_allgather_time_s(nbytes, n, link)
-
-
-def pipeline_send_time_s(nbytes: float, tp: int, link: LinkSpec, intra: LinkSpec) -> float:
-    """Send a stage's output of ``nbytes`` to the next stage, both split over ``tp``
-    tensor-parallel ranks: each rank sends its 1/tp slice over its own link, then the
-    next stage's ranks all-gather the slices inside the node:
-    t = p2p(N / tp) + all-gather(N, tp) (Narayanan et al., SC'21, Sec. 4.1, the
-    scatter/gather optimization; the output is replicated across the tp ranks, so
-    sending it whole from every rank would repeat it tp times). tp = 1: t = p2p(N).
-    """
-    if tp <= 1:
-        return p2p_time_s(nbytes, link)
-    return p2p_time_s(nbytes / tp, link) + ring_allgather_time_s(nbytes, tp, intra)
-
-
-def hierarchical_allreduce_time_s(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
-                                  inter: LinkSpec) -> float:
-    """All-reduce of ``nbytes`` over ``per_node`` devices in each of ``nodes`` nodes.
-
-    t = RS_intra(N, k) + AR_inter(N / k, nodes) + AG_intra(N, k), k = per_node:
-    reduce-scatter inside the node over NVLink, then each of the k devices
-    all-reduces its N/k shard with its peers in the other nodes (ring, over its
-    own NIC), then an all-gather inside the node (NCCL's tree/ring hierarchy;
-    Jia et al., "Highly scalable deep learning training system with mixed-precision",
-    2018, hierarchical all-reduce; Sergeev & Del Balso, "Horovod", 2018).
-    """
-    if nodes <= 1:
-        return ring_allreduce_time_s(nbytes, per_node, intra)
-    return (ring_reduce_scatter_time_s(nbytes, per_node, intra)
-            + ring_allreduce_time_s(nbytes / per_node, nodes, inter)
-            + ring_allgather_time_s(nbytes, per_node, intra))
 
 
 def exposed_allreduce_s(allreduce_s: float, overlappable_backward_s: float) -> float:

@@ -20,16 +20,13 @@ crosses a boundary once.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
 import math
-import os
-import sys
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Sequence
 
 from tfplan.core.errors import InfeasiblePlanError, SolverError
+from tfplan.planner.milp import HIGHS, Milp, NoSolutionInTime, lin, pick_one, size_text
 
 # Relative slack on the memory rows of the ILP, so that HiGHS's feasibility
 # tolerance (1e-7 on the scaled rows) cannot hand back a split that overflows
@@ -188,102 +185,6 @@ def _span(problem: SplitProblem, cost: StageCost) -> str:
 
 # --- the ILP -------------------------------------------------------------------------------
 
-class _NoSolutionInTime(SolverError):
-    """HiGHS stopped at its time limit before finding any split."""
-
-
-class _Milp:
-    """A MILP written as named variable families and labelled constraint rows."""
-
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.integer: list[int] = []
-        self.cost: list[float] = []
-        self.rows: list[tuple[str, dict[int, float], float, float]] = []
-
-    def family(self, keys: Iterable, *, lower: float, upper: float,
-               integer: bool) -> dict:
-        index = {}
-        for key in keys:
-            index[key] = len(self.lower)
-            self.lower.append(lower)
-            self.upper.append(upper)
-            self.integer.append(1 if integer else 0)
-            self.cost.append(0.0)
-        return index
-
-    def minimise(self, expr: Mapping[int, float]) -> None:
-        for var, coef in expr.items():
-            self.cost[var] += coef
-
-    def constrain(self, label: str, expr: Mapping[int, float], lo: float = -math.inf,
-                  hi: float = math.inf) -> None:
-        self.rows.append((label, dict(expr), lo, hi))
-
-    def solve(self, time_limit_s: float):
-        import numpy as np
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_array
-
-        r, c, v = [], [], []
-        for row, (_, expr, _, _) in enumerate(self.rows):
-            for var, coef in expr.items():
-                r.append(row), c.append(var), v.append(coef)
-        shape = (len(self.rows), len(self.lower))
-        constraints = []
-        if self.rows:
-            constraints.append(LinearConstraint(
-                coo_array((v, (r, c)), shape=shape).tocsr(),
-                np.array([row[2] for row in self.rows]), np.array([row[3] for row in self.rows])))
-        with _solver_chatter_to_stderr():  # every ILP: plan ... --json keeps stdout clean
-            return milp(np.array(self.cost), integrality=np.array(self.integer),
-                        bounds=Bounds(np.array(self.lower), np.array(self.upper)),
-                        constraints=constraints,
-                        options={"time_limit": max(time_limit_s, 0.01), "mip_rel_gap": 1e-7,
-                                 "presolve": True})
-
-
-@contextlib.contextmanager
-def _solver_chatter_to_stderr():
-    """Send what C code prints to stdout while inside to stderr instead.
-
-    HiGHS (scipy 1.x) prints some MIP diagnostics with printf even with its display
-    off (e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-    on this formulation); `plan ... --json` promises one JSON object on stdout and
-    nothing else. File descriptor 1 points at stderr meanwhile; C's buffers are
-    flushed before it is restored.
-    """
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):  # no real stdout: nothing to protect
-        yield
-        return
-    libc = None
-    try:
-        libc = ctypes.CDLL(None)
-    except (OSError, TypeError):  # no C library by that name (not a POSIX system)
-        pass
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        if libc is not None:
-            libc.fflush(None)
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _lin(*terms: Iterable[tuple[int, float]]) -> dict[int, float]:
-    """Sum of (variable, coefficient) terms as one expression."""
-    expr: dict[int, float] = {}
-    for group in terms:
-        for var, coef in group:
-            expr[var] = expr.get(var, 0.0) + coef
-    return expr
-
-
 def ilp_split(problem: SplitProblem, *, time_limit_s: float = 10.0,
               upper_bound_s: float | None = None) -> Split:
     """The best split by ILP (scipy.optimize.milp / HiGHS), re-checked before it returns.
@@ -314,7 +215,7 @@ def ilp_split(problem: SplitProblem, *, time_limit_s: float = 10.0,
         else math.floor(problem.memory_capacity_bytes)
     norm = max(cap or 1, 1)  # memory rows are divided by the capacity (scaled to ~1)
 
-    m = _Milp()
+    m = Milp()
     x = m.family(itertools.product(layers, stages), lower=0, upper=1, integer=True)
     y = m.family(itertools.product(transfers, bounds), lower=0, upper=1, integer=False)
     t_max = math.inf if upper_bound_s is None else upper_bound_s / unit_s * (1 + 1e-6) + 1e-9
@@ -330,64 +231,56 @@ def ilp_split(problem: SplitProblem, *, time_limit_s: float = 10.0,
         return [(var, -coef) for var, coef in terms]
 
     eps = 1e-3 / (n * (s_count - 1) + 1)
-    m.minimise(_lin([(big_t, 1.0)], *([(var, eps * c) for var, c in stage(i)] for i in layers)))
+    m.minimise(lin([(big_t, 1.0)], *([(var, eps * c) for var, c in stage(i)] for i in layers)))
 
     # assign[i]: each layer in exactly one stage.
     for i in layers:
-        m.constrain(f"assign[{i}]", _lin([(x[i, s], 1.0) for s in stages]), 1, 1)
+        m.constrain(f"assign[{i}]", lin([(x[i, s], 1.0) for s in stages]), 1, 1)
     # order[i]: contiguity, 0 <= stage(i+1) - stage(i) <= 1; ends pin every stage non-empty.
     for i in range(n - 1):
-        m.constrain(f"order[{i}]", _lin(stage(i + 1), neg(stage(i))), 0, 1)
-    m.constrain("first", _lin(stage(0)), 0, 0)
-    m.constrain("last", _lin(stage(n - 1)), s_count - 1, s_count - 1)
+        m.constrain(f"order[{i}]", lin(stage(i + 1), neg(stage(i))), 0, 1)
+    m.constrain("first", lin(stage(0)), 0, 0)
+    m.constrain("last", lin(stage(n - 1)), s_count - 1, s_count - 1)
     # monotone[i, s], step[i, s]: the same contiguity per stage (z[i+1, s] <= z[i, s] and
     # z[i, s] <= z[i+1, s+1]). Implied by order[i] for 0/1 values; they tighten the LP
     # relaxation, which cuts HiGHS's search several-fold.
     for i in range(n - 1):
         for s in bounds:
-            m.constrain(f"monotone[{i},{s}]", _lin(z(i, s), neg(z(i + 1, s))), lo=0)
-            m.constrain(f"step[{i},{s}]", _lin(z(i + 1, s + 1), neg(z(i, s))), lo=0)
+            m.constrain(f"monotone[{i},{s}]", lin(z(i, s), neg(z(i + 1, s))), lo=0)
+            m.constrain(f"step[{i},{s}]", lin(z(i + 1, s + 1), neg(z(i, s))), lo=0)
     # crosses[k, d, s]: y[k, s] >= z[src, s] - z[d, s] for every reader d.
     for k, t in enumerate(problem.transfers):
         for d in sorted(set(t.dsts)):
             for s in bounds:
                 m.constrain(f"crosses[{k},{d},{s}]",
-                            _lin([(y[k, s], 1.0)], neg(z(t.src, s)), z(d, s)), lo=0)
+                            lin([(y[k, s], 1.0)], neg(z(t.src, s)), z(d, s)), lo=0)
     # memory[s]: layers held + tensors received across boundary s-1 <= capacity.
     if cap is not None:
         for s in stages:
             received = [(y[k, s - 1], t.recv_memory_bytes / norm)
                         for k, t in enumerate(problem.transfers)] if s > 0 else []
-            m.constrain(f"memory[{s}]", _lin(
+            m.constrain(f"memory[{s}]", lin(
                 [(x[i, s], problem.layer_memory_bytes[i] / norm) for i in layers], received),
                 hi=cap / norm * (1.0 - _MEMORY_SLACK))
     # time[s]: T >= compute of stage s + tensors it sends across boundary s.
     for s in stages:
         sent = [(y[k, s], t.send_time_s[s] / unit_s)
                 for k, t in enumerate(problem.transfers)] if s < s_count - 1 else []
-        m.constrain(f"time[{s}]", _lin(
+        m.constrain(f"time[{s}]", lin(
             [(x[i, s], problem.layer_time_s[i] / unit_s) for i in layers], sent,
             [(big_t, -1.0)]), hi=0.0)
 
-    res = m.solve(time_limit_s)
-    name = "ILP (HiGHS via scipy.optimize.milp)"
-    if res.status == 2:
-        raise InfeasiblePlanError(_explain_infeasible(problem, solver_said_infeasible=True))
-    if res.x is None:
-        raise (_NoSolutionInTime if res.status == 1 else SolverError)(
-            f"{name} found no split of {n} layers into {s_count} stages ({res.message}). "
-            f"Raise the time limit (it was {time_limit_s:g} s) or use fewer stages.")
+    name = f"ILP ({HIGHS})"
+    res = m.solve_or_raise(
+        time_limit_s, name=name, what=f"split of {n} layers into {s_count} stages",
+        infeasible=lambda: _explain_infeasible(problem, solver_said_infeasible=True),
+        advice=" or use fewer stages")
     status = ("optimal" if res.status == 0 else
               f"time limit {time_limit_s:g} s reached, best split found "
               f"(gap {100 * (res.mip_gap or 0):.2g}%)")
-    stage_of = []
-    for i in layers:
-        values = [float(res.x[x[i, s]]) for s in stages]
-        best = max(stages, key=lambda s: values[s])
-        if any(abs(v - round(v)) > 1e-5 for v in values):
-            raise SolverError(f"{name} returned a fractional placement for layer "
-                              f"{problem.layer_names[i]!r}: {values}.")
-        stage_of.append(best)
+    stage_of = [pick_one(res.x, {s: x[i, s] for s in stages},
+                         f"{name} returned a fractional placement for layer "
+                         f"{problem.layer_names[i]!r}") for i in layers]
     solver = f"{name}: {status}, {s_count} stages"
     costs = check_split(problem, stage_of, name)
     bottleneck = max(c.time_s for c in costs)
@@ -516,7 +409,7 @@ def best_split(problem: SplitProblem, *, time_limit_s: float = 10.0,
                             f"skipped above {limit} binaries, this split has {binaries})")
     try:
         return ilp_split(problem, time_limit_s=time_limit_s, upper_bound_s=seed.bottleneck_s)
-    except _NoSolutionInTime as e:
+    except NoSolutionInTime as e:
         note = str(e)
     except InfeasiblePlanError:  # only a stage within _MEMORY_SLACK of the capacity fits
         note = "the ILP's memory rows keep a 1e-6 safety margin that this split needs"
@@ -573,16 +466,12 @@ def _explain_infeasible(problem: SplitProblem, solver_said_infeasible: bool = Fa
     layer_bytes = problem.layer_memory_bytes[worst]
     if layer_bytes > cap:
         return (f"Memory binds: layer {problem.layer_names[worst]!r} alone needs "
-                f"{_gib(layer_bytes)} and a device holds {_gib(cap)}; no pipeline split can "
-                "help. Use devices with more memory or a smaller batch.")
+                f"{size_text(layer_bytes)} and a device holds {size_text(cap)}; no pipeline split "
+                "can help. Use devices with more memory or a smaller batch.")
     fewest = min_stages_to_fit(problem)
     need = (f"; at least {fewest} stages would fit" if fewest is not None else "")
     return (f"Memory binds: the best split of {problem.num_layers} layers into "
-            f"{problem.num_stages} stages still needs {_gib(fullest)} on its fullest stage "
+            f"{problem.num_stages} stages still needs {size_text(fullest)} on its fullest stage "
             f"(layers {problem.layer_names[a]}..{problem.layer_names[b - 1]}) and a device "
-            f"holds {_gib(cap)}{need}.")
+            f"holds {size_text(cap)}{need}.")
 
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB" \
-        if nbytes >= 2**20 else f"{nbytes:.0f} bytes"

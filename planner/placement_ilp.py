@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from tfplan.core.errors import InfeasiblePlanError, SolverError
-from tfplan.planner.pipeline_ilp import _Milp, _gib, _lin
+from tfplan.planner.milp import HIGHS, Milp, lin, pick_one, size_text
 
 MAX_LAYERS = 12
 MAX_DEVICES = 4
@@ -215,7 +215,7 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
     unit_s = horizon_s / _TIME_SCALE if horizon_s > 0 else 1.0
     big_h = horizon_s / unit_s if horizon_s > 0 else 1.0
 
-    m = _Milp()
+    m = Milp()
     x = m.family(itertools.product(layers, devices), lower=0, upper=1, integer=True)
     start = m.family(layers, lower=0, upper=big_h, integer=False)
     y = m.family(edges, lower=0, upper=1, integer=False)
@@ -226,32 +226,32 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
     head_s, tail_s = _chain_bounds(problem)
 
     for v in layers:
-        m.constrain(f"assign[{v}]", _lin([(x[v, d], 1.0) for d in devices]), 1, 1)
+        m.constrain(f"assign[{v}]", lin([(x[v, d], 1.0) for d in devices]), 1, 1)
         for d in devices:
             if d > v:
                 m.constrain(f"first_use[{v},{d}]", {x[v, d]: 1.0}, 0, 0)
-        m.constrain(f"makespan[{v}]", _lin([(start[v], 1.0), (c_max, -1.0)]),
+        m.constrain(f"makespan[{v}]", lin([(start[v], 1.0), (c_max, -1.0)]),
                     hi=-(t[v] + tail_s[v]) / unit_s)
         if head_s[v] > 0:
             m.constrain(f"head[{v}]", {start[v]: 1.0}, lo=head_s[v] / unit_s)
     for d in devices:
-        m.constrain(f"load[{d}]", _lin([(x[v, d], t[v] / unit_s) for v in layers],
+        m.constrain(f"load[{d}]", lin([(x[v, d], t[v] / unit_s) for v in layers],
                                        [(c_max, -1.0)]), hi=0)
     for (u, v), c in edges.items():
         for d in devices:
-            m.constrain(f"cross[{u},{v},{d}]", _lin(
+            m.constrain(f"cross[{u},{v},{d}]", lin(
                 [(y[u, v], 1.0), (x[u, d], -1.0), (x[v, d], 1.0)]), lo=0)
-        m.constrain(f"precede[{u},{v}]", _lin(
+        m.constrain(f"precede[{u},{v}]", lin(
             [(start[u], 1.0), (y[u, v], c / unit_s), (start[v], -1.0)]), hi=-t[u] / unit_s)
     for u, v in free_pairs:
         for d in devices:
-            m.constrain(f"same[{u},{v},{d}]", _lin(
+            m.constrain(f"same[{u},{v},{d}]", lin(
                 [(z[u, v], 1.0), (x[u, d], -1.0), (x[v, d], -1.0)]), lo=-1)
         # S[u] - S[v] + H o + H z <= 2H - t_u ;  S[v] - S[u] - H o + H z <= H - t_v
-        m.constrain(f"before[{u},{v}]", _lin(
+        m.constrain(f"before[{u},{v}]", lin(
             [(start[u], 1.0), (start[v], -1.0), (o[u, v], big_h), (z[u, v], big_h)]),
             hi=2 * big_h - t[u] / unit_s)
-        m.constrain(f"after[{u},{v}]", _lin(
+        m.constrain(f"after[{u},{v}]", lin(
             [(start[v], 1.0), (start[u], -1.0), (o[u, v], -big_h), (z[u, v], big_h)]),
             hi=big_h - t[v] / unit_s)
     cap = problem.memory_capacity_bytes
@@ -259,24 +259,17 @@ def ilp_placement(problem: PlacementProblem, *, time_limit_s: float = 10.0) -> P
         # (rows that cannot bind are left out: tiny coefficients made HiGHS fail to solve)
         norm = max(cap, 1.0)
         for d in devices:
-            m.constrain(f"memory[{d}]", _lin(
+            m.constrain(f"memory[{d}]", lin(
                 [(x[v, d], problem.layer_memory_bytes[v] / norm) for v in layers]),
                 hi=cap / norm * (1 - _MEMORY_SLACK))
 
-    res = m.solve(time_limit_s)
-    name = "MILP (HiGHS via scipy.optimize.milp)"
-    if res.status == 2:
-        raise InfeasiblePlanError(_explain_infeasible(problem))
-    if res.x is None:
-        raise SolverError(f"{name} found no placement of {n} layers on {d_count} devices "
-                          f"({res.message}). Raise the time limit (it was {time_limit_s:g} s).")
-    device_of = []
-    for v in layers:
-        values = [float(res.x[x[v, d]]) for d in devices]
-        if any(abs(val - round(val)) > 1e-5 for val in values):
-            raise SolverError(f"{name} returned a fractional placement for layer "
-                              f"{problem.layer_names[v]!r}: {values}.")
-        device_of.append(max(devices, key=lambda d: values[d]))
+    name = f"MILP ({HIGHS})"
+    res = m.solve_or_raise(time_limit_s, name=name,
+                           what=f"placement of {n} layers on {d_count} devices",
+                           infeasible=lambda: _explain_infeasible(problem))
+    device_of = [pick_one(res.x, {d: x[v, d] for d in devices},
+                          f"{name} returned a fractional placement for layer "
+                          f"{problem.layer_names[v]!r}") for v in layers]
     status = "optimal" if res.status == 0 else "time limit reached, best found"
     solver = f"{name}: {status}, {d_count} devices"
     # The solver's own times, re-checked as they are; then the same orders left-shifted
@@ -369,10 +362,10 @@ def _explain_infeasible(problem: PlacementProblem) -> str:
     names, mem = problem.layer_names, problem.layer_memory_bytes
     worst = max(range(problem.num_layers), key=lambda v: mem[v])
     if mem[worst] > cap:
-        return (f"Memory binds: layer {names[worst]!r} alone needs {_gib(mem[worst])} and a "
-                f"device holds {_gib(cap)}; no placement can help. Use devices with more "
+        return (f"Memory binds: layer {names[worst]!r} alone needs {size_text(mem[worst])} and a "
+                f"device holds {size_text(cap)}; no placement can help. Use devices with more "
                 "memory or a smaller batch.")
-    return (f"Memory binds: the {problem.num_layers} layers need {_gib(sum(mem))} in all and "
-            f"no way of packing them onto {problem.num_devices} devices of {_gib(cap)} each "
-            f"fits (the largest, {names[worst]!r}, needs {_gib(mem[worst])}). Use more "
+    return (f"Memory binds: the {problem.num_layers} layers need {size_text(sum(mem))} in all and "
+            f"no way of packing them onto {problem.num_devices} devices of {size_text(cap)} each "
+            f"fits (the largest, {names[worst]!r}, needs {size_text(mem[worst])}). Use more "
             "devices or devices with more memory.")

@@ -1,7 +1,7 @@
 """General device placement as a search candidate: each layer on any device, branches at once.
 
 Pipeline position: called by ``planner.search.search`` (unconstrained searches only)
-with its ``_Context``; prices the model's layers and edges with the search's own cost
+with its ``SearchContext``; prices the model's layers and edges with the search's own cost
 model, hands a ``PlacementProblem`` to ``planner.placement_ilp.ilp_placement``,
 re-checks the answer (``check_placement``) and returns it as a ``Plan`` with
 ``placement == "general"``: one ``Stage`` per device used, holding that device's
@@ -17,15 +17,15 @@ micro-batches are for.
 
 The model (one batch B, no micro-batches):
 
-- layer v: t_v = forward + backward for B samples (``_Context.layer_times_s(B)``);
+- layer v: t_v = forward + backward for B samples (``SearchContext.layer_times_s(B)``);
   lumping a layer's forward and backward into one task keeps the critical path of
   F_u -> F_v -> B_v -> B_u (the backward mirrors the forward), so the makespan of
   the lumped schedule is that of forward + backward;
 - edge u -> v on different devices: its tensor goes forward and its gradient comes
-  back, c_uv = 2 x ``cost_model.p2p_time_s``(bytes for B samples, the intra-node
+  back, c_uv = 2 x ``collectives.p2p_time_s``(bytes for B samples, the intra-node
   point-to-point link) (Hockney's alpha-beta model), as for pipeline boundaries;
   transfers are delays (no link contention);
-- memory of device d: sum of its layers' ``_Context.layer_memories_bytes(B)`` (the
+- memory of device d: sum of its layers' ``SearchContext.layer_memories_bytes(B)`` (the
   ILP's constraint) plus, in the prediction, a received copy of every tensor that
   arrives from another device (``cost_model.with_margin_bytes``), as pipeline
   stages charge their received tensors;
@@ -45,21 +45,22 @@ from dataclasses import replace
 
 import networkx as nx
 
+from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
-from tfplan.core.cluster import ClusterSpec, LinkSpec
+from tfplan.planner.context import SearchContext
 from tfplan.core.errors import InfeasiblePlanError
 from tfplan.planner.graph import layer_graph
 from tfplan.planner.placement_ilp import (MAX_DEVICES, MAX_LAYERS, Placement, PlacementEdge,
                                    PlacementProblem, check_placement, ilp_placement)
 from tfplan.planner.plan import Breakdown, Plan, Stage, Strategy
-from tfplan.planner.search import _Context, _plan
+from tfplan.planner.topology import intra_node_p2p_link
 
 # A placement is offered only if its makespan is below the serial time by more than this
 # fraction: less is solver tolerance, not overlap.
 MIN_OVERLAP_GAIN = 1e-6
 
 
-def placement_plans(ctx: _Context, time_limit_s: float) -> list[Plan]:
+def placement_plans(ctx: SearchContext, time_limit_s: float) -> list[Plan]:
     """The best general placement of ``ctx``'s model as a one-element list, or [] when
     the model or cluster is not eligible (module docstring) or nothing overlaps.
 
@@ -85,7 +86,7 @@ def placement_plans(ctx: _Context, time_limit_s: float) -> list[Plan]:
     return [_to_plan(ctx, problem, placement, serial_s, fits_note)]
 
 
-def eligible(ctx: _Context) -> bool:
+def eligible(ctx: SearchContext) -> bool:
     """One node of >= 2 devices, 2..MAX_LAYERS layers, and two layers no path orders."""
     n = len(ctx.names)
     if ctx.cluster.num_nodes != 1 or ctx.cluster.num_devices < 2 or not 2 <= n <= MAX_LAYERS:
@@ -94,21 +95,14 @@ def eligible(ctx: _Context) -> bool:
     return closure.number_of_edges() < n * (n - 1) // 2  # some pair is unordered
 
 
-def p2p_link(cluster: ClusterSpec) -> LinkSpec:
-    """The link one transfer inside a node crosses (``ClusterSpec.p2p_link`` where the
-    cluster has it, else the intra-node link)."""
-    pick = getattr(cluster, "p2p_link", None)
-    return pick(True) if callable(pick) else cluster.intra_node_link
-
-
-def placement_problem(ctx: _Context) -> PlacementProblem:
+def placement_problem(ctx: SearchContext) -> PlacementProblem:
     """The placement problem for the global batch on min(devices, MAX_DEVICES) devices."""
     p, batch = ctx.profile, ctx.global_batch
-    link = p2p_link(ctx.cluster)
+    link = intra_node_p2p_link(ctx.cluster)
     graph = layer_graph(p)
     position = {name: i for i, name in enumerate(ctx.names)}
     edges = tuple(
-        PlacementEdge(src=u, dst=v, transfer_time_s=2 * cm.p2p_time_s(
+        PlacementEdge(src=u, dst=v, transfer_time_s=2 * coll.p2p_time_s(
             cm.scaled(data["bytes"], batch, p.batch_size), link))
         for u, v, data in sorted(graph.edges(data=True),
                                  key=lambda e: (position[e[0]], position[e[1]])))
@@ -153,7 +147,7 @@ def critical_path(problem: PlacementProblem, placement: Placement) -> tuple[floa
     return compute_s, transfer_s, idle_s
 
 
-def _to_plan(ctx: _Context, problem: PlacementProblem, placement: Placement, serial_s: float,
+def _to_plan(ctx: SearchContext, problem: PlacementProblem, placement: Placement, serial_s: float,
              fits_note: str) -> Plan:
     p, batch = ctx.profile, ctx.global_batch
     # devices renamed in order of first use along the topological order: stage s on device s
@@ -179,9 +173,9 @@ def _to_plan(ctx: _Context, problem: PlacementProblem, placement: Placement, ser
         ctx.cluster)
     solver = (f"{placement.solver}; makespan {placement.makespan_s:.6g} s against "
               f"{serial_s:.6g} s with every layer in series{fits_note}")
-    plan = _plan(ctx, f"general placement on {k} devices",
-                 Strategy(dp=1, tp=1, pp=k, microbatch_size=batch, num_microbatches=1,
-                          schedule="gpipe"),
-                 stages, breakdown, tuple((names[s], math.ceil(memory[s])) for s in range(k)),
-                 solver)
+    plan = ctx.plan(f"general placement on {k} devices",
+                    Strategy(dp=1, tp=1, pp=k, microbatch_size=batch, num_microbatches=1,
+                             schedule="gpipe"),
+                    stages, breakdown, tuple((names[s], math.ceil(memory[s])) for s in range(k)),
+                    solver)
     return replace(plan, placement="general")

@@ -1,7 +1,8 @@
 """Strategy search: price every candidate strategy, rank them, choose one and say why.
 
-Pipeline position: reads a ModelProfile and a ClusterSpec, prices candidates with
-``planner.cost_model``, places pipeline stages with ``planner.pipeline_ilp``,
+Pipeline position: reads a ModelProfile and a ClusterSpec (as a
+``planner.context.SearchContext``), prices candidates with ``planner.cost_model`` and
+``planner.collectives``, places pipeline stages with ``planner.pipeline_ilp``,
 checks every plan with ``planner.validate``, and returns a ``SearchResult`` that
 the CLI renders and writes as plan.json.
 
@@ -10,8 +11,9 @@ Candidates in this first cut:
 - single device (dp = tp = pp = 1);
 - data parallel over all devices, and over every smaller power of two, when dp
   divides the global batch. Step = compute of the local batch + the exposed part
-  of the gradient all-reduce (ring in a node, hierarchical across nodes; it
-  overlaps the backward pass of every layer but the first:
+  of the gradient all-reduce over devices 0..dp-1 (``collectives.group_allreduce_time_s``:
+  a ring in a node, hierarchical over whole nodes, else a flat ring over the
+  inter-node link; it overlaps the backward pass of every layer but the first:
   ``cost_model.exposed_allreduce_s``) + the optimizer update;
 - GPipe pipelines of pp = 2..min(devices, layers) stages, one device each (when
   there are more than 16 such degrees: the powers of two and the largest), the
@@ -21,14 +23,14 @@ Candidates in this first cut:
   Step = (m + pp - 1) x slowest stage per micro-batch + optimizer. GPipe keeps
   every micro-batch's activations until its backward pass, so memory does not
   depend on m;
-- hybrids (``planner.strategies``): every dp x tp x pp factorization of all the
-  devices (tp dividing devices_per_node, pp <= layers), micro-batch sizes (powers of
-  two up to MAX_MICROBATCH_SIZE), GPipe or 1F1B, recomputation none/selective/full,
-  ZeRO-1 on/off, on Megatron-LM's device layout (tp-dp-pp) and, on several nodes,
-  also dp outermost (tp-pp-dp, "dp-outer": each replica's pipeline inside one node;
-  ``strategies.dp_outer_differs``), priced in closed form; the KEEP_PER_SHAPE fastest
-  that fit per (dp, tp, pp, layout) are kept and the MAX_RANKED fastest fitting
-  candidates listed.
+- hybrids (``planner.candidates``, priced by ``planner.pricing``): every dp x tp x pp
+  factorization of all the devices (tp dividing devices_per_node, pp <= layers),
+  micro-batch sizes (powers of two up to MAX_MICROBATCH_SIZE), GPipe or 1F1B,
+  recomputation none/selective/full, ZeRO-1 on/off, on Megatron-LM's device layout
+  (tp-dp-pp) and, on several nodes, also dp outermost (tp-pp-dp, "dp-outer": each
+  replica's pipeline inside one node; ``candidates.dp_outer_differs``), priced in
+  closed form; the KEEP_PER_SHAPE fastest that fit per (dp, tp, pp, layout) are kept
+  and the MAX_RANKED fastest fitting candidates listed.
 
 Knobs (``fix`` without a shape; ``plan analyze --schedule``, ``--layout``, ...) restrict
 that hybrid search to the given settings; with a shape they fix one strategy.
@@ -39,16 +41,19 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tfplan.planner import cost_model as cm
-from tfplan.core.cluster import ClusterSpec, LinkSpec
+from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import InfeasiblePlanError, PlannerError, SolverError
-from tfplan.planner.graph import input_edges, layer_graph, topological_layers
-from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
-                                  min_max_stage_memory, min_stages_to_fit)
 from tfplan.core.units import fmt_bytes, fmt_seconds
-from tfplan.planner.plan import (LAYOUTS, RECOMPUTE, SCHEDULES, Breakdown, Plan, Prediction, Stage,
-                          Strategy)
-from tfplan.planner.strategies import Estimate, Pricer, best_per_shape, hybrid_choices
+from tfplan.planner import collectives as coll
+from tfplan.planner import cost_model as cm
+from tfplan.planner.candidates import divisors, hybrid_choices
+from tfplan.planner.context import SearchContext, search_context
+from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
+                                         min_max_stage_memory, min_stages_to_fit)
+from tfplan.planner.placement_search import placement_plans
+from tfplan.planner.plan import LAYOUTS, RECOMPUTE, Breakdown, Plan, Stage, Strategy
+from tfplan.planner.pricing import Estimate, Pricer, best_per_shape
+from tfplan.planner.topology import link_between
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -71,29 +76,6 @@ class SearchResult:
     evaluated: int = 0  # strategies priced to find them
 
 
-@dataclass(frozen=True)
-class _Context:
-    """The search's inputs, checked once, plus the layer graph in index form."""
-
-    profile: ModelProfile
-    cluster: ClusterSpec
-    global_batch: int
-    names: tuple[str, ...]  # topological layer order
-    input_bytes: tuple[float, ...]  # per layer: model-input bytes charged to it (profile batch)
-    tensors: tuple[tuple[int, tuple[int, ...], int], ...]  # (producer, readers, bytes)
-
-    def layer_times_s(self, samples: float) -> tuple[float, ...]:
-        p = self.profile
-        return tuple(cm.layer_pass_time_s(l, samples, p.batch_size, self.cluster.device,
-                                          p.precision, p.measured_batch_size)
-                     for l in p.layers)
-
-    def layer_memories_bytes(self, samples_in_flight: float) -> tuple[float, ...]:
-        p = self.profile
-        return tuple(cm.layer_memory_bytes(l, samples_in_flight, p.batch_size, self.input_bytes[i])
-                     for i, l in enumerate(p.layers))
-
-
 def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
            fix: Mapping[str, int] | None = None, time_limit_s: float = 10.0) -> SearchResult:
     """Rank the candidate strategies for training ``profile`` on ``cluster``.
@@ -103,7 +85,7 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     ILP budget for the whole search, shared evenly among the pipeline splits.
     Same input, same output. Raises InfeasiblePlanError when nothing fits.
     """
-    ctx = _context(profile, cluster, global_batch)
+    ctx = search_context(profile, cluster, global_batch)
     knobs = _check_fix(fix) if fix is not None else {}
     if any(k in knobs for k in SHAPE_KEYS):
         return _fixed(ctx, knobs, time_limit_s)
@@ -120,7 +102,6 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         pipelines = [(pp, ms) for pp, ms in pipelines if ms]
         per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
         plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
-        from tfplan.planner.placement_search import placement_plans  # it imports this module
         plans += placement_plans(ctx, time_limit_s)  # branchy graphs, one node, <= 4 devices
     evaluated = len(plans)
     pricer = Pricer(ctx)
@@ -164,31 +145,6 @@ def _rank_key(p: Plan):
 
 # --- inputs -----------------------------------------------------------------------------------
 
-def _context(profile: ModelProfile, cluster: ClusterSpec, global_batch: int) -> _Context:
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise PlannerError(f"Global batch is {global_batch!r}; expected a whole number of "
-                           "samples >= 1 (e.g. --global-batch 512).")
-    if not profile.layers:
-        raise PlannerError(f"Profile of {profile.model_name!r} has no layers; nothing to plan. "
-                           "Check that the model has layers with work in them.")
-    names = topological_layers(profile)
-    index = {name: i for i, name in enumerate(names)}
-    inputs = [0.0] * len(names)
-    by_input: dict[str, list] = {}
-    for e in input_edges(profile):
-        by_input.setdefault(e.src, []).append(e)
-    for edges in by_input.values():  # charged once, to the first layer that reads it
-        inputs[min(index[e.dst] for e in edges)] += max(e.bytes for e in edges)
-    graph = layer_graph(profile)
-    tensors = []
-    for u in names:
-        readers = sorted(index[v] for v in graph.successors(u))
-        if readers:
-            nbytes = max(graph.edges[u, v]["bytes"] for v in graph.successors(u))
-            tensors.append((index[u], tuple(readers), nbytes))
-    return _Context(profile, cluster, global_batch, names, tuple(inputs), tuple(tensors))
-
-
 def _data_parallel_degrees(num_devices: int) -> list[int]:
     powers = [2**k for k in range(1, num_devices.bit_length()) if 2**k < num_devices]
     return powers + ([num_devices] if num_devices > 1 else [])
@@ -201,20 +157,15 @@ def _pipeline_degrees(num_devices: int, num_layers: int) -> list[int]:
     return sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top})
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small) | {n // d for d in small})
-
-
 def _microbatch_choices(global_batch: int, pp: int) -> list[int]:
-    divisors = _divisors(global_batch)
-    inside = [d for d in divisors if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
-    return inside or [d for d in divisors if d >= pp][:1]
+    counts = divisors(global_batch)
+    inside = [d for d in counts if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
+    return inside or [d for d in counts if d >= pp][:1]
 
 
 # --- pricing one strategy -------------------------------------------------------------------
 
-def _data_parallel(ctx: _Context, dp: int) -> Plan:
+def _data_parallel(ctx: SearchContext, dp: int) -> Plan:
     p, cluster, device = ctx.profile, ctx.cluster, ctx.cluster.device
     local = ctx.global_batch // dp
     grad_bytes = sum(l.grad_bytes for l in p.layers)
@@ -224,7 +175,8 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
                          for l in p.layers if l.name != first)
     breakdown = Breakdown(
         compute_s=sum(ctx.layer_times_s(local)),
-        communication_s=cm.exposed_allreduce_s(_dp_allreduce_s(cluster, grad_bytes, dp),
+        communication_s=cm.exposed_allreduce_s(coll.group_allreduce_time_s(grad_bytes, range(dp),
+                                                                              cluster),
                                                overlappable_s),
         bubble_s=0.0, recompute_s=0.0,
         optimizer_s=cm.optimizer_time_s(p.param_bytes, grad_bytes,
@@ -233,33 +185,14 @@ def _data_parallel(ctx: _Context, dp: int) -> Plan:
         breakdown, [breakdown.compute_s + breakdown.optimizer_s] * dp, cluster)
     devices = cluster.device_names()[:dp]
     memory = math.ceil(sum(ctx.layer_memories_bytes(local)))
-    return _plan(ctx, "single device" if dp == 1 else f"data parallel dp={dp}",
-                 Strategy(dp=dp, tp=1, pp=1, microbatch_size=local, num_microbatches=1),
-                 (Stage(layers=ctx.names, devices=devices),), breakdown,
-                 tuple((d, memory) for d in devices),
-                 "closed form (one stage; every layer on each data-parallel device)")
+    return ctx.plan("single device" if dp == 1 else f"data parallel dp={dp}",
+                    Strategy(dp=dp, tp=1, pp=1, microbatch_size=local, num_microbatches=1),
+                    (Stage(layers=ctx.names, devices=devices),), breakdown,
+                    tuple((d, memory) for d in devices),
+                    "closed form (one stage; every layer on each data-parallel device)")
 
 
-def _dp_allreduce_s(cluster: ClusterSpec, nbytes: float, dp: int) -> float:
-    """Gradient all-reduce over the first ``dp`` devices: a ring inside one node; across
-    nodes the hierarchical all-reduce (``cost_model.hierarchical_allreduce_time_s``) when
-    whole nodes take part, else a ring on the slowest link."""
-    per_node = cluster.devices_per_node
-    if dp <= per_node or cluster.inter_node_link is None:
-        return cm.ring_allreduce_time_s(nbytes, dp, cluster.intra_node_link)
-    if dp % per_node == 0:
-        return cm.hierarchical_allreduce_time_s(nbytes, per_node, dp // per_node,
-                                                cluster.intra_node_link, cluster.inter_node_link)
-    return cm.ring_allreduce_time_s(nbytes, dp, cluster.inter_node_link)
-
-
-def _boundary_link(cluster: ClusterSpec, boundary: int) -> LinkSpec:
-    """The link between pipeline devices ``boundary`` and ``boundary + 1`` (node-major)."""
-    same_node = boundary // cluster.devices_per_node == (boundary + 1) // cluster.devices_per_node
-    return cluster.p2p_link(same_node=same_node)
-
-
-def _split_problem(ctx: _Context, pp: int, microbatch_size: int, samples_in_flight: int,
+def _split_problem(ctx: SearchContext, pp: int, microbatch_size: int, samples_in_flight: int,
                   memory_capacity_bytes: float | None) -> SplitProblem:
     """The pipeline-split problem for pp stages (GPipe: every micro-batch in flight).
 
@@ -267,10 +200,10 @@ def _split_problem(ctx: _Context, pp: int, microbatch_size: int, samples_in_flig
     2 x p2p_time_s(bytes for one micro-batch) per boundary it crosses.
     """
     b = ctx.profile.batch_size
-    links = [_boundary_link(ctx.cluster, s) for s in range(pp - 1)]
+    links = [link_between(ctx.cluster, s, s + 1) for s in range(pp - 1)]
     transfers = tuple(Transfer(
         src=src, dsts=dsts,
-        send_time_s=tuple(2 * cm.p2p_time_s(cm.scaled(nbytes, microbatch_size, b), link)
+        send_time_s=tuple(2 * coll.p2p_time_s(cm.scaled(nbytes, microbatch_size, b), link)
                           for link in links),
         recv_memory_bytes=cm.with_margin_bytes(cm.scaled(nbytes, samples_in_flight, b)))
         for src, dsts, nbytes in ctx.tensors)
@@ -280,7 +213,7 @@ def _split_problem(ctx: _Context, pp: int, microbatch_size: int, samples_in_flig
                         memory_capacity_bytes=memory_capacity_bytes)
 
 
-def _pipeline(ctx: _Context, pp: int, microbatch_counts: list[int], ilp_time_s: float) -> Plan:
+def _pipeline(ctx: SearchContext, pp: int, microbatch_counts: list[int], ilp_time_s: float) -> Plan:
     """The fastest GPipe plan with pp stages; when no split fits memory, the fastest
     split regardless (its prediction then says it does not fit)."""
     capacity = ctx.cluster.device.memory_bytes
@@ -293,7 +226,7 @@ def _pipeline(ctx: _Context, pp: int, microbatch_counts: list[int], ilp_time_s: 
     return min(plans, key=lambda p: (p.predicted.step_time_s, p.strategy.num_microbatches))
 
 
-def _pipeline_with(ctx: _Context, pp: int, m: int, capacity: float | None, ilp_time_s: float,
+def _pipeline_with(ctx: SearchContext, pp: int, m: int, capacity: float | None, ilp_time_s: float,
                    choices: list[int]) -> Plan:
     p, device = ctx.profile, ctx.cluster.device
     split: Split = best_split(_split_problem(ctx, pp, ctx.global_batch // m, ctx.global_batch,
@@ -315,32 +248,11 @@ def _pipeline_with(ctx: _Context, pp: int, m: int, capacity: float | None, ilp_t
     solver = (f"{split.solver}; num_microbatches {m} chosen from {choices} by predicted step "
               "time" + ("" if capacity is not None else
                         "; no split fits memory, shown with the fastest split regardless"))
-    return _plan(ctx, f"pipeline pp={pp} m={m}",
-                 Strategy(dp=1, tp=1, pp=pp, microbatch_size=ctx.global_batch // m,
-                          num_microbatches=m, schedule="gpipe"),
-                 stages, breakdown,
-                 tuple((devices[s], c.memory_bytes) for s, c in enumerate(split.stages)), solver)
-
-
-def _plan(ctx: _Context, name: str, strategy: Strategy, stages: tuple[Stage, ...],
-          breakdown: Breakdown, memory: tuple[tuple[str, int], ...], solver: str) -> Plan:
-    p = ctx.profile
-    breakdown = cm.with_step_overhead(breakdown, p.measured_step_overhead_s)
-    step_s = breakdown.total_s
-    flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
-    return Plan(
-        name=name, model_name=p.model_name, model_fingerprint=p.fingerprint,
-        model_signature=p.signature(), cluster=ctx.cluster, global_batch=ctx.global_batch,
-        precision=p.precision, optimizer=p.optimizer, strategy=strategy, stages=stages,
-        predicted=Prediction(
-            step_time_s=step_s, breakdown=breakdown, peak_memory_bytes_per_device=memory,
-            memory_capacity_bytes=ctx.cluster.device.memory_bytes,
-            samples_per_s=ctx.global_batch / step_s,
-            model_tflops_per_device=cm.model_tflops_per_device(
-                flops_per_sample, ctx.global_batch, step_s, strategy.num_devices),
-            hardware_tflops_per_device=cm.model_tflops_per_device(  # no recomputation here
-                flops_per_sample, ctx.global_batch, step_s, strategy.num_devices)),
-        solver=solver)
+    return ctx.plan(f"pipeline pp={pp} m={m}",
+                    Strategy(dp=1, tp=1, pp=pp, microbatch_size=ctx.global_batch // m,
+                             num_microbatches=m, schedule="gpipe"),
+                    stages, breakdown,
+                    tuple((devices[s], c.memory_bytes) for s, c in enumerate(split.stages)), solver)
 
 
 # --- a strategy fixed by the caller ------------------------------------------------------------
@@ -372,14 +284,14 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
     return dict(fix)
 
 
-def _fixed(ctx: _Context, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
+def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
     dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
     m = fix.get("num_microbatches")
     n, b, per_node = ctx.cluster.num_devices, ctx.global_batch, ctx.cluster.devices_per_node
     if tp > per_node or per_node % tp:
         raise PlannerError(f"fix asks for tp={tp}; tensor parallelism stays inside a node, so tp "
                            f"must divide devices_per_node = {per_node} of cluster "
-                           f"{ctx.cluster.name!r}. Use one of {_divisors(per_node)}.")
+                           f"{ctx.cluster.name!r}. Use one of {divisors(per_node)}.")
     if dp * tp * pp > n:
         raise InfeasiblePlanError(f"fix asks for dp*tp*pp = {dp * tp * pp} devices; cluster "
                                   f"{ctx.cluster.name!r} has {n}. Use a bigger cluster.")
@@ -456,7 +368,7 @@ def _reason(ranked: list[Plan]) -> str:
     return text + "."
 
 
-def _nothing_fits(ctx: _Context, ranked: list[Plan], estimates: list[Estimate] = ()) -> str:
+def _nothing_fits(ctx: SearchContext, ranked: list[Plan], estimates: list[Estimate] = ()) -> str:
     p, cluster, b = ctx.profile, ctx.cluster, ctx.global_batch
     cap = cluster.device.memory_bytes
     least = min(ranked, key=lambda x: (x.predicted.max_memory_bytes, x.name))
@@ -493,7 +405,7 @@ def _nothing_fits(ctx: _Context, ranked: list[Plan], estimates: list[Estimate] =
     return text + " Smallest changes that would fit: " + "; or ".join(fixes) + "."
 
 
-def _devices_that_would_fit(ctx: _Context) -> str | None:
+def _devices_that_would_fit(ctx: SearchContext) -> str | None:
     """The fewest devices (more than the cluster has) with which a pipeline or data
     parallelism would fit this batch, as a phrase; None if neither would."""
     cap, n, b = ctx.cluster.device.memory_bytes, ctx.cluster.num_devices, ctx.global_batch
@@ -501,14 +413,14 @@ def _devices_that_would_fit(ctx: _Context) -> str | None:
     stages = min_stages_to_fit(_split_problem(ctx, 1, b, b, cap))
     if stages is not None and stages > n:
         options.append((stages, f"at least {stages} devices (a pipeline of {stages} stages)"))
-    for dp in (d for d in _divisors(b) if d > n):
+    for dp in (d for d in divisors(b) if d > n):
         if math.ceil(sum(ctx.layer_memories_bytes(b // dp))) <= cap:
             options.append((dp, f"at least {dp} devices (data parallel dp={dp})"))
             break
     return min(options)[1] if options else None
 
 
-def _largest_batch_that_fits(ctx: _Context, upper: int) -> int | None:
+def _largest_batch_that_fits(ctx: SearchContext, upper: int) -> int | None:
     """Largest batch <= upper that some candidate shape could hold (binary search;
     memory grows with the batch)."""
     cap, n = ctx.cluster.device.memory_bytes, ctx.cluster.num_devices

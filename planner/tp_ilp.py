@@ -1,7 +1,7 @@
 """Choosing each layer's tensor-parallel split: the Alpa intra-operator ILP, brute force, re-check.
 
 Pipeline position: for a tensor-parallel degree t, ``planner.tp_splits`` (called by
-the search's ``strategies.Pricer.splits_for``) prices every layer under each split it
+the search's ``pricing.Pricer.splits_for``) prices every layer under each split it
 admits (compute time and per-device memory from the cost model, the layer's own
 collectives from ``profiler.comm``), hands a ``TPProblem`` to ``ilp_tp`` and gets back
 a ``TPPlan``. ``brute_force_tp`` answers the same problem for tiny graphs (tests).
@@ -50,9 +50,9 @@ from dataclasses import dataclass, field as dc_field
 from typing import Iterable, Mapping, Sequence
 
 from tfplan.core.cluster import LinkSpec
-from tfplan.planner.cost_model import ring_allreduce_time_s
 from tfplan.core.errors import InfeasiblePlanError, SolverError
-from tfplan.planner.pipeline_ilp import _Milp, _gib, _lin
+from tfplan.planner.collectives import ring_allgather_time_s, ring_allreduce_time_s
+from tfplan.planner.milp import HIGHS, Milp, lin, pick_one, size_text
 from tfplan.profiler.comm import layer_comm
 from tfplan.profiler.model_profile import LayerProfile
 
@@ -74,20 +74,6 @@ _TIME_SCALE = 1000.0
 _BRUTE_FORCE_MAX_CHOICES = 200_000
 
 
-def allgather_time_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-gather producing ``nbytes`` on each of ``n`` devices.
-
-    t = (n-1)/n * N / beta + (n-1) * alpha; 0 for n == 1. n-1 steps of N/n bytes
-    each (Thakur, Rabenseifner & Gropp, "Optimization of collective communication
-    operations in MPICH", IJHPCA 2005, Sec. 4.1, ring algorithm).
-    """
-    if n < 1:
-        raise ValueError(f"all-gather over {n} devices; expected n >= 1")
-    if n == 1:
-        return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
-
-
 @dataclass(frozen=True)
 class Collective:
     """One collective over the tensor-parallel group: what, which pass, payload bytes."""
@@ -101,7 +87,7 @@ class Collective:
         if self.kind == "all-reduce":
             return ring_allreduce_time_s(self.nbytes, degree, link)
         if self.kind == "all-gather":
-            return allgather_time_s(self.nbytes, degree, link)
+            return ring_allgather_time_s(self.nbytes, degree, link)
         raise SolverError(f"Collective kind {self.kind!r}; expected all-reduce or all-gather.")
 
 
@@ -373,20 +359,20 @@ def ilp_tp(problem: TPProblem, *, time_limit_s: float = 10.0) -> TPPlan:
         sum(edge_cost.values())
     unit_s = worst / _TIME_SCALE if worst > 0 else 1.0
 
-    m = _Milp()
+    m = Milp()
     s = m.family(((g, k) for g in groups for k in splits_of[g]), lower=0, upper=1, integer=True)
     e = m.family(edge_cost, lower=0, upper=1, integer=False)
     m.minimise({s[key]: c / unit_s for key, c in node_cost.items()})
     m.minimise({e[key]: c / unit_s for key, c in edge_cost.items()})
 
     for g in groups:
-        m.constrain(f"one[{_label(g)}]", _lin([(s[g, k], 1.0) for k in splits_of[g]]), 1, 1)
+        m.constrain(f"one[{_label(g)}]", lin([(s[g, k], 1.0) for k in splits_of[g]]), 1, 1)
     for (g, h) in (pair for pair in pair_bytes if pair[0] != pair[1]):
         for a in splits_of[g]:
-            m.constrain(f"link_out[{_label(g)},{_label(h)},{a}]", _lin(
+            m.constrain(f"link_out[{_label(g)},{_label(h)},{a}]", lin(
                 [(e[g, h, a, b], 1.0) for b in splits_of[h]], [(s[g, a], -1.0)]), 0, 0)
         for b in splits_of[h]:
-            m.constrain(f"link_in[{_label(g)},{_label(h)},{b}]", _lin(
+            m.constrain(f"link_in[{_label(g)},{_label(h)},{b}]", lin(
                 [(e[g, h, a, b], 1.0) for a in splits_of[g]], [(s[h, b], -1.0)]), 0, 0)
     cap = problem.memory_capacity_bytes
     if cap is not None:
@@ -394,19 +380,13 @@ def ilp_tp(problem: TPProblem, *, time_limit_s: float = 10.0) -> TPPlan:
         m.constrain("memory", {s[key]: b / norm for key, b in node_mem.items()},
                     hi=cap / norm * (1 - _MEMORY_SLACK))
 
-    res = m.solve(time_limit_s)
-    name = "ILP (HiGHS via scipy.optimize.milp)"
-    if res.status == 2:
-        raise InfeasiblePlanError(_explain_infeasible(problem))
-    if res.x is None:
-        raise SolverError(f"{name} found no tensor-parallel splits ({res.message}). Raise the "
-                          f"time limit (it was {time_limit_s:g} s).")
+    name = f"ILP ({HIGHS})"
+    res = m.solve_or_raise(time_limit_s, name=name, what="tensor-parallel splits",
+                           infeasible=lambda: _explain_infeasible(problem))
     chosen = {}
     for g in groups:
-        values = {k: float(res.x[s[g, k]]) for k in splits_of[g]}
-        if any(abs(v - round(v)) > 1e-5 for v in values.values()):
-            raise SolverError(f"{name} returned a fractional split for {groups[g]}: {values}.")
-        best = max(values, key=values.get)
+        best = pick_one(res.x, {k: s[g, k] for k in splits_of[g]},
+                        f"{name} returned a fractional split for {groups[g]}")
         for n in groups[g]:
             chosen[n] = best
     status = "optimal" if res.status == 0 else "time limit reached, best found"
@@ -454,7 +434,8 @@ def _explain_infeasible(problem: TPProblem) -> str:
                           f"layer fits ({total:.0f} of {cap:.0f} bytes); the solver is wrong.")
     binding = max(least, key=lambda n: least[n].memory_bytes)
     return (f"Memory binds at tensor-parallel degree {problem.degree}: even the smallest split "
-            f"of every layer needs {_gib(total)} per device and a device holds {_gib(cap)}; "
+            f"of every layer needs {size_text(total)} per device and a device holds "
+            f"{size_text(cap)}; "
             f"the largest is layer {binding!r} ({least[binding].split}: "
-            f"{_gib(least[binding].memory_bytes)}). Use a larger tensor-parallel degree, "
+            f"{size_text(least[binding].memory_bytes)}). Use a larger tensor-parallel degree, "
             "pipeline stages, or devices with more memory.")

@@ -1,6 +1,6 @@
 """Each layer's tensor-parallel split for the strategy search, chosen by the Alpa ILP.
 
-Pipeline position: ``planner.strategies.Pricer.splits_for`` calls ``solve_splits`` once
+Pipeline position: ``planner.pricing.Pricer.splits_for`` calls ``solve_splits`` once
 per tensor-parallel degree t > 1 (the Pricer caches the answer; ``choose_splits`` is the
 same as a (splits, description) pair). It turns the
 ``ModelProfile``'s layer graph into a ``planner.tp_ilp.TPProblem``, solves it with
@@ -47,7 +47,7 @@ the Pricer checks each strategy's stage memory afterwards. Resharding collective
 priced here; a cost model that prices the chosen splits adds them per layer with
 ``resharding_allgather_bytes`` (none for the Megatron pattern).
 
-The answer is the ILP's unless the fixed rule (``strategies.tp_split_rule``) prices
+The answer is the ILP's unless the fixed rule (``tp_split_rule``) prices
 lower by ``tp_ilp.evaluate_tp`` (possible only when the rule splits identical blocks
 differently, or the time limit cut the solve short); the rule is also used, and the
 description says so, when no layer can be split (the ILP has nothing to choose).
@@ -65,6 +65,7 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import SolverError
 from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
+from tfplan.profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 from tfplan.profiler.repeats import MIN_REPEATS
 
@@ -86,6 +87,26 @@ class SplitChoice:
     rule_time_s: float  # the same for tp_split_rule's splits
     samples: int
     problem: TPProblem | None  # None when the ILP was not applicable
+
+
+def tp_split_rule(types: tuple[str, ...]) -> tuple[str, ...]:
+    """The split of each layer under tp > 1 ("" = replicated), by the fixed rule: Dense-like
+    layers alternate column, row (the Megatron MLP pair), attention splits by heads,
+    Embedding by vocabulary, everything else is replicated (Shoeybi et al., 2019, Sec. 3)."""
+    out, last_dense = [], "row"
+    for t in types:
+        if t in COLUMN_ROW_TYPES:
+            last_dense = "column" if last_dense == "row" else "row"
+            out.append(last_dense)
+        elif t in HEAD_SPLIT_TYPES:
+            out.append("heads")
+            last_dense = "row"
+        elif t in VOCAB_SPLIT_TYPES:
+            out.append("vocab")
+            last_dense = "row"
+        else:
+            out.append("")
+    return tuple(out)
 
 
 def reference_samples(global_batch: int, num_devices: int, tp: int) -> int:
@@ -223,8 +244,6 @@ def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
                  memory_capacity_bytes: float | None = None,
                  grad_allreduce_s: Callable[[float], float] | None = None) -> SplitChoice:
     """The splits at degree ``tp`` with their prices (see the module docstring)."""
-    from tfplan.planner.strategies import tp_split_rule  # strategies imports this module
-
     rule = tp_split_rule(tuple(l.type for l in profile.layers))
     if tp == 1:
         return SplitChoice(("",) * len(profile.layers), "no tensor parallelism", 0.0, 0.0,
@@ -274,7 +293,7 @@ def resharding_allgather_bytes(profile: ModelProfile, splits: Sequence[str]
     bring the layer's inputs into the layout it reads (``tp_ilp.RESHARDING``), forward
     (a split output read whole) and backward (a whole output read split). The Megatron
     pattern needs none; a cost model pricing ``splits`` adds them to the layer's
-    collectives (``tp_ilp.allgather_time_s``) to match the ILP."""
+    collectives (``collectives.ring_allgather_time_s``) to match the ILP."""
     index = {l.name: i for i, l in enumerate(profile.layers)}
     fwd, bwd = [0.0] * len(index), [0.0] * len(index)
     for e in _edges(profile, 1.0):

@@ -1,7 +1,7 @@
 """ZeRO-1 ownership: which data-parallel replica holds each weight's optimizer state.
 
 Pipeline position: the rule behind ``Strategy.optimizer_sharding``. The cost model
-(``planner.strategies``) divides optimizer state by ``dp``; ``apply.zero`` places it
+(``planner.pricing``) divides optimizer state by ``dp``; ``apply.zero`` places it
 by this module's answer: only the owner's copy of a weight gets optimizer slots, the
 owner alone sums the replicas' gradients for it and updates it, and the other
 replicas receive the new value.

@@ -246,7 +246,7 @@ class AllReduceResult:
     (nccl-tests doc/PERFORMANCE.md, "Bus bandwidth"): busbw = algbw x 2(n-1)/n,
     the rate each device's link runs at in a ring all-reduce; and a ring takes
     2(n-1) steps, so the per-step latency is alpha / (2(n-1)). With these two as
-    the link, ``planner.cost_model.ring_allreduce_time_s`` reproduces ``fit``.
+    the link, ``planner.collectives.ring_allreduce_time_s`` reproduces ``fit``.
     """
 
     devices: tuple[str, ...]

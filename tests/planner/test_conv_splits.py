@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tfplan.planner.strategies import tp_split_rule
 from tfplan.planner.tp_ilp import split_options
+from tfplan.planner.tp_splits import tp_split_rule
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.comm import layer_comm
 from tfplan.profiler.model_profile import LayerProfile

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
 from tfplan.core.cluster import DeviceSpec, LinkSpec
 from tfplan.core.presets import parse_cluster
@@ -34,15 +35,15 @@ def test_layer_pass_scales_with_samples_and_adds_the_fixed_overhead():
 
 
 def test_ring_allreduce():
-    assert cm.ring_allreduce_time_s(1e9, 1, LINK) == 0.0
+    assert coll.ring_allreduce_time_s(1e9, 1, LINK) == 0.0
     # 2 (n-1)/n N / beta + 2 (n-1) alpha, n = 4
-    assert cm.ring_allreduce_time_s(1e9, 4, LINK) == pytest.approx(1.5 * 1e9 / 100e9 + 6e-5)
-    assert cm.ring_allreduce_time_s(0, 2, LINK) == pytest.approx(2e-5)
+    assert coll.ring_allreduce_time_s(1e9, 4, LINK) == pytest.approx(1.5 * 1e9 / 100e9 + 6e-5)
+    assert coll.ring_allreduce_time_s(0, 2, LINK) == pytest.approx(2e-5)
 
 
 def test_p2p_is_latency_plus_bytes_over_bandwidth():
-    assert cm.p2p_time_s(1e6, LINK) == pytest.approx(1e-5 + 1e-5)
-    assert cm.p2p_time_s(0, LINK) == 1e-5
+    assert coll.p2p_time_s(1e6, LINK) == pytest.approx(1e-5 + 1e-5)
+    assert coll.p2p_time_s(0, LINK) == 1e-5
 
 
 def test_optimizer_moves_weights_grads_and_state_over_hbm():
@@ -72,21 +73,21 @@ def test_hierarchical_allreduce_by_hand():
     intra, inter = LinkSpec(100e9, 1e-5), LinkSpec(25e9, 5e-6)
     n = 1e9
     by_hand = 2 * (7 / 8 * n / 100e9 + 7 * 1e-5) + (2 * 3 / 4 * (n / 8) / 25e9 + 6 * 5e-6)
-    assert cm.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) == pytest.approx(by_hand)
+    assert coll.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) == pytest.approx(by_hand)
     # one node: the plain ring
-    assert cm.hierarchical_allreduce_time_s(n, 8, 1, intra, inter) == pytest.approx(
-        cm.ring_allreduce_time_s(n, 8, intra))
+    assert coll.hierarchical_allreduce_time_s(n, 8, 1, intra, inter) == pytest.approx(
+        coll.ring_allreduce_time_s(n, 8, intra))
     # it beats a flat ring over the network for 32 devices
-    assert cm.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) < \
-        cm.ring_allreduce_time_s(n, 32, inter)
+    assert coll.hierarchical_allreduce_time_s(n, 8, 4, intra, inter) < \
+        coll.ring_allreduce_time_s(n, 32, inter)
 
 
 def test_allgather_reduce_scatter_sum_to_the_ring_allreduce():
     n, link = 4e8, LinkSpec(50e9, 2e-6)
-    assert cm.ring_allgather_time_s(n, 1, link) == 0
-    assert cm.ring_allgather_time_s(n, 4, link) == pytest.approx(3 / 4 * n / 50e9 + 3 * 2e-6)
-    assert cm.ring_reduce_scatter_time_s(n, 4, link) + cm.ring_allgather_time_s(n, 4, link) \
-        == pytest.approx(cm.ring_allreduce_time_s(n, 4, link))
+    assert coll.ring_allgather_time_s(n, 1, link) == 0
+    assert coll.ring_allgather_time_s(n, 4, link) == pytest.approx(3 / 4 * n / 50e9 + 3 * 2e-6)
+    assert coll.ring_reduce_scatter_time_s(n, 4, link) + coll.ring_allgather_time_s(n, 4, link) \
+        == pytest.approx(coll.ring_allreduce_time_s(n, 4, link))
 
 
 def test_overlap_bubble_and_microbatches_in_flight():
@@ -152,9 +153,9 @@ def test_interleaving_divides_the_bubble_and_grows_the_warm_up():
 
 def test_pipeline_send_scatters_over_tensor_ranks_then_gathers():
     intra = LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=0.0)
-    assert cm.pipeline_send_time_s(8e9, 1, LINK, intra) == pytest.approx(1e-5 + 8e9 / 100e9)
+    assert coll.pipeline_send_time_s(8e9, 1, LINK, intra) == pytest.approx(1e-5 + 8e9 / 100e9)
     # tp = 8: 1 GB per rank over its own link + ring all-gather of 8 GB over 8 ranks
-    assert cm.pipeline_send_time_s(8e9, 8, LINK, intra) == pytest.approx(
+    assert coll.pipeline_send_time_s(8e9, 8, LINK, intra) == pytest.approx(
         1e-5 + 1e9 / 100e9 + 7 / 8 * 8e9 / 300e9)
 
 

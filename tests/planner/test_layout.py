@@ -1,5 +1,5 @@
 """Device layouts of hybrid plans (``Strategy.layout``): Megatron-LM's tp-dp-pp and
-dp-outer tp-pp-dp -- device lists, pricing (``planner.strategies``), the search's
+dp-outer tp-pp-dp -- device lists, pricing (``planner.pricing``), the search's
 enumeration and knob, and plan.json."""
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import json
 
 import pytest
 
-from tfplan.planner import cost_model as cm
+from tfplan.planner import collectives as coll
 from tfplan.core.cluster import ClusterSpec, LinkSpec
 from tfplan.core.errors import PlanMismatchError, PlannerError, SchemaError
 from tfplan.planner.plan import LAYOUTS, Plan, load_plan, save_plan, stage_devices
 from tfplan.core.presets import parse_cluster
-from tfplan.planner.search import _context, search
-from tfplan.planner.strategies import Choice, Pricer, dp_outer_differs, hybrid_choices
+from tfplan.planner.candidates import Choice, dp_outer_differs, hybrid_choices
+from tfplan.planner.context import search_context
+from tfplan.planner.pricing import Pricer
+from tfplan.planner.search import search
 from tfplan.planner.validate import validate_plan
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import MB, chain_profile, make_cluster
@@ -94,7 +96,7 @@ def test_fixed_search_places_plans_by_layout_and_they_validate():
 # --- pricing -------------------------------------------------------------------------------
 
 def _pricer(profile, cluster, batch):
-    return Pricer(_context(profile, cluster, batch))
+    return Pricer(search_context(profile, cluster, batch))
 
 
 def test_dp_outer_moves_the_allreduce_across_nodes_and_the_sends_inside():
@@ -110,24 +112,24 @@ def test_dp_outer_moves_the_allreduce_across_nodes_and_the_sends_inside():
     # the one boundary (stage 0 -> 1): across nodes in Megatron's order, inside in dp-outer
     nbytes = 32_768 * 4 / 8  # the boundary activation of a 4-sample micro-batch
     intra, inter = cluster.intra_node_link, cluster.inter_node_link
-    assert dm["send"][0] == pytest.approx(2 * cm.p2p_time_s(nbytes, cluster.p2p_link(False)))
-    assert do["send"][0] == pytest.approx(2 * cm.p2p_time_s(nbytes, cluster.p2p_link(True)))
+    assert dm["send"][0] == pytest.approx(2 * coll.p2p_time_s(nbytes, cluster.p2p_link(False)))
+    assert do["send"][0] == pytest.approx(2 * coll.p2p_time_s(nbytes, cluster.p2p_link(True)))
     assert do["send"][0] < dm["send"][0]
     # the gradient all-reduce: a ring of 4 inside a node vs 2 per node x 2 nodes
     grad = dm["grad"][0]
-    assert pricer._dp_allreduce_s(grad, megatron) == pytest.approx(
-        cm.ring_allreduce_time_s(grad, 4, intra))
-    assert pricer._dp_allreduce_s(grad, outer) == pytest.approx(
-        cm.hierarchical_allreduce_time_s(grad, 2, 2, intra, inter))
-    assert pricer._dp_allreduce_s(grad, outer) > pricer._dp_allreduce_s(grad, megatron)
+    assert pricer.dp_allreduce_s(grad, megatron) == pytest.approx(
+        coll.ring_allreduce_time_s(grad, 4, intra))
+    assert pricer.dp_allreduce_s(grad, outer) == pytest.approx(
+        coll.hierarchical_allreduce_time_s(grad, 2, 2, intra, inter))
+    assert pricer.dp_allreduce_s(grad, outer) > pricer.dp_allreduce_s(grad, megatron)
 
 
 def test_one_replica_per_node_rings_over_the_inter_node_link():
     cluster = two_nodes()
     pricer = _pricer(chain_profile(n_layers=4), cluster, 32)
     outer = Choice(2, 1, 4, 4, 4, "1f1b", layout="tp-pp-dp")  # tp pp = 4 = a node
-    assert pricer._dp_allreduce_s(1e6, outer) == pytest.approx(
-        cm.ring_allreduce_time_s(1e6, 2, cluster.inter_node_link))
+    assert pricer.dp_allreduce_s(1e6, outer) == pytest.approx(
+        coll.ring_allreduce_time_s(1e6, 2, cluster.inter_node_link))
 
 
 @pytest.mark.parametrize("heavy, faster", [("gradients", "tp-dp-pp"),
@@ -187,7 +189,7 @@ def test_dp_outer_is_offered_exactly_where_it_differs_and_keeps_replicas_in_a_no
 def test_hybrid_choices_enumerate_dp_outer_only_where_it_differs():
     profile = chain_profile(n_layers=8)
     for cluster in (two_nodes(), make_cluster(num_devices=8)):
-        ctx = _context(profile, cluster, 32)
+        ctx = search_context(profile, cluster, 32)
         choices = hybrid_choices(ctx, {}, skip_classic=True)
         shapes = {(c.dp, c.tp, c.pp) for c in choices}
         outer = {(c.dp, c.tp, c.pp) for c in choices if c.layout == "tp-pp-dp"}

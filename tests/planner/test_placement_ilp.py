@@ -128,26 +128,26 @@ def test_recheck_rejects_violations():
 
 def test_a_violating_solver_answer_is_caught(monkeypatch):
     # scipy issue 24141: milp can report success for a point that breaks a constraint.
-    from tfplan.planner import pipeline_ilp
+    from tfplan.planner import milp
 
     problem = PlacementProblem(("a", "b"), (1.0, 1.0), (1.0, 1.0), (), num_devices=2)
-    real = pipeline_ilp._Milp.solve
+    real = milp.Milp.solve
 
     def lying_solve(self, time_limit_s):
         res = real(self, time_limit_s)
         res.x[:6] = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # x[a,0] = x[b,0] = 1, S[a] = S[b] = 0
         return res
 
-    monkeypatch.setattr(pipeline_ilp._Milp, "solve", lying_solve)
+    monkeypatch.setattr(milp.Milp, "solve", lying_solve)
     with pytest.raises(SolverError, match="same time on device 0"):
         ilp_placement(problem)
 
 
 def test_solver_chatter_goes_to_stderr(capfd):
     # HiGHS prints some MIP diagnostics with C printf; `plan --json` owns stdout.
-    from tfplan.planner.pipeline_ilp import _solver_chatter_to_stderr
+    from tfplan.planner.milp import solver_chatter_to_stderr
 
-    with _solver_chatter_to_stderr():
+    with solver_chatter_to_stderr():
         os.write(1, b"chatter from C\n")
     os.write(1, b"after\n")
     out, err = capfd.readouterr()

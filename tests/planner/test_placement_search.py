@@ -15,7 +15,8 @@ from tfplan.planner.placement_ilp import MAX_LAYERS, brute_force_placement
 from tfplan.planner.placement_search import critical_path, eligible, placement_plans, placement_problem
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.core.presets import parse_cluster
-from tfplan.planner.search import _context, search
+from tfplan.planner.context import search_context
+from tfplan.planner.search import search
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 
@@ -63,7 +64,7 @@ def test_branchy_model_gets_a_general_placement_equal_to_brute_force(branchy, se
     assert where["branch_0"] != where["branch_1"]  # the two heavy branches overlap
     assert list(plan.devices) == list(cluster.device_names()[:2])
 
-    problem = placement_problem(_context(branchy, cluster, BATCH))
+    problem = placement_problem(search_context(branchy, cluster, BATCH))
     assert problem.num_devices == min(cluster.num_devices, 4)
     best = brute_force_placement(problem)
     b = plan.predicted.breakdown
@@ -114,7 +115,7 @@ def test_heavy_branches_with_nothing_else_to_split_choose_the_placement():
 
 
 def test_critical_path_sums_to_the_makespan(branchy):
-    problem = placement_problem(_context(branchy, _cpu("cpu:2"), BATCH))
+    problem = placement_problem(search_context(branchy, _cpu("cpu:2"), BATCH))
     best = brute_force_placement(problem)
     compute_s, transfer_s, idle_s = critical_path(problem, best)
     assert compute_s + transfer_s + idle_s == pytest.approx(best.makespan_s, rel=1e-12)
@@ -126,7 +127,7 @@ def test_slow_link_offers_no_placement(branchy):
     cpu2 = _cpu("cpu:2")
     slow = replace(cpu2, intra_node_link=LinkSpec(bandwidth_bytes_per_s=1e3, latency_s=1.0),
                    intra_node_p2p_link=None)
-    ctx = _context(branchy, slow, BATCH)
+    ctx = search_context(branchy, slow, BATCH)
     assert eligible(ctx)
     assert placement_plans(ctx, 10.0) == []  # every split costs more than a branch saves
 
@@ -134,7 +135,7 @@ def test_slow_link_offers_no_placement(branchy):
 def test_chain_model_offers_no_placement():
     mlp = _profile("examples/mlp.py")
     cluster = _cpu("cpu:2")
-    assert not eligible(_context(mlp, cluster, BATCH))
+    assert not eligible(search_context(mlp, cluster, BATCH))
     assert not _general(search(mlp, cluster, BATCH))
 
 
@@ -160,11 +161,11 @@ def _fan_out(n_branches: int, branch_flops: int = 10**6, branch_type: str = "Den
 
 def test_eligibility_limits():
     cpu2 = _cpu("cpu:2")
-    assert eligible(_context(_fan_out(MAX_LAYERS - 1), cpu2, BATCH))  # 12 layers
-    assert not eligible(_context(_fan_out(MAX_LAYERS), cpu2, BATCH))  # 13 layers
-    assert not eligible(_context(_fan_out(3), _cpu("cpu:1"), BATCH))
+    assert eligible(search_context(_fan_out(MAX_LAYERS - 1), cpu2, BATCH))  # 12 layers
+    assert not eligible(search_context(_fan_out(MAX_LAYERS), cpu2, BATCH))  # 13 layers
+    assert not eligible(search_context(_fan_out(3), _cpu("cpu:1"), BATCH))
     two_nodes = replace(cpu2, num_nodes=2, inter_node_link=cpu2.intra_node_link)
-    assert not eligible(_context(_fan_out(3), two_nodes, BATCH))
+    assert not eligible(search_context(_fan_out(3), two_nodes, BATCH))
 
 
 def test_placement_plan_round_trips(searched, tmp_path):
@@ -192,7 +193,7 @@ def test_five_tiny_branches_spread_over_four_devices():
     # tiny layers on 6 GB devices: the memory rows cannot bind and are left out of the
     # MILP (coefficients near 1e-7 made HiGHS stop with "Solve error" on 7 such branches)
     fan = _fan_out(5, branch_flops=10**9)
-    ctx = _context(fan, _cpu("cpu:4"), BATCH)
+    ctx = search_context(fan, _cpu("cpu:4"), BATCH)
     (plan,) = placement_plans(ctx, 10.0)
     validate_plan(plan, fan)
     problem = placement_problem(ctx)
@@ -221,7 +222,7 @@ def test_tight_memory_the_placement_fits_where_one_device_does_not():
 
 def test_impossible_memory_shows_the_fastest_placement_as_not_fitting():
     fan = _fan_out(2, branch_flops=10**9, branch_type="Conv2D", branch_params=10**7)
-    ctx = _context(fan, _with_memory(_cpu("cpu:2"), 100 * 10**6), 1)
+    ctx = search_context(fan, _with_memory(_cpu("cpu:2"), 100 * 10**6), 1)
     (plan,) = placement_plans(ctx, 10.0)  # one branch alone needs 176 MB with the margin
     assert not plan.predicted.fits and "no placement fits memory" in plan.solver
     validate_plan(plan, fan)

@@ -1,4 +1,5 @@
-"""planner.strategies: the hybrid strategy space, its prices and its invariants."""
+"""planner.candidates, planner.pricing, planner.partition: the hybrid strategy space, its
+prices and its invariants."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,8 @@ import random
 import pytest
 
 from tfplan.planner.search import search
-from tfplan.planner.strategies import min_max_partition, tp_split_rule
+from tfplan.planner.partition import min_max_partition
+from tfplan.planner.tp_splits import tp_split_rule
 from tfplan.planner.validate import validate_plan
 from tests.planner.gpt_profile import gpt_profile
 from tests.planner.test_search import MB, chain_profile, make_cluster
@@ -110,7 +112,7 @@ def test_every_candidate_validates_and_search_is_deterministic():
 
 
 def test_even_partition_balances_runs_and_covers_every_item():
-    from tfplan.planner.strategies import even_partition
+    from tfplan.planner.partition import even_partition
     rng = random.Random(1)
     for _ in range(40):
         n = rng.randint(2, 30)

@@ -6,9 +6,10 @@ import random
 import pytest
 
 from tfplan.core.cluster import LinkSpec
-from tfplan.planner.cost_model import ring_allreduce_time_s
+from tfplan.planner.collectives import ring_allgather_time_s as allgather_time_s
+from tfplan.planner.collectives import ring_allreduce_time_s
 from tfplan.core.errors import InfeasiblePlanError, SolverError
-from tfplan.planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem, allgather_time_s,
+from tfplan.planner.tp_ilp import (Collective, SplitOption, TPEdge, TPLayer, TPProblem,
                             block_of_runs, brute_force_tp, check_tp, evaluate_tp, ilp_tp,
                             resharding, split_options)
 from tfplan.profiler.model_profile import LayerProfile
@@ -228,17 +229,17 @@ def test_blocks_priced_differently_are_refused():
 
 def test_a_violating_solver_answer_is_caught(monkeypatch):
     # scipy issue 24141: milp can report success for a point that breaks a constraint.
-    from tfplan.planner import pipeline_ilp
+    from tfplan.planner import milp
 
     layer = TPLayer("x", (SplitOption("replicate", 1.0, 100.0), SplitOption("column", 2.0, 10.0)))
     problem = TPProblem((layer,), (), 2, LINK, 50.0)
-    real = pipeline_ilp._Milp.solve
+    real = milp.Milp.solve
 
     def lying_solve(self, time_limit_s):
         res = real(self, time_limit_s)
         res.x[:2] = [1.0, 0.0]  # s[x, replicate] = 1: 100 bytes on a 50-byte device
         return res
 
-    monkeypatch.setattr(pipeline_ilp._Milp, "solve", lying_solve)
+    monkeypatch.setattr(milp.Milp, "solve", lying_solve)
     with pytest.raises(SolverError, match="over the 50-byte capacity"):
         ilp_tp(problem)

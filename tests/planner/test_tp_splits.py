@@ -10,11 +10,14 @@ from tfplan.planner import cost_model as cm
 from tfplan.core.cluster import LinkSpec
 from tfplan.core.errors import SolverError
 from tfplan.core.presets import parse_cluster
-from tfplan.planner.search import _context, search
-from tfplan.planner.strategies import Choice, Pricer, tp_split_rule
+from tfplan.planner.candidates import Choice
+from tfplan.planner.context import search_context
+from tfplan.planner.pricing import Pricer
+from tfplan.planner.search import search
 from tfplan.planner.tp_ilp import evaluate_tp
 from tfplan.planner.tp_splits import (COST_FIELDS, choose_splits, reference_samples, repeated_runs,
-                               resharding_allgather_bytes, solve_splits, tp_problem)
+                               resharding_allgather_bytes, solve_splits, tp_problem,
+                               tp_split_rule)
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 from tfplan.profiler.repeats import _best_runs
@@ -25,7 +28,7 @@ A100_NODE = "1x8xA100-80GB"
 
 
 def _pricer(profile: ModelProfile, cluster, global_batch: int) -> Pricer:
-    return Pricer(_context(profile, cluster, global_batch))
+    return Pricer(search_context(profile, cluster, global_batch))
 
 
 def _megatron(blocks: int) -> tuple[str, ...]:
@@ -63,7 +66,7 @@ def test_the_pricer_hands_the_ilp_its_own_replicated_times():
     dp = Choice(4, 4, 1, 8, 1)  # the rest of the cluster data parallel around the group
 
     def grad_s(nbytes):  # the Pricer's own dp all-reduce, bandwidth term only
-        return pricer._dp_allreduce_s(nbytes, dp) - pricer._dp_allreduce_s(0.0, dp)
+        return pricer.dp_allreduce_s(nbytes, dp) - pricer.dp_allreduce_s(0.0, dp)
 
     assert grad_s(profile.layer("wte").grad_bytes) > 0
     for i, (layer, tp_layer) in enumerate(zip(profile.layers, choice.problem.layers)):

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from tfplan.planner import cost_model as cm
+from tfplan.planner import collectives as cm
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import ClusterSpecError, PlannerError, SchemaError
 from tfplan.planner.search import search

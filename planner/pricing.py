@@ -1,14 +1,15 @@
-"""Hybrid strategies: enumerate dp x tp x pp strategies with micro-batching, schedule,
-activation recomputation and ZeRO-1 (``hybrid_choices``), and price each one in closed
-form, without an ILP (``Pricer``).
+"""Pricing a hybrid strategy in closed form, without an ILP: ``Pricer`` and ``Estimate``.
 
-Pipeline position: called by ``planner.search`` for every candidate beyond the
-single-device, plain data-parallel and plain GPipe ones (those keep their own
-pricing in ``search``), and for a strategy fixed with ``--fix``. Reads the
-per-layer numbers of a ``ModelProfile`` and prices them with ``planner.cost_model``.
+Pipeline position: ``planner.search`` hands every ``planner.candidates.Choice`` (and a
+strategy fixed with ``--fix``) to ``Pricer.estimate``, keeps the best per shape
+(``best_per_shape``) and turns those into ``Plan``s (``Pricer.to_plan``). Reads the
+per-layer numbers of the ``SearchContext``'s ``ModelProfile``; prices compute and
+memory with ``planner.cost_model``, every transfer and collective with
+``planner.collectives``, links and groups from ``planner.topology``, tensor-parallel
+splits from ``planner.tp_splits`` and stage bounds from ``planner.partition``.
 
 Model of a strategy (device layout ``Choice.layout``, innermost first: "tp-dp-pp",
-Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" below):
+Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topology``):
 
 - Tensor parallelism splits the *splittable* layers (Dense/EinsumDense/Conv1-3D column or
   row, attention by heads, Embedding by vocabulary: ``profiler.comm``) over tp
@@ -24,7 +25,7 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" below):
   exact for v = 1; for v > 1 also an even split, whichever leaves the busiest device
   less); the memory of the result is then checked, not optimised. A chunk's output
   crosses to the next device scattered over the tp ranks and gathered there
-  (``cost_model.pipeline_send_time_s``).
+  (``collectives.pipeline_send_time_s``).
 - Step = m x t_stage + (pp - 1)/v x t_stage + exposed dp all-reduce + optimizer
   (GPipe and 1F1B: v = 1; interleaved 1F1B: v > 1, m a multiple of pp; Narayanan et
   al., SC'21, Sec. 2.2); 1F1B holds min(pp - s, m) micro-batches of activations on
@@ -43,92 +44,32 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" below):
   working memory when a stage holds many blocks).
 - ZeRO-1 (Rajbhandari et al., SC'20): optimizer state and its update divided by
   dp; reduce-scatter + all-gather instead of the all-reduce, the same bytes.
-
-Device layouts (``planner.plan.stage_devices``; devices node-major, d devices per node):
-
-- "tp-dp-pp" (Megatron-LM's order): stage s, replica r, tensor rank t on device
-  s dp tp + r tp + t. The dp group of a stage has stride tp: a ring inside a node
-  when dp tp <= d, else hierarchical with d / tp members per node. The pipeline is
-  outermost, so a stage boundary crosses nodes when its two stages' groups are on
-  different nodes. Megatron-LM chooses this because a boundary moves only one
-  micro-batch's activations point to point, 2 m A / tp bytes per rank per step
-  (A: boundary activation bytes per micro-batch; forward and back), while the
-  all-reduce moves every gradient of the stage, 2 (n-1)/n G bytes per device
-  (Narayanan et al., SC'21, Sec. 3, takeaways #1 and #2: tensor parallelism inside a
-  node, pipeline parallelism to scale across nodes, data parallelism on top).
-- "tp-pp-dp" ("dp-outer", dp outermost): device r tp pp + s tp + t, replica r's whole
-  pipeline on devices [r tp pp, (r+1) tp pp). When tp pp divides d every replica is
-  inside one node, every pipeline send stays on the intra-node link, and the
-  alternative's price is paid by the all-reduce instead: its group has stride tp pp,
-  k = d / (tp pp) members per node, so across nodes it is hierarchical,
-  t = RS_intra(G, k) + AR_inter(G / k, dp / k) + AG_intra(G, k)
-  (``cost_model.hierarchical_allreduce_time_s``; k = 1: a plain ring over the
-  inter-node link), G = a pipeline device's gradient bytes; a dp that is not a
-  multiple of k, or tp pp > d, rings over the inter-node link. This is the layout
-  a multi-worker hybrid in ``apply`` needs (each replica inside one worker: dp
-  across workers with MultiWorkerMirroredStrategy, the pipeline and tp inside).
-  The search offers it next to Megatron's where the two differ and it keeps every
-  replica in a node (``dp_outer_differs``).
+- Data-parallel gradient all-reduce: over the dp group of each pipeline device
+  (``topology.dp_group_devices`` under the layout), priced by
+  ``collectives.allreduce_time_s`` from its members per node -- a ring inside one
+  node, hierarchical when it holds the same number of members on each node it spans,
+  a flat ring over the inter-node link otherwise -- the function plain data
+  parallelism (``planner.search``) and the tensor-parallel ILP's gradient term use too.
 """
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
-from tfplan.core.cluster import ClusterSpec
+from tfplan.planner.candidates import Choice
+from tfplan.planner.context import SearchContext
+from tfplan.planner.partition import device_loads, even_partition, min_max_partition
 from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, Stage, Strategy,
-                          stage_devices)
-from tfplan.profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES, layer_comm
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tfplan.planner.search import _Context
+                                 stage_devices)
+from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
+from tfplan.planner.tp_splits import reference_samples, solve_splits
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
-MAX_MICROBATCH_SIZE = 16  # micro-batch sizes tried: powers of two up to this
 PARTITION_MICROBATCH = 8  # samples per micro-batch at which stages are balanced
-INTERLEAVE_CHOICES = (2, 3, 4)  # model chunks per device tried for the interleaved schedule
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small) | {n // d for d in small})
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One point of the strategy space."""
-
-    dp: int
-    tp: int
-    pp: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str = "none"  # "none" (pp == 1), "gpipe", "1f1b", "interleaved"
-    recompute: str = "none"  # "none", "selective", "full"
-    optimizer_sharding: bool = False
-    virtual_stages: int = 1  # model chunks per pipeline device ("interleaved": > 1)
-    layout: str = DEFAULT_LAYOUT  # planner.plan.LAYOUTS; "tp-pp-dp" shows as "dp-outer"
-
-    @property
-    def name(self) -> str:
-        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}", f"mbs={self.microbatch_size}",
-                 f"m={self.num_microbatches}"]
-        if self.pp > 1:
-            parts.append(self.schedule + (f" v={self.virtual_stages}"
-                                          if self.virtual_stages > 1 else ""))
-        if self.recompute != "none":
-            parts.append(f"recompute={self.recompute}")
-        if self.optimizer_sharding:
-            parts.append("zero1")
-        if self.layout == "tp-pp-dp":
-            parts.append("dp-outer")
-        return "hybrid " + " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -149,28 +90,10 @@ class Estimate:
         return max(self.stage_memory_bytes) <= capacity
 
 
-def tp_split_rule(types: tuple[str, ...]) -> tuple[str, ...]:
-    """The split of each layer under tp > 1 ("" = replicated), by the simple rule above."""
-    out, last_dense = [], "row"
-    for t in types:
-        if t in COLUMN_ROW_TYPES:
-            last_dense = "column" if last_dense == "row" else "row"
-            out.append(last_dense)
-        elif t in HEAD_SPLIT_TYPES:
-            out.append("heads")
-            last_dense = "row"
-        elif t in VOCAB_SPLIT_TYPES:
-            out.append("vocab")
-            last_dense = "row"
-        else:
-            out.append("")
-    return tuple(out)
-
-
 class Pricer:
     """Per-layer arrays for one search context, cached by (tp, micro-batch size)."""
 
-    def __init__(self, ctx: "_Context", tp_time_limit_s: float = 5.0) -> None:
+    def __init__(self, ctx: SearchContext, tp_time_limit_s: float = 5.0) -> None:
         self.ctx = ctx
         self.tp_time_limit_s = tp_time_limit_s  # per tensor-parallel ILP (planner.tp_splits)
         self.split_choices: dict = {}  # tp -> planner.tp_splits.SplitChoice
@@ -178,7 +101,6 @@ class Pricer:
         self.layers = p.layers
         self.b = p.batch_size
         self.n = len(p.layers)
-        from tfplan.profiler.comm import input_bytes_of
         self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
         self.attention = np.array([l.type in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
@@ -189,12 +111,11 @@ class Pricer:
         """Each layer's split at tensor-parallel degree ``tp`` ("" = replicated): the
         tensor-parallel ILP's (``planner.tp_splits``), priced with this Pricer's own
         replicated per-layer forward + backward times (``arrays(1, samples)``) and its
-        own data-parallel gradient all-reduce (``_dp_allreduce_s``, dp = devices / tp);
+        own data-parallel gradient all-reduce (``dp_allreduce_s``, dp = devices / tp);
         cached per tp."""
         if tp == 1:
             return ("",) * self.n
         if tp not in self.split_choices:
-            from tfplan.planner.tp_splits import reference_samples, solve_splits
             ctx = self.ctx
 
             def replicated_time_s(samples: int) -> np.ndarray:
@@ -206,7 +127,7 @@ class Pricer:
             self.split_choices[tp] = solve_splits(
                 ctx.profile, ctx.cluster, tp, layer_time_s=replicated_time_s, samples=samples,
                 time_limit_s=self.tp_time_limit_s,
-                grad_allreduce_s=lambda nbytes: self._dp_allreduce_s(nbytes, data_parallel))
+                grad_allreduce_s=lambda nbytes: self.dp_allreduce_s(nbytes, data_parallel))
         return self.split_choices[tp].splits
 
     def arrays(self, tp: int, mbs: int) -> dict[str, np.ndarray]:
@@ -227,9 +148,9 @@ class Pricer:
             fwd.append(t_fwd)
             bwd.append(t_bwd)
             s = next((x for x in self.comm[i].tp_splits if x.split == split), None)
-            tpf.append(cm.ring_allreduce_time_s(s.fwd_allreduce_bytes * f, tp, link)
+            tpf.append(coll.ring_allreduce_time_s(s.fwd_allreduce_bytes * f, tp, link)
                        if s and s.fwd_allreduce_bytes else 0.0)
-            tpb.append(cm.ring_allreduce_time_s(s.bwd_allreduce_bytes * f, tp, link)
+            tpb.append(coll.ring_allreduce_time_s(s.bwd_allreduce_bytes * f, tp, link)
                        if s and s.bwd_allreduce_bytes else 0.0)
             state.append((l.param_bytes + l.compute_weight_bytes + l.grad_bytes) / k)
             opt.append(l.optimizer_bytes / k)
@@ -304,8 +225,8 @@ class Pricer:
         for k, nbytes in enumerate(base["boundary_bytes"]):
             if nbytes:
                 s = k % pp
-                link = _stage_link(cluster, layout, dp, tp, pp, s, (s + 1) % pp)
-                send[k] = 2 * cm.pipeline_send_time_s(nbytes, tp, link, cluster.intra_node_link)
+                link = stage_link(cluster, layout, dp, tp, pp, s, (s + 1) % pp)
+                send[k] = 2 * coll.pipeline_send_time_s(nbytes, tp, link, cluster.intra_node_link)
         d = dict(base)
         d["send"] = send.reshape(v, pp).sum(axis=0)  # chunk k on device k % pp
         self.cache[key] = d
@@ -375,7 +296,7 @@ class Pricer:
                                     ctx.cluster.device)
         slow = int(np.argmax(stage_times))
         t_stage = float(stage_times[slow])
-        dp_s = float(np.max(np.maximum(0.0, self._dp_allreduce_s(d["grad"], c) - d["overlap"])))
+        dp_s = float(np.max(np.maximum(0.0, self.dp_allreduce_s(d["grad"], c) - d["overlap"])))
         breakdown = Breakdown(compute_s=m * float(compute[slow]),
                               communication_s=m * float(comm[slow]) + dp_s,
                               bubble_s=cm.pipeline_bubble_s(pp, t_stage, v),
@@ -395,21 +316,35 @@ class Pricer:
         return Estimate(c, breakdown, bounds, tuple(int(memories[k % pp])
                                                     for k in range(len(bounds))), hw)
 
-    def _dp_allreduce_s(self, nbytes: float, c: Choice) -> float:
-        """Gradient all-reduce over the dp group (stride tp; dp-outer: stride tp pp):
-        hierarchical when it spans nodes (module docstring, "Device layouts"). ZeRO-1's
+    def dp_allreduce_s(self, nbytes, c: Choice):
+        """Gradient all-reduce of ``nbytes[s]`` over the dp group of each pipeline device
+        s of ``c`` (``topology.dp_group_devices`` under ``c.layout``), priced by
+        ``collectives.allreduce_time_s`` from the group's members per node: one number
+        per pipeline device, or stage 0's for a scalar ``nbytes``. ZeRO-1's
         reduce-scatter + all-gather moves the same bytes (SC'20 Sec. 7)."""
         cluster = self.ctx.cluster
-        if c.dp == 1:
-            return 0.0
-        if c.layout == "tp-pp-dp":
-            return _dp_outer_allreduce_s(cluster, nbytes, c.dp, c.tp * c.pp)
-        if c.dp * c.tp <= cluster.devices_per_node or cluster.inter_node_link is None:
-            return cm.ring_allreduce_time_s(nbytes, c.dp, cluster.intra_node_link)
-        per_node = max(1, cluster.devices_per_node // c.tp)
-        return cm.hierarchical_allreduce_time_s(nbytes, per_node, c.dp // per_node,
-                                                cluster.intra_node_link,
-                                                cluster.inter_node_link)
+        groups = self._dp_groups(c.dp, c.tp, c.pp, c.layout)
+        intra, inter = cluster.intra_node_link, cluster.inter_node_link
+        if np.ndim(nbytes) == 0:
+            return coll.allreduce_time_s(nbytes, groups[0][0], intra, inter)
+        out = np.empty(len(nbytes))
+        for per_node, stages in groups:
+            out[stages] = coll.allreduce_time_s(nbytes[stages], per_node, intra, inter)
+        return out
+
+    def _dp_groups(self, dp: int, tp: int, pp: int, layout: str
+                   ) -> list[tuple[tuple[int, ...], np.ndarray]]:
+        """The dp groups' members per node, each with the pipeline devices whose group
+        has it (stage 0's first); cached."""
+        key = ("dp groups", dp, tp, pp, layout)
+        if key not in self.cache:
+            per_node = self.ctx.cluster.devices_per_node
+            stages: dict[tuple[int, ...], list[int]] = {}
+            for s in range(pp):
+                stages.setdefault(members_per_node(dp_group_devices(layout, dp, tp, pp, s),
+                                                   per_node), []).append(s)
+            self.cache[key] = [(k, np.array(v)) for k, v in stages.items()]
+        return self.cache[key]
 
     def to_plan(self, e: Estimate) -> Plan:
         ctx, c = self.ctx, e.choice
@@ -452,212 +387,6 @@ class Pricer:
         self.splits_for(tp)
         return self.split_choices[tp].solver if tp in self.split_choices \
             else "no tensor parallelism"
-
-
-def _link_between(cluster: ClusterSpec, a: int, b: int, group: int):
-    """Point-to-point link between pipeline devices ``a`` and ``b`` (groups of ``group``
-    devices, node-major): inside a node or across nodes."""
-    same = a * group // cluster.devices_per_node == b * group // cluster.devices_per_node
-    return cluster.p2p_link(same_node=same)
-
-
-def _stage_link(cluster: ClusterSpec, layout: str, dp: int, tp: int, pp: int, a: int, b: int):
-    """Point-to-point link from pipeline stage ``a`` to stage ``b`` under ``layout``.
-    tp-dp-pp: stage groups of dp tp devices (``_link_between``, as before layouts).
-    tp-pp-dp: replica r's stage s starts at r tp pp + s tp; the slowest link over the
-    replicas (inside a node for all of them when tp pp divides devices_per_node)."""
-    if layout != "tp-pp-dp":
-        return _link_between(cluster, a, b, dp * tp)
-    per_node = cluster.devices_per_node
-    same = all((r * tp * pp + a * tp) // per_node == (r * tp * pp + b * tp) // per_node
-               for r in range(dp))
-    return cluster.p2p_link(same_node=same)
-
-
-def _dp_outer_allreduce_s(cluster: ClusterSpec, nbytes: float, dp: int, stride: int) -> float:
-    """All-reduce of ``nbytes`` over ``dp`` devices ``stride`` = tp pp apart (dp-outer):
-    k = devices_per_node // stride of them per node. All in one node (dp <= k): a ring
-    on the intra-node link; dp a multiple of k: hierarchical over dp / k nodes
-    (``cost_model.hierarchical_allreduce_time_s``; k = 1 leaves the inter-node ring);
-    otherwise a ring on the inter-node link."""
-    k = cluster.devices_per_node // stride
-    if cluster.inter_node_link is None or dp <= k:
-        return cm.ring_allreduce_time_s(nbytes, dp, cluster.intra_node_link)
-    if k >= 1 and dp % k == 0:
-        return cm.hierarchical_allreduce_time_s(nbytes, k, dp // k, cluster.intra_node_link,
-                                                cluster.inter_node_link)
-    return cm.ring_allreduce_time_s(nbytes, dp, cluster.inter_node_link)
-
-
-def dp_outer_differs(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> bool:
-    """Whether the search also prices ``dp, tp, pp`` with the dp-outer layout (tp-pp-dp).
-
-    The two layouts put stage s, replica r, rank t on s dp tp + r tp + t and on
-    r tp pp + s tp + t: the same device for every (s, r, t) exactly when dp == 1 or
-    pp == 1 (tp only scales both). When all dp tp pp devices lie in one node (the
-    grid starts at device 0, so dp tp pp <= devices_per_node) every link is the
-    intra-node one and the two are priced alike. Otherwise the grid spans nodes and
-    they differ (Megatron's order sends across nodes or all-reduces with more members
-    per node; dp-outer all-reduces across nodes). It is offered only when tp pp
-    divides devices_per_node, so that every replica sits inside one node, which is
-    what the layout is for."""
-    per_node = cluster.devices_per_node
-    return dp > 1 and pp > 1 and dp * tp * pp > per_node and per_node % (tp * pp) == 0
-
-
-@lru_cache(maxsize=4096)
-def min_max_partition(weights: tuple[float, ...], parts: int) -> tuple[tuple[int, int], ...]:
-    """Split ``weights`` into ``parts`` non-empty contiguous runs minimising the largest sum.
-
-    Bisection on the bottleneck T with a greedy fill that leaves at least one item
-    per remaining part (feasible iff some partition has max <= T, weights >= 0), to a
-    relative precision of 1e-7 (``bisect`` on a Python list: the fill is the search's
-    inner loop).
-    """
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"{parts} parts of {n} items; expected 1 <= parts <= items")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def fill(t: float):
-        bounds, lo = [], 0
-        slack = t * (1 + 1e-12) + 1e-18
-        for s in range(parts):
-            if s == parts - 1:
-                hi = n
-            else:
-                hi = bisect.bisect_right(prefix, prefix[lo] + t) - 1
-                hi = min(max(lo + 1, hi), n - (parts - s - 1))
-            if prefix[hi] - prefix[lo] > slack:
-                return None
-            bounds.append((lo, hi))
-            lo = hi
-        return tuple(bounds)
-
-    lo_t, hi_t = max(weights), prefix[-1]
-    best = fill(hi_t) if parts == 1 else None
-    for _ in range(60):
-        if best is not None and hi_t - lo_t <= 1e-7 * hi_t:
-            break
-        mid = (lo_t + hi_t) / 2
-        got = fill(mid)
-        if got is None:
-            lo_t = mid
-        else:
-            best, hi_t = got, mid
-    if best is None:
-        best = fill(hi_t) or fill(prefix[-1] * 1.000001)
-    return best
-
-
-def even_partition(weights: tuple[float, ...], parts: int) -> tuple[tuple[int, int], ...]:
-    """Split ``weights`` into ``parts`` non-empty contiguous runs whose sums are each as
-    close as the item boundaries allow to total / parts: cut k at the prefix sum nearest
-    k x total / parts. Unlike the min-max split (which packs the early runs full and can
-    leave the last ones nearly empty), every run gets about the same work -- what an
-    interleaved pipeline needs, where a device's load is the sum of v runs."""
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"{parts} parts of {n} items; expected 1 <= parts <= items")
-    prefix = np.concatenate([[0.0], np.cumsum(weights)])
-    cuts, lo = [0], 0
-    for k in range(1, parts):
-        target = prefix[-1] * k / parts
-        i = int(np.searchsorted(prefix, target))
-        if i > 0 and abs(prefix[i - 1] - target) <= abs(prefix[min(i, n)] - target):
-            i -= 1
-        i = min(max(i, lo + 1), n - (parts - k))  # non-empty runs on both sides
-        cuts.append(i)
-        lo = i
-    cuts.append(n)
-    return tuple((cuts[k], cuts[k + 1]) for k in range(parts))
-
-
-def device_loads(weights: np.ndarray, bounds: tuple[tuple[int, int], ...], pp: int) -> list[float]:
-    """Work of each of ``pp`` pipeline devices when run k of ``bounds`` is on device k % pp."""
-    prefix = np.concatenate([[0.0], np.cumsum(weights)])
-    loads = [0.0] * pp
-    for k, (lo, hi) in enumerate(bounds):
-        loads[k % pp] += float(prefix[hi] - prefix[lo])
-    return loads
-
-
-# --- the hybrid strategy space --------------------------------------------------------------
-
-def hybrid_choices(ctx: "_Context", knobs: Mapping[str, Any], *, skip_classic: bool,
-                    shape: tuple[int, int, int] | None = None) -> list[Choice]:
-    """Every dp x tp x pp factorization of the devices (tp a divisor of devices_per_node,
-    pp <= layers, dp | global batch) x layout x micro-batch size x schedule x recompute x
-    ZeRO-1, restricted by ``knobs``; ``shape`` fixes (dp, tp, pp) (then it need not use
-    every device). ``skip_classic`` leaves out what the classic candidates already price.
-
-    Layout: Megatron's tp-dp-pp, and also dp-outer tp-pp-dp where ``dp_outer_differs``.
-    ``knobs["layout"]`` fixes it for every shape where the two put devices differently
-    (dp > 1 and pp > 1); elsewhere they are the same plan, named tp-dp-pp."""
-    cluster, b, layers = ctx.cluster, ctx.global_batch, len(ctx.names)
-    n, per_node = cluster.num_devices, cluster.devices_per_node
-    if shape is not None:
-        shapes = [shape]
-    else:
-        shapes = [(n // (tp * pp), tp, pp) for tp in divisors(per_node)
-                  for pp in divisors(n // tp) if pp <= layers]
-    has_attention = any(l.type in HEAD_SPLIT_TYPES for l in ctx.profile.layers)
-    out = []
-    for dp, tp, pp in shapes:
-        if b % dp:
-            continue
-        local = b // dp
-        # pp == 1: the whole local batch at once, or gradient accumulation over
-        # micro-batches of up to MAX_MICROBATCH_SIZE samples (less activation memory)
-        sizes = sorted({2**k for k in range(MAX_MICROBATCH_SIZE.bit_length())
-                        if 2**k <= MAX_MICROBATCH_SIZE and local % 2**k == 0}
-                       | ({local} if pp == 1 else set()))
-        if "microbatch_size" in knobs:
-            sizes = [knobs["microbatch_size"]]
-        if dp > 1 and pp > 1 and "layout" in knobs:
-            layouts: tuple[str, ...] = (knobs["layout"],)
-        else:
-            layouts = (DEFAULT_LAYOUT,) + (("tp-pp-dp",) if "layout" not in knobs and
-                                           dp_outer_differs(cluster, dp, tp, pp) else ())
-        for mbs in sizes:
-            if local % mbs:
-                continue
-            m = local // mbs
-            schedules = ("none",) if pp == 1 else ("1f1b", "gpipe", "interleaved")
-            if "schedule" in knobs and pp > 1:
-                schedules = (knobs["schedule"],)
-            for schedule, v in _with_virtual_stages(schedules, knobs, pp, m, layers):
-                for rc in ((knobs["recompute"],) if "recompute" in knobs
-                           else ("none", "selective", "full") if has_attention
-                           else ("none", "full")):
-                    for zero in ((knobs["optimizer_sharding"],) if "optimizer_sharding" in knobs
-                                 else ((False, True) if dp > 1 else (False,))):
-                        classic = tp == 1 and rc == "none" and not zero and (
-                            (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
-                        if skip_classic and classic:
-                            continue
-                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero), v, layout)
-                                for layout in layouts]
-    return out
-
-
-def _with_virtual_stages(schedules: tuple[str, ...], knobs: Mapping[str, Any], pp: int,
-                         m: int, layers: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs: v = 1 for GPipe and 1F1B; for the interleaved
-    schedule v in INTERLEAVE_CHOICES (or the fixed ``virtual_stages``), where Megatron-LM
-    allows it: m a multiple of pp (Narayanan et al., SC'21, Sec. 2.2.2) and at least two
-    layers per chunk."""
-    out = []
-    for schedule in schedules:
-        if schedule != "interleaved":
-            out.append((schedule, 1))
-            continue
-        vs = (knobs["virtual_stages"],) if "virtual_stages" in knobs else INTERLEAVE_CHOICES
-        out += [(schedule, v) for v in vs
-                if v > 1 and m % pp == 0 and 2 * pp * v <= layers]
-    return out
 
 
 def best_per_shape(estimates: list[Estimate], capacity: int) -> list[Estimate]:
