@@ -1,9 +1,9 @@
 """The ``plan`` command: parse, call the library, render.
 
-Pipeline position: the front door. It imports only argparse at start-up (so
+Pipeline position: the front door, on top of every layer. It imports only argparse at start-up (so
 ``plan --help`` is instant); the profiler (TensorFlow), the planner's search and
 the reports are imported inside each command. One boundary, ``main``, maps the
-typed errors of ``planner.errors`` to exit codes:
+typed errors of ``tfplan.core.errors`` to exit codes:
 
     0 success; 2 bad input (model, cluster, plan, arguments);
     3 no plan fits; 4 solver failure; 1 a bug in this tool (traceback shown).
@@ -138,7 +138,8 @@ def _add_report_parser(sub: Any) -> None:
 
 def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     from tfplan.reports.report import html_report, load_analysis, summary_lines
-    from tfplan.reports.tables import CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, profile_rows
+    from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows,
+                                       profile_rows)
 
     a = load_analysis(args.dir)
     html_path = None

@@ -1,6 +1,6 @@
 """The hardware a plan is made for: ``DeviceSpec``, ``LinkSpec``, ``ClusterSpec``.
 
-Pipeline position: built from a preset (``planner.presets``), a YAML/JSON file,
+Pipeline position: built from a preset (``tfplan.core.presets``), a YAML/JSON file,
 ``cpu:N``, or later a measurement (``plan profile-hardware``); read by the cost
 model and the search. A cluster is ``num_nodes`` identical nodes of
 ``devices_per_node`` identical devices; devices in a node talk over

@@ -1,7 +1,7 @@
-"""Typed errors for the whole pipeline (profiler -> planner -> apply -> reports).
+"""Typed errors for the whole pipeline (profiler -> planner -> apply -> reports, the CLI).
 
 Every stage raises one of these for bad input or an impossible request; the CLI
-maps them to exit codes in one place (``planner.cli``). Messages say what was
+maps them to exit codes in one place (``tfplan.cli``). Messages say what was
 received, what was expected, and how to fix it.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""planner.presets: cpu:N, named GPU servers, NxPRESET and cluster files."""
+"""tfplan.core.presets: cpu:N, named GPU servers, NxPRESET and cluster files."""
 from __future__ import annotations
 
 import json

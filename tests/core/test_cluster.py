@@ -1,4 +1,4 @@
-"""planner.cluster: ClusterSpec's point-to-point links and DeviceSpec's layer overhead --
+"""tfplan.core.cluster: ClusterSpec's point-to-point links and DeviceSpec's layer overhead --
 the JSON round trip, cluster files written before either existed, and the fallback of
 ``p2p_link`` to the collective links."""
 from __future__ import annotations
