@@ -7,8 +7,8 @@ summed gradient, so Keras' ``clip_by_global_norm`` over all it is given would se
 gradient dp times, a norm sqrt(dp) too large, and clip more than one device does.
 
 ``clipped_over_one_copy`` computes the global norm over one copy of each gradient (copy
-0: ``gradients[:n]``), with Keras' own formula (``keras.src.optimizers.base_optimizer.
-global_norm`` and the scale of ``clip_by_global_norm``: ``clip * min(1/norm, 1/clip)``,
+0: ``gradients[:n]``), with Keras' own formula (``tfplan.compat.global_norm``, Keras'
+``global_norm``, and the scale of ``clip_by_global_norm``: ``clip * min(1/norm, 1/clip)``,
 NaN when the norm is not finite), scales every copy by it on its own device, and
 ``optimizer_clipping_off`` switches the optimizer's own global clipping off for that
 update (a Python attribute, read when the step is traced). Under a
@@ -33,8 +33,8 @@ import threading
 from typing import Any, Iterator, Sequence
 
 import tensorflow as tf
-from keras.src.optimizers.base_optimizer import global_norm
 
+from tfplan import compat
 from tfplan.apply.placement import _inner, tf_variable
 
 _LOCK = threading.Lock()
@@ -97,9 +97,10 @@ def clips_globally(optimizer: Any) -> bool:
 def keras_all_reduce_off(optimizer: Any) -> Iterator[None]:
     """The optimizer does not sum the gradients across replicas inside (they are summed:
     ``all_reduced_and_clipped``). Overrides Keras 3's TF-backend
-    ``TFOptimizer._all_reduce_sum_gradients`` on this optimizer object while the update
-    is traced."""
-    with _overridden(_inner(optimizer), "_all_reduce_sum_gradients", _as_they_are):
+    ``TFOptimizer._all_reduce_sum_gradients`` (``compat.ALL_REDUCE_SUM_GRADIENTS``) on
+    this optimizer object while the update is traced."""
+    compat.check_all_reduce_sum_gradients(optimizer)
+    with _overridden(_inner(optimizer), compat.ALL_REDUCE_SUM_GRADIENTS, _as_they_are):
         yield
 
 
@@ -149,7 +150,7 @@ def _clip_scale(optimizer: Any, gradients: Sequence[Any], clip: float) -> Any:
     present = [_dense_values(g) for g in gradients if g is not None]
     if not present:
         return None
-    norm = global_norm(present)
+    norm = compat.global_norm(present)
     if _inner(optimizer) is not optimizer:  # LossScaleOptimizer: still scaled
         norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
     scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
