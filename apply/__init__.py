@@ -21,6 +21,7 @@ from __future__ import annotations
 # imported to register the wrapped model classes with Keras
 from tfplan.apply import (data_parallel, multi_worker, multi_worker_hybrid,  # noqa: F401
                    pipeline, tensor_parallel)
+from tfplan.apply import legacy_names  # noqa: F401  (0.1's names: a clear error)
 from tfplan.apply.auto import auto, auto_devices
 from tfplan.apply.devices import ensure_devices
 from tfplan.apply.placement import variable_devices

@@ -330,10 +330,10 @@ def gpu_cluster(n: int) -> ClusterSpec:
 
 def _gpu_memory_bytes() -> int | None:
     try:
-        from tensorflow.python.client import device_lib
+        from tfplan.compat import local_devices
 
-        limits = [int(d.memory_limit) for d in device_lib.list_local_devices()
-                  if d.device_type == "GPU" and d.memory_limit]
+        limits = [d.memory_limit_bytes for d in local_devices()
+                  if d.device_type == "GPU" and d.memory_limit_bytes]
     except Exception:  # noqa: BLE001  (an internal API: no figure rather than no plan)
         return None
     return min(limits) if limits else None

@@ -7,8 +7,8 @@ summed gradient, so Keras' ``clip_by_global_norm`` over all it is given would se
 gradient dp times, a norm sqrt(dp) too large, and clip more than one device does.
 
 ``clipped_over_one_copy`` computes the global norm over one copy of each gradient (copy
-0: ``gradients[:n]``), with Keras' own formula (``keras.src.optimizers.base_optimizer.
-global_norm`` and the scale of ``clip_by_global_norm``: ``clip * min(1/norm, 1/clip)``,
+0: ``gradients[:n]``), with Keras' own formula (``tfplan.compat.global_norm``, Keras'
+``global_norm``, and the scale of ``clip_by_global_norm``: ``clip * min(1/norm, 1/clip)``,
 NaN when the norm is not finite), scales every copy by it on its own device, and
 ``optimizer_clipping_off`` switches the optimizer's own global clipping off for that
 update (a Python attribute, read when the step is traced). Under a
@@ -33,9 +33,9 @@ import threading
 from typing import Any, Iterator, Sequence
 
 import tensorflow as tf
-from keras.src.optimizers.base_optimizer import global_norm
 
-from tfplan.apply.placement import inner_optimizer as _inner, tf_variable
+from tfplan import compat
+from tfplan.apply.placement import inner_optimizer, tf_variable
 
 _LOCK = threading.Lock()
 _ACTIVE: dict[tuple[int, str], list[Any]] = {}  # (id(obj), name): [depth, had it, old value]
@@ -44,7 +44,7 @@ _ACTIVE: dict[tuple[int, str], list[Any]] = {}  # (id(obj), name): [depth, had i
 def _global_clipnorm(optimizer: Any) -> float | None:
     """The optimizer's ``global_clipnorm``, also while ``optimizer_clipping_off`` has it
     off for another replica's thread."""
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     with _LOCK:
         entry = _ACTIVE.get((id(inner), "global_clipnorm"))
         clip = entry[2] if entry is not None else getattr(inner, "global_clipnorm", None)
@@ -97,9 +97,10 @@ def clips_globally(optimizer: Any) -> bool:
 def keras_all_reduce_off(optimizer: Any) -> Iterator[None]:
     """The optimizer does not sum the gradients across replicas inside (they are summed:
     ``all_reduced_and_clipped``). Overrides Keras 3's TF-backend
-    ``TFOptimizer._all_reduce_sum_gradients`` on this optimizer object while the update
-    is traced."""
-    with _overridden(_inner(optimizer), "_all_reduce_sum_gradients", _as_they_are):
+    ``TFOptimizer._all_reduce_sum_gradients`` (``compat.ALL_REDUCE_SUM_GRADIENTS``) on
+    this optimizer object while the update is traced."""
+    compat.check_all_reduce_sum_gradients(optimizer)
+    with _overridden(inner_optimizer(optimizer), compat.ALL_REDUCE_SUM_GRADIENTS, _as_they_are):
         yield
 
 
@@ -109,7 +110,7 @@ def optimizer_clipping_off(optimizer: Any) -> Iterator[None]:
     if _global_clipnorm(optimizer) is None:
         yield
         return
-    with _overridden(_inner(optimizer), "global_clipnorm", None):
+    with _overridden(inner_optimizer(optimizer), "global_clipnorm", None):
         yield
 
 
@@ -149,8 +150,8 @@ def _clip_scale(optimizer: Any, gradients: Sequence[Any], clip: float) -> Any:
     present = [_dense_values(g) for g in gradients if g is not None]
     if not present:
         return None
-    norm = global_norm(present)
-    if _inner(optimizer) is not optimizer:  # LossScaleOptimizer: still scaled
+    norm = compat.global_norm(present)
+    if inner_optimizer(optimizer) is not optimizer:  # LossScaleOptimizer: still scaled
         norm = norm / tf.cast(optimizer.dynamic_scale, norm.dtype)
     scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
     return scale + (norm - norm)  # NaN for a non-finite norm, as Keras

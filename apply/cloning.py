@@ -28,8 +28,10 @@ def to_functional(model: Any) -> Any:
     a throw-away clone. Subclassed models cannot be re-wired and are refused.
     """
     import keras
-    from keras.src.models.functional import Functional
 
+    from tfplan.compat import functional_class
+
+    Functional = functional_class()
     if not isinstance(model, (Functional, keras.Sequential)):
         raise PlannerError(
             f"apply.wrap received a {type(model).__name__}, a subclassed keras.Model; it "

@@ -47,9 +47,8 @@ from typing import Any, Collection
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan import compat
 from tfplan.apply.batches import leading_dim
 from tfplan.apply.clipping import (all_reduced_and_clipped, clips_globally, keras_all_reduce_off,
                             optimizer_clipping_off)
@@ -59,7 +58,8 @@ from tfplan.apply.recompute import recompute_call
 from tfplan.core.errors import PlannerError
 
 
-@keras.saving.register_keras_serializable(package="apply")
+@keras.saving.register_keras_serializable(package="tfplan")
+@compat.overrides_run_through_graph
 class DataParallelModel(PlannedModel):
     """A PlannedModel made inside a MirroredStrategy scope (see the module docstring)."""
 
@@ -102,7 +102,7 @@ class DataParallelModel(PlannedModel):
         if optimizer is None:
             return optimizer
         inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if getattr(inner, "_distribution_strategy", None) is self.distribute_strategy:
+        if compat.optimizer_strategy(inner) is self.distribute_strategy:
             return optimizer
         if optimizer.built:
             raise PlannerError(
@@ -153,22 +153,22 @@ class DataParallelModel(PlannedModel):
 
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
-        self._assert_compile_called("train_on_batch")
+        compat.assert_compile_called(self, "train_on_batch")
         self._check_batch(leading_dim(x), "The batch given to train_on_batch")
         if class_weight is not None:
-            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+            sample_weight = compat.class_weight_to_sample_weights(y, class_weight)
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+        compat.maybe_symbolic_build(self, data_batch=(x, y, sample_weight))
         logs = self._reset_and_step("train", self._per_replica(data))
         return self._one_batch_logs(logs, return_dict)
 
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
-        self._assert_compile_called("test_on_batch")
+        compat.assert_compile_called(self, "test_on_batch")
         if not self._splits_evenly(x):  # Keras' way: every replica evaluates the whole batch
             return super().test_on_batch(x, y, sample_weight, return_dict)
         data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+        compat.maybe_symbolic_build(self, data_batch=(x, y, sample_weight))
         logs = self._reset_and_step("test", self._per_replica(data))
         return self._one_batch_logs(logs, return_dict)
 
@@ -180,8 +180,8 @@ class DataParallelModel(PlannedModel):
         return keras.tree.map_structure(lambda t: t.numpy(), outputs)
 
     def _one_batch_logs(self, logs: Any, return_dict: bool) -> Any:
-        logs = pythonify_logs(logs)
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+        logs = compat.pythonify_logs(logs)
+        return logs if return_dict else compat.flatten_metrics_in_order(self, logs)
 
 
 def _sliceable(leaf: Any) -> Any:

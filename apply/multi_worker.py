@@ -49,8 +49,8 @@ from typing import Any, Collection
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan import compat
 from tfplan.apply.batches import KERAS_DEFAULT_BATCH_SIZE, leading_dim
 from tfplan.apply.cloning import clone_graph, copy_weights
 from tfplan.apply.data_parallel import DataParallelModel
@@ -62,7 +62,7 @@ SHUFFLE_SEED = 1337  # fit(shuffle=True): the same order on every worker, per ep
 
 # --- the model ----------------------------------------------------------------------------
 
-@keras.saving.register_keras_serializable(package="apply")
+@keras.saving.register_keras_serializable(package="tfplan")
 class MultiWorkerModel(DataParallelModel):
     """A DataParallelModel under MultiWorkerMirroredStrategy, with its own loops."""
 
@@ -146,7 +146,7 @@ class MultiWorkerModel(DataParallelModel):
             validation_data: Any = None, shuffle: bool = True, sample_weight: Any = None,
             initial_epoch: int = 0, steps_per_epoch: int | None = None,
             **unsupported: Any) -> Any:
-        self._assert_compile_called("fit")
+        compat.assert_compile_called(self, "fit")
         _refuse(unsupported, "fit")
         self._check_fit_input(x, batch_size, 0.0, steps_per_epoch)
         verbose = 1 if verbose == "auto" else verbose
@@ -167,7 +167,7 @@ class MultiWorkerModel(DataParallelModel):
                     break
                 self._check_batch(leading_dim(data), "A training batch")
                 callback_list.on_train_batch_begin(step)
-                logs = pythonify_logs(self.train_function([self._per_replica(data)]))
+                logs = compat.pythonify_logs(self.train_function([self._per_replica(data)]))
                 callback_list.on_train_batch_end(step, logs)
                 if self.stop_training:
                     break
@@ -185,7 +185,7 @@ class MultiWorkerModel(DataParallelModel):
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, **unsupported: Any) -> Any:
-        self._assert_compile_called("evaluate")
+        compat.assert_compile_called(self, "evaluate")
         _refuse(unsupported, "evaluate")
         self.make_test_function()
         self.reset_metrics()
@@ -199,8 +199,8 @@ class MultiWorkerModel(DataParallelModel):
             logs = self.test_function([self._per_replica(data)])
         if logs is None:
             raise self._small_batch_error(leading_dim(x), "The data given to evaluate")
-        logs = pythonify_logs(logs)
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+        logs = compat.pythonify_logs(logs)
+        return logs if return_dict else compat.flatten_metrics_in_order(self, logs)
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None, **unsupported: Any) -> Any:

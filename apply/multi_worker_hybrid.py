@@ -92,7 +92,7 @@ def local_plan(plan: Plan, mode: ExecutionMode, task: int) -> Plan:
     return dataclasses.replace(plan, stages=stages, strategy=strategy)
 
 
-@keras.saving.register_keras_serializable(package="apply")
+@keras.saving.register_keras_serializable(package="tfplan")
 class MultiWorkerHybridModel(TensorParallelModel):
     """This worker's replicas of a hybrid plan, trained with every other worker's
     (see the module docstring). ``num_replicas`` is the plan's whole dp."""

@@ -46,6 +46,7 @@ from typing import Any, Collection, Mapping
 import keras
 import tensorflow as tf
 
+from tfplan import compat
 from tfplan.apply.cloning import clone_graph, copy_weights
 from tfplan.apply.placement import (build_optimizer_on_devices, operation_devices,
                              updates_on_variable_devices)
@@ -54,7 +55,8 @@ from tfplan.apply.recompute import recompute_call
 from tfplan.apply.schedule import PipelineSchedule, active_trace, operation_stages, tracing
 
 
-@keras.saving.register_keras_serializable(package="apply")
+@keras.saving.register_keras_serializable(package="tfplan")
+@compat.overrides_run_through_graph
 class PlacedModel(PlannedModel):
     """A PlannedModel whose layers, ops and optimizer state sit on the plan's devices."""
 
@@ -70,7 +72,7 @@ class PlacedModel(PlannedModel):
         device_of_layer = dict(device_of_layer or {})
         self._op_device = operation_devices(self, device_of_layer, default_device)
         self.stage_devices = tuple(dict.fromkeys(device_of_layer.values()))
-        outputs_ops = [t._keras_history.operation for t in self.outputs]
+        outputs_ops = [compat.producer(t) for t in self.outputs]
         self.output_device = self._op_device.get(id(outputs_ops[0]), default_device)
 
     # --- forward --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping
 
+from tfplan import compat
 from tfplan.apply.device_names import short_name
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
@@ -49,16 +50,16 @@ def operation_values(functional: Any, value_of_layer: Mapping[str, Any],
     """``{id(operation): value}``: a named layer its value, any other operation the value
     of the operation that produced its first placed input, else ``default``."""
     values: dict[int, Any] = {}
-    for depth in sorted(functional._nodes_by_depth, reverse=True):  # inputs first
-        for node in functional._nodes_by_depth[depth]:
+    graph = compat.nodes_by_depth(functional)
+    for depth in sorted(graph, reverse=True):  # inputs first
+        for node in graph[depth]:
             op = node.operation
             if op is None or id(op) in values:
                 continue
             if getattr(op, "name", None) in value_of_layer:
                 values[id(op)] = value_of_layer[op.name]
                 continue
-            producers = [t._keras_history.operation for t in node.input_tensors
-                         if getattr(t, "_keras_history", None) is not None]
+            producers = [p for p in map(compat.producer, node.input_tensors) if p is not None]
             placed = [values[id(p)] for p in producers if id(p) in values]
             values[id(op)] = placed[0] if placed else default
     return values

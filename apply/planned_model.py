@@ -20,7 +20,9 @@ order as the user's model, so weight files load either way) that adds:
   plan adds control dependencies that fix the planned order (``apply.schedule``);
 * ``model.save(...)`` files that ``keras.models.load_model`` reads back as a
   plain Functional model once ``apply`` is imported (the subclasses are
-  registered with Keras under the package name ``apply``);
+  registered with Keras under the package name ``tfplan``; files saved by 0.1,
+  under ``apply``, fail with a message that says how to convert them:
+  ``apply.legacy_names``);
 * ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
   strategy scope, place optimizer slots), so calling ``compile()`` on the
   wrapped model after ``wrap`` works as usual;
@@ -35,11 +37,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.models.functional import Functional
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.utils.python_utils import pythonify_logs
 
+from tfplan import compat
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
                                   nearest_multiples, split_microbatches)
 from tfplan.apply.monitor import PlanMonitor
@@ -47,7 +46,7 @@ from tfplan.apply.placement import tf_variable
 from tfplan.core.errors import PlanMismatchError
 
 
-class PlannedModel(Functional):
+class PlannedModel(compat.functional_class()):
     """A Functional model trained according to a plan (see the module docstring)."""
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
@@ -64,9 +63,7 @@ class PlannedModel(Functional):
 
         Placement belongs to a process, not to a file: wrap the loaded model again.
         """
-        from keras.src.models.functional import functional_from_config
-
-        return functional_from_config(Functional, config, custom_objects)
+        return compat.functional_from_config(config, custom_objects)
 
     # --- hooks for the modes ----------------------------------------------------------
     def _compile_scope(self) -> Any:
@@ -157,16 +154,16 @@ class PlannedModel(Functional):
         variable with an eager op before every call, a fixed cost that a loop of
         ``train_on_batch`` calls pays each time."""
         self._check_batch(leading_dim(x), "The batch given to train_on_batch")
-        self._assert_compile_called("train_on_batch")
+        compat.assert_compile_called(self, "train_on_batch")
         if class_weight is not None:
             if sample_weight is not None:
                 raise ValueError("Arguments `sample_weight` and `class_weight` cannot be "
                                  "specified at the same time.")
-            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
-        self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+            sample_weight = compat.class_weight_to_sample_weights(y, class_weight)
+        compat.maybe_symbolic_build(self, data_batch=(x, y, sample_weight))
         logs = self._reset_and_step("train", (x, y, sample_weight))
-        logs = pythonify_logs(logs)
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+        logs = compat.pythonify_logs(logs)
+        return logs if return_dict else compat.flatten_metrics_in_order(self, logs)
 
     def _reset_and_step(self, kind: str, data: Any) -> Any:
         """Reset the metrics, then run the ``train``/``test`` step function on one
@@ -224,16 +221,16 @@ class PlannedModel(Functional):
 
     # --- the micro-batched train step ---------------------------------------------------
     def _forward_loss(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-        y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
-        loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                  training=True)
+        y_pred = self(x, training=True) if compat.call_has_training_arg(self) else self(x)
+        loss = compat.compute_loss(self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=True)
         scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return y_pred, loss, scaled
 
     def train_step(self, data: Any) -> Any:
         if not self._uses_microbatch_step():
             return super().train_step(data)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         m = self.num_microbatches
         variables = list(self.trainable_variables)
         parts = split_microbatches((x, y, sample_weight), m, self._batch_error)
@@ -244,8 +241,8 @@ class PlannedModel(Functional):
                 if start_microbatch is not None:
                     start_microbatch(i)
                 y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
-                self._loss_tracker.update_state(
-                    loss_module.unscale_loss_for_distribution(loss),
+                compat.loss_tracker(self).update_state(
+                    compat.unscale_loss_for_distribution(loss),
                     sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
                 total = grads if total is None else [
                     _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]

@@ -54,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tfplan import compat
 from tfplan.core.errors import PlannerError
 
 # activations that act on each element alone, so each column shard may apply its own
@@ -213,7 +214,8 @@ class ShardedDense(_Sharded, keras.layers.Dense):
                 name="bias", shape=(self.units,), initializer=self.bias_initializer,
                 regularizer=self.bias_regularizer, constraint=self.bias_constraint)
             ] if self.use_bias else []
-        self._kernel, self.bias = None, None  # the unsplit ones do not exist
+        compat.drop_unsplit_kernel(self)  # the unsplit ones do not exist
+        self.bias = None
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -264,9 +266,7 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
         return ker.index(char)
 
     def build(self, input_shape: Any) -> None:
-        from keras.src.layers.core.einsum_dense import _analyze_einsum_string
-
-        kernel_shape, bias_shape, full_output_shape, _, _ = _analyze_einsum_string(
+        kernel_shape, bias_shape, full_output_shape = compat.analyze_einsum_string(
             self.equation, self.bias_axes, input_shape, self.partial_output_shape)
         self.full_output_shape = tuple(full_output_shape)
         self.input_spec = keras.layers.InputSpec(ndim=len(input_shape))
@@ -289,7 +289,8 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
             self.biases = [self.add_weight(
                 name="bias", shape=tuple(bias_shape), initializer=self.bias_initializer,
                 regularizer=self.bias_regularizer, constraint=self.bias_constraint)]
-        self._kernel, self.bias = None, None
+        compat.drop_unsplit_kernel(self)
+        self.bias = None
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -376,13 +377,14 @@ class _ShardedConv(_Sharded):
                                                        for s in self.sizes], **kw)
             self.biases = [self.add_weight(name="bias", shape=(self.filters,), **bw)
                            ] if self.use_bias else []
-        self._kernel, self.bias = None, None  # the unsplit ones do not exist
+        compat.drop_unsplit_kernel(self)  # the unsplit ones do not exist
+        self.bias = None
         self.built = True
 
     def _conv(self, x: Any, kernel: Any) -> Any:
         padding = self.padding
         if padding == "causal":  # as keras.layers.Conv1D.call
-            x = ops.pad(x, self._compute_causal_padding())
+            x = ops.pad(x, compat.conv_causal_padding(self))
             padding = "valid"
         return ops.conv(x, kernel, strides=list(self.strides), padding=padding,
                         dilation_rate=self.dilation_rate, data_format=self.data_format)
@@ -439,7 +441,7 @@ class ShardedEmbedding(_Sharded, keras.layers.Embedding):
         self.tables = self._add_shards("embeddings", [(s, self.output_dim) for s in self.sizes],
                                        self.embeddings_initializer,
                                        self.embeddings_regularizer, self.embeddings_constraint)
-        self._embeddings = None
+        compat.drop_unsplit_embeddings(self)
         self.built = True
 
     def call(self, inputs: Any) -> Any:
@@ -490,10 +492,11 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
     def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
         key_shape = value_shape if key_shape is None else key_shape
         ranks = {len(query_shape), len(value_shape), len(key_shape)}
-        out_shape = self._output_shape
+        settings = compat.attention_settings(self)
+        out_shape = settings.output_shape
         if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
             out_shape = out_shape[0]
-        if getattr(self, "_use_gate", False) or ranks != {3} or self._attention_axes not in (
+        if settings.use_gate or ranks != {3} or self.attention_axes not in (
                 None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
             raise PlannerError(
                 f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
@@ -501,14 +504,11 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
                 "without use_gate, custom attention_axes or a multi-axis output_shape. "
                 "Re-plan with that layer replicated (remove it from tp_splits).")
         out_dim = int(out_shape or query_shape[-1])
-        self.sizes = sizes = shard_sizes(self._num_heads, len(self.tp_devices))
-        b = self._use_bias
-        kw = dict(initializer=self._kernel_initializer, regularizer=self._kernel_regularizer,
-                  constraint=self._kernel_constraint)
-        bw = dict(initializer=self._bias_initializer, regularizer=self._bias_regularizer,
-                  constraint=self._bias_constraint)
+        self.sizes = sizes = shard_sizes(self.num_heads, len(self.tp_devices))
+        b = self.use_bias
+        kw, bw = settings.kernel, settings.bias
         dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
-        kd, vd = self._key_dim, self._value_dim
+        kd, vd = self.key_dim, self.value_dim
         self.shards = {
             "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
             "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
@@ -522,16 +522,16 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
             self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
                                                          **bw)
             self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
-        self._build_attention(4)
-        for part in ("query", "key", "value", "output"):
-            setattr(self, f"_{part}_dense", _ProjectionEntry(
+        compat.build_attention(self, 4)
+        for part in compat.ATTENTION_PROJECTIONS:
+            compat.set_attention_projection(self, part, _ProjectionEntry(
                 lambda part=part: self._projection(part),
                 lambda weights, part=part: self._set_projection(part, weights), name=part))
         self.built = True
 
     def _projection(self, part: str) -> list[np.ndarray]:
         """One projection's unsplit [kernel, bias] (as the unsplit layer's EinsumDense)."""
-        s, b = self.shards, self._use_bias
+        s, b = self.shards, self.use_bias
         if part == "output":
             return [_concat(s["output"], 0)] + ([self.output_bias.numpy()] if b else [])
         return [_concat(s[part], 1)] + ([_concat(s[part + "_bias"], 0)] if b else [])
@@ -540,11 +540,11 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
         s = self.shards
         if part == "output":
             _assign_pieces(s["output"], weights[0], 0)
-            if self._use_bias:
+            if self.use_bias:
                 self.output_bias.assign(weights[1])
             return
         _assign_pieces(s[part], weights[0], 1)
-        if self._use_bias:
+        if self.use_bias:
             _assign_pieces(s[part + "_bias"], weights[1], 0)
 
     # weight files: the projections' entries above hold the weights, as in the unsplit layer
@@ -558,7 +558,7 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
         return [w for part in ("query", "key", "value", "output") for w in self._projection(part)]
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        n = 2 if self._use_bias else 1
+        n = 2 if self.use_bias else 1
         for i, part in enumerate(("query", "key", "value", "output")):
             self._set_projection(part, weights[i * n:(i + 1) * n])
 
@@ -566,13 +566,11 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
              value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
              return_attention_scores: bool = False, training: Any = None,
              use_causal_mask: bool = False) -> Any:
-        from keras.src import backend
-
         if key is None:
             key = value
-        query_mask = backend.get_keras_mask(query)
-        attention_mask = self._compute_attention_mask(
-            query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+        query_mask = compat.get_keras_mask(query)
+        attention_mask = compat.attention_mask(
+            self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask, use_causal_mask=use_causal_mask)
         s, partial, scores = self.shards, [], []
         for t, d in enumerate(self.tp_devices):
@@ -580,18 +578,18 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
                 q = ops.einsum("abc,cde->abde", query, s["query"][t])
                 k = ops.einsum("abc,cde->abde", key, s["key"][t])
                 v = ops.einsum("abc,cde->abde", value, s["value"][t])
-                if self._use_bias:
+                if self.use_bias:
                     q, k, v = (q + s["query_bias"][t], k + s["key_bias"][t],
                                v + s["value_bias"][t])
-                out, score = self._compute_attention(q, k, v, attention_mask, training,
+                out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
                                                      return_attention_scores)
                 partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
                 scores.append(score)
         y = tf.add_n(partial)
-        if self._use_bias:
+        if self.use_bias:
             y = y + self.output_bias
         if query_mask is not None:
-            backend.set_keras_mask(y, query_mask)
+            compat.set_keras_mask(y, query_mask)
         if return_attention_scores:
             return y, tf.concat(scores, axis=1)
         return y

@@ -46,6 +46,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfplan import compat
 from tfplan.apply.batches import split_microbatches
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
@@ -60,7 +61,7 @@ from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
 
-@keras.saving.register_keras_serializable(package="apply")
+@keras.saving.register_keras_serializable(package="tfplan")
 class TensorParallelModel(PlacedModel):
     """A PlacedModel whose split layers run on several devices each.
 
@@ -100,8 +101,8 @@ class TensorParallelModel(PlacedModel):
             predictions.append(model(xr, training=True))
         with tf.device(self.output_device):  # the loss of the whole (micro-)batch
             y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
-            loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                      training=True)
+            loss = compat.compute_loss(self, x=x, y=y, y_pred=y_pred,
+                                       sample_weight=sample_weight, training=True)
             scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return y_pred, loss, scaled
 

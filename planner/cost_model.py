@@ -86,8 +86,8 @@ def roofline_time_s(matmul_flops: float, other_flops: float, traffic_bytes: floa
 def fuses_elementwise(device: DeviceSpec) -> bool:
     """Whether training on ``device`` fuses element-wise ops into few kernels: on GPUs,
     Keras 3 compiles the train step with XLA (``jit_compile="auto"`` resolves to True
-    when a non-CPU device is present: keras/src/trainers/trainer.py,
-    ``_resolve_auto_jit_compile``) and Megatron-LM uses fused kernels (fused bias-GELU,
+    when a non-CPU device is present: ``Trainer._resolve_auto_jit_compile`` in Keras'
+    trainers/trainer.py) and Megatron-LM uses fused kernels (fused bias-GELU,
     scale-mask-softmax, layer norm: Narayanan et al., SC'21, Sec. 4.2); on CPU-only
     hosts Keras disables XLA and TensorFlow's executor runs every op on its own."""
     return device.device_type != "CPU"

@@ -315,9 +315,9 @@ def _memory_per_device(names: tuple[str, ...]) -> tuple[int, str]:
         return (cpu_cluster(n).device.memory_bytes,
                 f"host physical memory // {n} (as planner.presets.cpu_cluster): the logical "
                 "CPU devices share it")
-    from tensorflow.python.client import device_lib  # the one API that reports GPU capacity
+    from tfplan.compat import local_devices  # the one API that reports GPU capacity
 
-    limits = {_short(d.name): int(d.memory_limit) for d in device_lib.list_local_devices()}
+    limits = {_short(d.name): d.memory_limit_bytes for d in local_devices()}
     known = [limits[n] for n in names if limits.get(n)]
     if len(known) != len(names):
         raise PlannerError(

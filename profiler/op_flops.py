@@ -9,7 +9,7 @@ no TensorFlow, so every formula can be tested on hand-made shapes.
 Conventions (the tests hand-compute totals from exactly these rules):
 
 * A multiply-add is 2 FLOPs, as in TensorFlow's own profiler
-  (``tensorflow/python/profiler/internal/flops_registry.py``, "the registry"
+  (its ``flops_registry.py``, in TensorFlow's profiler/internal sources, "the registry"
   below), Kaplan et al. 2020 "Scaling Laws" and nanoGPT's ``estimate_mfu``.
   Where the registry has a formula we use the same one, so the two agree op by
   op; where it has none, or gets it wrong, the rule below says what we do.

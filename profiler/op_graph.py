@@ -37,6 +37,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from tfplan import compat
 from tfplan.core.errors import ModelLoadError, PlannerError
 from tfplan.profiler.op_attribution import LOSS, Accounting, Trace
 
@@ -121,8 +122,7 @@ def _flat_tensors(structure: Any) -> list[Any]:
 @contextlib.contextmanager
 def _recording(rec: _Recorder) -> Iterator[None]:
     """Wrap ``Layer.__call__`` and ``Operation.__call__`` while ``rec`` traces (restored after)."""
-    from keras.src.layers.layer import Layer
-    from keras.src.ops.operation import Operation
+    from keras import Layer, Operation
 
     layer_call, op_call = Layer.__call__, Operation.__call__
 
@@ -167,7 +167,7 @@ def model_input_specs(model: Any, batch_size: int) -> tuple[Any, list[InputSpec]
     import keras
 
     structure = None
-    for holder in (getattr(model, "_functional", None), model):  # Sequential keeps one inside
+    for holder in (compat.inner_functional(model), model):  # Sequential keeps one inside
         try:
             structure = holder.input if holder is not None else None
         except (AttributeError, ValueError):
@@ -182,7 +182,7 @@ def model_input_specs(model: Any, batch_size: int) -> tuple[Any, list[InputSpec]
             "that defines sample_batch(batch_size).")
     specs = []
     for i, t in enumerate(keras.tree.flatten(structure)):
-        history = getattr(t, "_keras_history", None)  # the InputLayer names the input
+        history = compat.keras_history(t)  # the InputLayer names the input
         name = getattr(getattr(history, "operation", None), "name", None) or \
             getattr(t, "name", None) or f"input_{i}"
         shape = (batch_size,) + tuple(t.shape[1:])

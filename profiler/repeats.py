@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from tfplan import compat
+
 MIN_REPEATS = 4
 
 
@@ -43,10 +45,7 @@ class RepeatRun:
 
 
 def _functional(model: Any) -> Any | None:
-    if hasattr(model, "_nodes_by_depth"):
-        return model
-    inner = getattr(model, "_functional", None)
-    return inner if inner is not None and hasattr(inner, "_nodes_by_depth") else None
+    return compat.layer_graph(model)
 
 
 def _signature(layer: Any, node: Any, index: dict[int, int], i: int) -> str | None:
@@ -61,7 +60,7 @@ def _signature(layer: Any, node: Any, index: dict[int, int], i: int) -> str | No
     config.pop("name", None)
 
     def describe(x: Any) -> Any:
-        history = getattr(x, "_keras_history", None)
+        history = compat.keras_history(x)
         if history is None:
             return repr(x)
         j = index.get(id(history.operation))
@@ -78,14 +77,15 @@ def _signature(layer: Any, node: Any, index: dict[int, int], i: int) -> str | No
 
 def find_repeats(model: Any, min_repeats: int = MIN_REPEATS) -> list[RepeatRun]:
     """The runs of identical blocks in ``model``'s top-level layer graph (may be empty)."""
-    from keras.src.layers.layer import Layer
+    from keras import Layer
 
     graph = _functional(model)
     if graph is None:
         return []
     nodes: dict[int, list[Any]] = {}
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
+    by_depth = compat.nodes_by_depth(graph)
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
             op = node.operation
             if op is None or node.is_input or type(op).__name__ == "InputLayer":
                 continue
@@ -138,16 +138,17 @@ def _valid(graph: Any, layers: list[Any], index: dict[int, int], s: int, p: int,
            ) -> bool:
     """Blocks >= 1 read only their own or the previous block; only the last one feeds on."""
     end = s + r * p
-    outputs = {id(t._keras_history.operation) for t in graph.outputs}
-    for depth in graph._nodes_by_depth:
-        for node in graph._nodes_by_depth[depth]:
+    outputs = {id(compat.producer(t)) for t in graph.outputs}
+    by_depth = compat.nodes_by_depth(graph)
+    for depth in by_depth:
+        for node in by_depth[depth]:
             op = node.operation
             if op is None or node.is_input or id(op) not in index:
                 continue
             i = index[id(op)]
             block_start = s + (i - s) // p * p
             for t in node.input_tensors:
-                j = index.get(id(t._keras_history.operation))
+                j = index.get(id(compat.producer(t)))
                 if s + p <= i < end and (j is None or not block_start - p <= j < i):
                     return False  # a later block reads from outside itself and its predecessor
                 if j is not None and s <= j < end - p and not s <= i < end:

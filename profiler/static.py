@@ -35,6 +35,7 @@ import dataclasses
 import warnings as _warnings
 from typing import Any, Callable, Iterator, Sequence
 
+from tfplan import compat
 from tfplan.core.errors import ModelLoadError, PlannerError
 from tfplan.profiler.loader import ModelSource, build
 from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
@@ -167,7 +168,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
     if repeat_blocks or (repeat_blocks is None and len(paths) >= REPEAT_BLOCKS_MIN_LAYERS):
         runs = find_repeats(model)
     structure, specs = _input_specs(model, batch_size, input_example)
-    total_calls = sum(max(1, len(getattr(layer, "_inbound_nodes", ()) or ())) for _, layer in paths)
+    total_calls = sum(max(1, len(compat.inbound_nodes(layer))) for _, layer in paths)
     trace = trace_training_step(
         model, {id(layer): key for key, layer in paths}, structure, specs,
         compute_dtype=override, skip=skip_map(runs, layer_of), progress=progress,
@@ -210,8 +211,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
 
 
 def _has_graph(model: Any) -> bool:
-    return hasattr(model, "_nodes_by_depth") or hasattr(getattr(model, "_functional", None),
-                                                        "_nodes_by_depth")
+    return compat.has_layer_graph(model)
 
 
 def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
@@ -338,7 +338,7 @@ def profile_source(source: ModelSource, batch_size: int = 1, *, precision: str |
 
 
 def _has_inputs(model: Any) -> bool:
-    for holder in (getattr(model, "_functional", None), model):
+    for holder in (compat.inner_functional(model), model):
         try:
             if holder is not None and holder.input is not None:
                 return True

@@ -1,0 +1,522 @@
+"""Every private Keras/TensorFlow API the project relies on, in one place.
+
+Pipeline position: just above ``tfplan.core`` and below ``tfplan.profiler``; the
+profiler and ``tfplan.apply`` reach Keras' and TensorFlow's internals only through
+the names here, and this module imports nothing from ``tfplan`` but ``tfplan.core``.
+
+Keras 3 and TensorFlow keep some of what a parallel-training library needs out of
+their public API: the Functional model class and its graph (``_nodes_by_depth``,
+``_keras_history``, ``_run_through_graph``), the trainer's step helpers
+(``_compute_loss``, ``_loss_tracker``, ...), the TF optimizer's cross-replica sum
+(``_all_reduce_sum_gradients``), some layer internals (MultiHeadAttention's,
+EinsumDense's shape analysis) and TensorFlow's device list with memory limits.
+Each one is a function or a constant below whose docstring says what it is, the
+versions it was checked on (``VERSIONS``) and what its caller would get wrong
+without it. ``tests/compat`` exercises every entry on a tiny model, so a Keras or
+TensorFlow upgrade that moves one fails there, loudly, and not as a silently wrong
+placement or gradient. Keras and TensorFlow are imported inside the functions:
+importing this module is cheap, and a moved internal breaks the one feature that
+needs it, with a ``KerasInternalsError`` that says what to install.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, NamedTuple, TypeVar
+
+from tfplan.core.errors import PlannerError
+
+VERSIONS = {"tensorflow": "2.21.0", "keras": "3.15.1"}
+"""The TensorFlow and Keras releases every entry here was checked on (the pins in
+``pyproject.toml`` allow their patch releases only; ``tests/compat`` checks that
+the installed ones are these)."""
+
+
+class KerasInternalsError(PlannerError):
+    """An internal Keras/TensorFlow API this project relies on is missing or changed:
+    the installed Keras or TensorFlow is not the release ``VERSIONS`` names."""
+
+
+def _private(module: str, name: str, what: str) -> Any:
+    """``module.name``, or a KerasInternalsError that says what to install."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise KerasInternalsError(_moved(f"{module}.{name} ({what})", e)) from e
+
+
+def _moved(what: str, cause: Any) -> str:
+    return (f"tf-parallel-planner relies on {what}, an internal of Keras/TensorFlow checked "
+            f"on TensorFlow {VERSIONS['tensorflow']} and Keras {VERSIONS['keras']}; the "
+            f"installed versions ({_installed()}) do not have it as expected ({cause}). "
+            f"Install the checked releases: pip install 'keras>={VERSIONS['keras']},<3.16' "
+            f"'tensorflow>={VERSIONS['tensorflow']},<2.22'.")
+
+
+def _installed() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in VERSIONS:
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} not installed")
+    return ", ".join(found)
+
+
+def _method(obj: Any, name: str, what: str) -> Callable[..., Any]:
+    """``obj.name`` for a private method, or a KerasInternalsError."""
+    try:
+        return getattr(obj, name)
+    except AttributeError as e:
+        raise KerasInternalsError(_moved(f"{type(obj).__name__}.{name} ({what})", e)) from e
+
+
+# --- models and the trainer --------------------------------------------------------------
+
+def functional_class() -> type:
+    """Keras' ``Functional`` model class (``keras.src.models.functional.Functional``).
+
+    ``keras.Model(inputs, outputs)`` returns one, but the class itself is not public.
+    ``apply.planned_model.PlannedModel`` subclasses it (a wrapped model is a Functional
+    over the re-created layers) and ``apply.cloning`` tests models against it and
+    builds the uncompiled twin it clones. Checked on Keras 3.15.1. Without it a
+    wrapped model could not be a Functional model: no layer graph to place, no
+    ``_run_through_graph`` to override, and saved files would not load as Functional.
+    """
+    return _private("keras.src.models.functional", "Functional", "the Functional model class")
+
+
+def functional_from_config(config: dict[str, Any], custom_objects: Any = None) -> Any:
+    """A plain ``Functional`` model from a Functional model's config
+    (``keras.src.models.functional.functional_from_config``).
+
+    ``PlannedModel.from_config`` uses it so that a saved wrapped model loads as a
+    plain Functional model, not as the wrapped class (placement belongs to a process,
+    not to a file). Checked on Keras 3.15.1. Without it ``load_model`` would call the
+    wrapped class's ``__init__`` with a config it does not take (or re-create a model
+    bound to devices and a strategy this process does not have).
+    """
+    fn = _private("keras.src.models.functional", "functional_from_config",
+                  "re-creating a Functional model from its config")
+    return fn(functional_class(), config, custom_objects)
+
+
+def pythonify_logs(logs: Any) -> dict[str, Any]:
+    """Keras' ``python_utils.pythonify_logs``: a step's logs (tensors) as Python floats.
+
+    The ``*_on_batch`` methods of the wrapped models and the multi-worker ``fit`` loop
+    return what Keras' own methods return through it. Checked on Keras 3.15.1.
+    Without it they would return tensors (or per-replica values) where Keras returns
+    floats, and callbacks and ``History`` would hold tensors.
+    """
+    return _private("keras.src.utils.python_utils", "pythonify_logs",
+                    "converting step logs to Python floats")(logs)
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """Keras' ``losses.loss.unscale_loss_for_distribution``: a replica's loss times the
+    number of replicas in sync (Keras scales each replica's loss by 1/replicas).
+
+    ``PlannedModel.train_step`` records each micro-batch's loss in the loss tracker
+    with it, as Keras' own ``train_step`` does. Checked on Keras 3.15.1. Without it a
+    data-parallel model's reported loss would be the true loss divided by ``dp``.
+    """
+    return _private("keras.src.losses.loss", "unscale_loss_for_distribution",
+                    "undoing the 1/replicas scale of a replica's loss")(loss)
+
+
+def class_weight_to_sample_weights(y: Any, class_weight: Any) -> Any:
+    """Keras' ``data_adapter_utils.class_weight_to_sample_weights``: per-sample weights
+    from a ``class_weight`` dict, as ``fit`` makes them.
+
+    The wrapped models' ``train_on_batch`` turn ``class_weight`` into sample weights
+    with it. Checked on Keras 3.15.1. Without it ``train_on_batch(class_weight=...)``
+    would weight samples differently from ``fit``.
+    """
+    return _private("keras.src.trainers.data_adapters.data_adapter_utils",
+                    "class_weight_to_sample_weights", "class weights as sample weights")(
+        y, class_weight)
+
+
+def assert_compile_called(model: Any, method_name: str) -> None:
+    """``Trainer._assert_compile_called``: Keras' error for a model used before
+    ``compile()``.
+
+    The wrapped models' own ``fit``/``*_on_batch`` call it first, as Keras' do.
+    Checked on Keras 3.15.1. Without it an uncompiled wrapped model would fail later
+    with an unrelated error (no optimizer, no loss) instead of Keras' message.
+    """
+    _method(model, "_assert_compile_called", "the compile() check")(method_name)
+
+
+def maybe_symbolic_build(model: Any, data_batch: Any) -> None:
+    """``Trainer._maybe_symbolic_build``: builds the compiled metrics and loss on a
+    first batch before the step is traced.
+
+    The wrapped models' ``*_on_batch`` call it as Keras' do. Checked on Keras 3.15.1.
+    Without it the metrics' variables would be created inside the traced step (under a
+    tf.distribute strategy: an error, or metrics reset with no variables).
+    """
+    _method(model, "_maybe_symbolic_build", "building metrics before the first step")(
+        data_batch=data_batch)
+
+
+def flatten_metrics_in_order(model: Any, logs: dict[str, Any]) -> Any:
+    """``Trainer._flatten_metrics_in_order``: a logs dict as the list (or scalar) that
+    ``*_on_batch(return_dict=False)`` returns, in ``model.metrics_names`` order.
+
+    Checked on Keras 3.15.1. Without it the wrapped models' ``*_on_batch`` would
+    return the values in another order than Keras' (or a dict) for ``return_dict=False``.
+    """
+    return _method(model, "_flatten_metrics_in_order", "ordering one batch's logs")(logs)
+
+
+def call_has_training_arg(model: Any) -> bool:
+    """``Layer._call_has_training_arg``: whether the model's ``call`` takes ``training``.
+
+    ``PlannedModel``'s micro-batched step calls the model with ``training=True`` only
+    when it does, as Keras' ``train_step``. Checked on Keras 3.15.1. Without it
+    Dropout and BatchNormalization inside would run in inference mode while training.
+    """
+    try:
+        return bool(model._call_has_training_arg)
+    except AttributeError as e:
+        raise KerasInternalsError(_moved("Layer._call_has_training_arg", e)) from e
+
+
+def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any,
+                 training: bool = True) -> Any:
+    """``Trainer._compute_loss``: the compiled loss plus the layers' added losses, as
+    Keras' ``train_step`` computes it (it also handles a user-overridden
+    ``compute_loss`` with an older signature).
+
+    Checked on Keras 3.15.1. Without it the micro-batched step would miss the
+    regularization losses or call a user's ``compute_loss`` wrongly.
+    """
+    return _method(model, "_compute_loss", "the train step's loss")(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def loss_tracker(model: Any) -> Any:
+    """``Trainer._loss_tracker``: the ``Mean`` metric behind the ``loss`` log.
+
+    ``PlannedModel``'s micro-batched step updates it once per micro-batch, as Keras'
+    ``train_step`` does once per batch. Checked on Keras 3.15.1. Without it the
+    ``loss`` that ``fit`` reports would not move with a micro-batched step.
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is None:
+        raise KerasInternalsError(_moved(
+            "Trainer._loss_tracker (set by compile())", "absent or None"))
+    return tracker
+
+
+RUN_THROUGH_GRAPH = "_run_through_graph"
+"""The name of ``Function._run_through_graph(inputs, operation_fn, call_fn=None)``,
+which ``Functional.call`` calls with an ``operation_fn`` that wraps each operation's
+call. ``apply.pipeline.PlacedModel`` overrides it to run each operation under its
+device (and schedule), ``apply.data_parallel.DataParallelModel`` to recompute chosen
+layers. Checked on Keras 3.15.1. If Keras stopped calling it, the overrides would
+never run: every op on the default device, no recomputation, and no error."""
+
+
+T = TypeVar("T", bound=type)
+
+
+def overrides_run_through_graph(cls: T) -> T:
+    """Class decorator for a Functional subclass that overrides ``RUN_THROUGH_GRAPH``:
+    checks, when the class is defined, that Keras' Functional has that method with the
+    parameters the override takes and that ``Functional.call`` still calls it (see
+    ``RUN_THROUGH_GRAPH``), and that the class overrides it."""
+    base = functional_class()
+    method = getattr(base, RUN_THROUGH_GRAPH, None)
+    params = list(inspect.signature(method).parameters) if method is not None else []
+    try:
+        called = f".{RUN_THROUGH_GRAPH}(" in inspect.getsource(base.call)
+    except (OSError, TypeError):  # no source files (a frozen install): the tests check it
+        called = True
+    if params != ["self", "inputs", "operation_fn", "call_fn"] or not called:
+        raise KerasInternalsError(_moved(
+            f"Functional.{RUN_THROUGH_GRAPH}(inputs, operation_fn, call_fn), called by "
+            f"Functional.call", f"parameters {params}"))
+    if RUN_THROUGH_GRAPH not in vars(cls):
+        raise TypeError(f"{cls.__name__} is marked as overriding Functional."
+                        f"{RUN_THROUGH_GRAPH} but does not define it.")
+    return cls
+
+
+def optimizer_strategy(optimizer: Any) -> Any:
+    """``TFOptimizer._distribution_strategy``: the tf.distribute strategy an optimizer
+    was created under (None if it has none). Looks through a LossScaleOptimizer.
+
+    ``apply.data_parallel`` keeps an optimizer made inside the model's strategy and
+    re-creates one made outside it. Checked on Keras 3.15.1 (TensorFlow backend).
+    Without it every optimizer would be re-created, and the object the user passed to
+    ``compile`` would never be the one that trains, even when it could be.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return getattr(inner, "_distribution_strategy", None)
+
+
+def global_norm(values: list[Any]) -> Any:
+    """Keras' ``base_optimizer.global_norm``: sqrt of the sum of squares of all values,
+    the norm ``clip_by_global_norm`` (``global_clipnorm``) scales by.
+
+    ``apply.clipping`` clips the summed or one-copy gradients with it. Checked on
+    Keras 3.15.1. Without the same formula the clipped update would differ from
+    Keras' on one device (another dtype handling, another norm for sparse values).
+    """
+    return _private("keras.src.optimizers.base_optimizer", "global_norm",
+                    "the global gradient norm")(values)
+
+
+ALL_REDUCE_SUM_GRADIENTS = "_all_reduce_sum_gradients"
+"""The name of ``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)``, which the TF
+backend's ``_backend_update_step`` calls in a replica context to sum the gradients
+across replicas before the update. ``apply.clipping.keras_all_reduce_off`` replaces
+it on one optimizer object (with an identity) while the gradients it passes are
+already summed and clipped. Checked on Keras 3.15.1. If Keras renamed it, the
+replacement would be a no-op attribute: gradients summed twice (a dp-times too
+large update) with no error; ``check_all_reduce_sum_gradients`` catches that."""
+
+
+def check_all_reduce_sum_gradients(optimizer: Any) -> None:
+    """Raise KerasInternalsError unless ``optimizer`` (or the optimizer a
+    LossScaleOptimizer wraps) has ``ALL_REDUCE_SUM_GRADIENTS`` taking one argument."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    method = getattr(type(inner), ALL_REDUCE_SUM_GRADIENTS, None)
+    params = list(inspect.signature(method).parameters) if method is not None else []
+    if params != ["self", "grads_and_vars"]:
+        raise KerasInternalsError(_moved(
+            f"{type(inner).__name__}.{ALL_REDUCE_SUM_GRADIENTS}(grads_and_vars)",
+            f"parameters {params}"))
+
+
+# --- the functional graph ----------------------------------------------------------------
+
+def layer_graph(model: Any) -> Any | None:
+    """The Functional whose layer graph (``_nodes_by_depth``) describes ``model``: the
+    model itself (Functional), the Functional a built Sequential keeps inside
+    (``inner_functional``), or None (a subclassed model: no graph). Checked on Keras
+    3.15.1. Without it the profiler could not tell a subclassed model (profiled by
+    tracing alone) from a graph it can walk."""
+    if hasattr(model, "_nodes_by_depth"):
+        return model
+    inner = inner_functional(model)
+    return inner if hasattr(inner, "_nodes_by_depth") else None
+
+
+def has_layer_graph(model: Any) -> bool:
+    """Whether ``model`` has a layer graph (``layer_graph(model) is not None``)."""
+    return layer_graph(model) is not None
+
+
+def inner_functional(model: Any) -> Any | None:
+    """``Sequential._functional``: the Functional model a built Sequential keeps
+    inside (None for other models, or a Sequential not built yet).
+
+    The profiler reads a Sequential's inputs and graph from it. Checked on Keras
+    3.15.1. Without it a Sequential model would look like a subclassed one (no
+    inputs, no graph): no edges, no repeat detection.
+    """
+    return getattr(model, "_functional", None)
+
+
+def nodes_by_depth(functional: Any) -> dict[int, list[Any]]:
+    """``Functional._nodes_by_depth``: ``{depth: [Node, ...]}``, depth 0 the output
+    nodes, the largest depth the inputs (so ``sorted(..., reverse=True)`` walks from the
+    inputs); each Node has ``operation``, ``input_tensors``, ``outputs``, ``is_input``,
+    ``arguments``.
+
+    ``apply.placement`` gives every operation of the graph a device with it; the
+    profiler's repeat detection walks it. Checked on Keras 3.15.1. Without it
+    ``keras.ops`` calls between layers would get no device (they would run on the
+    default device, not next to their inputs).
+    """
+    try:
+        return functional._nodes_by_depth
+    except AttributeError as e:
+        raise KerasInternalsError(_moved("Functional._nodes_by_depth", e)) from e
+
+
+def keras_history(tensor: Any) -> Any | None:
+    """``KerasTensor._keras_history``: ``(operation, node_index, tensor_index)`` of the
+    operation that made a symbolic tensor (None for anything else).
+
+    Placement, the profiler's graph and repeat detection find a tensor's producer
+    with it; the profiler names model inputs after their InputLayer with it.
+    Checked on Keras 3.15.1. Without it no operation would have a producer: every
+    ``keras.ops`` call on the default device, and no edges between layers.
+    """
+    return getattr(tensor, "_keras_history", None)
+
+
+def producer(tensor: Any) -> Any | None:
+    """The operation that made symbolic ``tensor`` (``keras_history(tensor).operation``),
+    None when it has no history."""
+    history = keras_history(tensor)
+    return None if history is None else history.operation
+
+
+def inbound_nodes(layer: Any) -> list[Any]:
+    """``Layer._inbound_nodes``: one Node per call of ``layer`` in symbolic graphs.
+
+    The profiler counts the layer calls it will trace with it (its progress bar).
+    Checked on Keras 3.15.1. Without it the count would be one per layer, wrong for
+    shared layers.
+    """
+    return list(getattr(layer, "_inbound_nodes", ()) or ())
+
+
+# --- layer internals ---------------------------------------------------------------------
+
+def analyze_einsum_string(equation: str, bias_axes: str | None, input_shape: Any,
+                          output_shape: Any) -> tuple[Any, Any, Any]:
+    """``einsum_dense._analyze_einsum_string``: ``(kernel_shape, bias_shape,
+    full_output_shape)`` of an EinsumDense layer for an input shape (the private
+    function returns two more entries: equations for LoRA, dropped here).
+
+    ``apply.sharded_layers.ShardedEinsumDense`` shards the kernel Keras would build.
+    Checked on Keras 3.15.1. Without Keras' own analysis the sharded kernel could have
+    another shape than the unsplit layer's, and its weights would not load.
+    """
+    fn = _private("keras.src.layers.core.einsum_dense", "_analyze_einsum_string",
+                  "EinsumDense's kernel and bias shapes")
+    kernel_shape, bias_shape, full_output_shape, *_ = fn(equation, bias_axes, input_shape,
+                                                         output_shape)
+    return kernel_shape, bias_shape, full_output_shape
+
+
+def get_keras_mask(x: Any) -> Any | None:
+    """``keras.src.backend.get_keras_mask``: the Keras mask a tensor carries (None if
+    none). Checked on Keras 3.15.1. Without it ``ShardedMultiHeadAttention`` would
+    ignore the query's padding mask that the unsplit layer uses."""
+    return _private("keras.src.backend", "get_keras_mask", "a tensor's Keras mask")(x)
+
+
+def set_keras_mask(x: Any, mask: Any) -> None:
+    """``keras.src.backend.set_keras_mask``: attach a Keras mask to a tensor. Checked on
+    Keras 3.15.1. Without it the sharded attention's output would lose the query mask
+    that the unsplit layer passes on to the next layers."""
+    _private("keras.src.backend", "set_keras_mask", "attaching a Keras mask")(x, mask)
+
+
+def drop_unsplit_kernel(layer: Any) -> None:
+    """Set ``layer._kernel`` (Dense, EinsumDense, Conv: the variable behind the public
+    ``kernel`` property) to None: a sharded layer has shards, not that variable.
+    Checked on Keras 3.15.1. Without it reading ``layer.kernel`` on a sharded layer
+    would raise AttributeError (the property reads ``_kernel``, which the sharded
+    ``build`` never makes) instead of giving None."""
+    layer._kernel = None
+
+
+def drop_unsplit_embeddings(layer: Any) -> None:
+    """Set ``Embedding._embeddings`` (behind the public ``embeddings`` property) to None,
+    as ``drop_unsplit_kernel`` for an Embedding's table. Checked on Keras 3.15.1."""
+    layer._embeddings = None
+
+
+def conv_causal_padding(layer: Any) -> Any:
+    """``Conv1D._compute_causal_padding()``: the left padding of ``padding="causal"``.
+    Checked on Keras 3.15.1. Without it a sharded causal Conv1D would pad differently
+    from the unsplit one (another output length or a look-ahead)."""
+    return _method(layer, "_compute_causal_padding", "a causal Conv1D's padding")()
+
+
+class AttentionSettings(NamedTuple):
+    """What a MultiHeadAttention was configured with that has no public property
+    (``output_shape`` normalized to a tuple or None; the weight arguments as the
+    layer's ``add_weight`` keywords)."""
+
+    output_shape: tuple[int, ...] | None
+    use_gate: bool
+    kernel: dict[str, Any]
+    bias: dict[str, Any]
+
+
+def attention_settings(layer: Any) -> AttentionSettings:
+    """A MultiHeadAttention's ``_output_shape``, ``_use_gate`` and its kernel/bias
+    initializers, regularizers and constraints (the objects, not their configs).
+
+    ``ShardedMultiHeadAttention.build`` makes its shards with the same weight arguments
+    as the unsplit projections and refuses layers it cannot split. Checked on Keras
+    3.15.1. Without them the shards would be initialized differently (or lose
+    regularization), and a gated attention would be split as if ungated.
+    """
+    try:
+        return AttentionSettings(
+            layer._output_shape, bool(getattr(layer, "_use_gate", False)),
+            dict(initializer=layer._kernel_initializer, regularizer=layer._kernel_regularizer,
+                 constraint=layer._kernel_constraint),
+            dict(initializer=layer._bias_initializer, regularizer=layer._bias_regularizer,
+                 constraint=layer._bias_constraint))
+    except AttributeError as e:
+        raise KerasInternalsError(_moved("MultiHeadAttention's weight settings", e)) from e
+
+
+def build_attention(layer: Any, rank: int) -> None:
+    """``MultiHeadAttention._build_attention(rank)``: makes the softmax, dropout and the
+    dot-product equations for inputs of ``rank`` (4: batch, seq, heads, dim).
+    Checked on Keras 3.15.1. Without it ``attention_scores`` would have no equations
+    to run."""
+    _method(layer, "_build_attention", "the attention equations")(rank)
+
+
+def attention_mask(layer: Any, query: Any, value: Any, **masks: Any) -> Any:
+    """``MultiHeadAttention._compute_attention_mask(query, value, query_mask=,
+    value_mask=, key_mask=, attention_mask=, use_causal_mask=)``: the combined mask.
+    Checked on Keras 3.15.1. Without it the sharded attention would not apply padding
+    or causal masks as the unsplit layer does."""
+    return _method(layer, "_compute_attention_mask", "the combined attention mask")(
+        query, value, **masks)
+
+
+def attention_scores(layer: Any, query: Any, key: Any, value: Any, mask: Any, training: Any,
+                     return_attention_scores: bool) -> tuple[Any, Any]:
+    """``MultiHeadAttention._compute_attention``: ``(output, scores)`` of scaled
+    dot-product attention over projected ``(batch, seq, heads, dim)`` tensors, with the
+    layer's softmax, dropout and scale. Checked on Keras 3.15.1. Without it the
+    sharded attention would compute its heads with another scale or dropout."""
+    return _method(layer, "_compute_attention", "scaled dot-product attention")(
+        query, key, value, mask, training, return_attention_scores)
+
+
+ATTENTION_PROJECTIONS = ("query", "key", "value", "output")
+
+
+def set_attention_projection(layer: Any, part: str, entry: Any) -> None:
+    """Set ``MultiHeadAttention._{part}_dense`` (``part`` in ``ATTENTION_PROJECTIONS``):
+    the sub-layers Keras saves the projections' weights under (``query_dense``, ... are
+    the public read-only views). ``ShardedMultiHeadAttention`` puts there entries that
+    save and load the unsplit weights. Checked on Keras 3.15.1. Without them a sharded
+    attention's weight file would not match the unsplit layer's (weights lost)."""
+    if part not in ATTENTION_PROJECTIONS:
+        raise ValueError(f"part must be one of {ATTENTION_PROJECTIONS}, got {part!r}")
+    setattr(layer, f"_{part}_dense", entry)
+
+
+# --- TensorFlow ----------------------------------------------------------------------------
+
+class LocalDevice(NamedTuple):
+    """One local device as TensorFlow's runtime reports it."""
+
+    name: str  # "/device:GPU:0"
+    device_type: str  # "GPU", "CPU"
+    memory_limit_bytes: int  # what TensorFlow's allocator may use (0 if not reported)
+
+
+def local_devices() -> tuple[LocalDevice, ...]:
+    """``device_lib.list_local_devices()`` (TensorFlow's ``client.device_lib``): every
+    local device with its allocator memory limit, the one TensorFlow API that reports
+    a GPU's usable memory.
+
+    ``apply.auto`` and ``profiler.hardware`` size the cluster's device memory with it.
+    Checked on TensorFlow 2.21.0. Without it a GPU's memory would come from a preset
+    (another card's figure): plans that do not fit or leave memory unused.
+    """
+    list_local = _private("tensorflow.python.client.device_lib", "list_local_devices",
+                          "the local devices and their memory limits")
+    return tuple(LocalDevice(d.name, d.device_type, int(d.memory_limit or 0))
+                 for d in list_local())

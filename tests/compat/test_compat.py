@@ -1,0 +1,500 @@
+"""tfplan.compat: every private Keras/TensorFlow API the project relies on, exercised for
+real on tiny models, so that a Keras or TensorFlow upgrade that moves or changes one
+fails here (and not as a silently wrong placement, loss or gradient).
+
+One test per entry, plus: the installed versions are the ones ``compat.VERSIONS``
+names (and ``pyproject.toml`` pins), no other module names Keras' or TensorFlow's
+private packages, and the wrapped model classes' Keras names (``tfplan>...``, with a
+clear error for files saved by 0.1 under ``apply>...``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import zipfile
+from importlib.metadata import version
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfplan import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mlp(name: str = "mlp") -> keras.Model:
+    inputs = keras.Input((4,), name="x")
+    hidden = keras.layers.Dense(3, name="a")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="b")(hidden), name=name)
+
+
+def _strategy() -> tf.distribute.MirroredStrategy:
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice(devices[0]))
+
+
+# --- versions -----------------------------------------------------------------------------
+
+def test_installed_versions_are_the_checked_ones():
+    assert version("keras") == compat.VERSIONS["keras"] == keras.__version__
+    assert version("tensorflow") == compat.VERSIONS["tensorflow"] == tf.__version__
+
+
+def test_pyproject_pins_the_checked_minor_releases():
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    for package, checked in compat.VERSIONS.items():
+        major, minor, _ = checked.split(".")
+        pin = re.search(rf'"{package}>=([0-9.]+),<([0-9.]+)"', text)
+        assert pin is not None, f"{package} is not pinned in pyproject.toml"
+        assert pin.group(1) in (checked, f"{major}.{minor}")
+        assert pin.group(2) == f"{major}.{int(minor) + 1}"
+
+
+def test_only_compat_names_keras_and_tensorflow_private_packages():
+    # the acceptance check (a grep for the two private package names in *.py files),
+    # its pattern spelt so that this line does not match it
+    pattern = re.compile("|".join(".".join(parts) for parts in (("keras", "src"),
+                                                                ("tensorflow", "python"))))
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for f in files:
+            path = os.path.join(folder, f)
+            if f.endswith(".py") and os.path.relpath(path, ROOT) != os.path.join(
+                    "namespace", "compat.py"):
+                found += [f"{path}:{i}" for i, line in enumerate(open(path), 1)
+                          if pattern.search(line)]
+    assert found == []
+
+
+def test_a_missing_internal_names_the_versions_to_install():
+    with pytest.raises(compat.KerasInternalsError, match=r"keras>=3\.15\.1,<3\.16"):
+        compat.conv_causal_padding(keras.layers.Dense(1))  # a Dense has no such method
+
+
+# --- models and the trainer ---------------------------------------------------------------
+
+def test_functional_class_is_what_keras_model_returns():
+    Functional = compat.functional_class()
+    model = _mlp()
+    assert type(model) is Functional and issubclass(Functional, keras.Model)
+    assert not isinstance(keras.Sequential([keras.Input((2,))]), Functional)
+
+
+def test_functional_from_config_gives_a_plain_functional_with_the_same_graph():
+    Functional = compat.functional_class()
+
+    class Sub(Functional):
+        pass
+
+    inputs = keras.Input((4,))
+    sub = Sub(inputs, keras.layers.Dense(2, name="d")(inputs), name="sub")
+    again = compat.functional_from_config(sub.get_config())
+    assert type(again) is Functional and again.name == "sub"
+    assert [l.name for l in again.layers] == [l.name for l in sub.layers]
+    again.set_weights(sub.get_weights())
+    x = np.arange(8, dtype="float32").reshape(2, 4)
+    np.testing.assert_allclose(again(x), sub(x))
+
+
+def test_pythonify_logs_gives_python_floats():
+    logs = compat.pythonify_logs({"loss": tf.constant(1.5), "mae": np.float32(0.25)})
+    assert logs == {"loss": 1.5, "mae": 0.25}
+    assert all(type(v) is float for v in logs.values())
+
+
+def test_unscale_loss_for_distribution_multiplies_by_the_replicas():
+    assert float(compat.unscale_loss_for_distribution(tf.constant(1.5))) == 1.5
+    strategy = _strategy()
+    out = strategy.run(lambda: compat.unscale_loss_for_distribution(tf.constant(1.5)))
+    assert [float(v) for v in strategy.experimental_local_results(out)] == [3.0, 3.0]
+
+
+def test_class_weight_to_sample_weights():
+    y = np.array([0, 1, 1, 0])
+    weights = compat.class_weight_to_sample_weights(y, {0: 2.0, 1: 0.5})
+    np.testing.assert_allclose(weights, [2.0, 0.5, 0.5, 2.0])
+
+
+def test_assert_compile_called():
+    model = _mlp()
+    with pytest.raises(ValueError, match="compile"):
+        compat.assert_compile_called(model, "train_on_batch")
+    model.compile(optimizer="sgd", loss="mse")
+    compat.assert_compile_called(model, "train_on_batch")
+
+
+def test_maybe_symbolic_build_builds_the_compiled_metrics_under_a_strategy():
+    with _strategy().scope():
+        model = _mlp()
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    before = len(model.metrics_variables)
+    compat.maybe_symbolic_build(model, data_batch=(np.ones((2, 4), "float32"),
+                                                   np.ones((2, 2), "float32"), None))
+    assert len(model.metrics_variables) > before  # mae's total and count
+
+
+def test_flatten_metrics_in_order():
+    model = _mlp()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model.train_on_batch(np.ones((2, 4)), np.ones((2, 2)))
+    assert compat.flatten_metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
+    plain = _mlp()
+    plain.compile(optimizer="sgd", loss="mse")
+    assert compat.flatten_metrics_in_order(plain, {"loss": 1.0}) == 1.0
+
+
+def test_call_has_training_arg():
+    class NoTraining(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+    class Training(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x
+
+    assert compat.call_has_training_arg(_mlp())
+    assert compat.call_has_training_arg(Training())
+    assert not compat.call_has_training_arg(NoTraining())
+
+
+def test_compute_loss_adds_the_regularization_losses():
+    inputs = keras.Input((2,))
+    dense = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros",
+                               kernel_regularizer=keras.regularizers.L2(0.1))
+    model = keras.Model(inputs, dense(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.array([[1.0, 2.0]], "float32"), np.array([[1.0]], "float32")
+    y_pred = model(x, training=True)
+    loss = compat.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None)
+    assert float(loss) == pytest.approx((3.0 - 1.0) ** 2 + 0.1 * 2.0)  # mse + 0.1*|k|^2
+
+
+def test_loss_tracker_is_the_loss_log():
+    model = _mlp()
+    with pytest.raises(compat.KerasInternalsError):
+        compat.loss_tracker(model)  # no tracker before compile()
+    model.compile(optimizer="sgd", loss="mse")
+    tracker = compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss"
+    assert tracker in model.metrics
+    tracker.update_state(3.0)
+    tracker.update_state(5.0)
+    assert float(tracker.result()) == 4.0
+
+
+def test_run_through_graph_override_runs_on_every_forward_pass():
+    calls: list[str] = []
+
+    @compat.overrides_run_through_graph
+    class Recording(compat.functional_class()):
+        def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
+            def recorded(op):
+                calls.append(op.name)
+                return operation_fn(op)
+
+            return super()._run_through_graph(inputs, operation_fn=recorded, call_fn=call_fn)
+
+    assert compat.RUN_THROUGH_GRAPH in vars(Recording)
+    base = _mlp()
+    model = Recording(base.input, base.output)
+    x = np.ones((2, 4), "float32")
+    model(x)  # (Keras may run the graph symbolically first: each pass calls a, b)
+    assert calls and calls == ["a", "b"] * (len(calls) // 2)
+    calls.clear()
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x, np.ones((2, 2), "float32"))  # traced in a tf.function
+    assert calls and calls == ["a", "b"] * (len(calls) // 2)
+
+
+def test_overrides_run_through_graph_refuses_a_class_that_does_not_override_it():
+    with pytest.raises(TypeError, match="does not define it"):
+        compat.overrides_run_through_graph(type("Plain", (compat.functional_class(),), {}))
+
+
+def test_optimizer_strategy():
+    strategy = _strategy()
+    with strategy.scope():
+        inside = keras.optimizers.SGD()
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    outside = keras.optimizers.SGD()
+    assert compat.optimizer_strategy(inside) is strategy
+    assert compat.optimizer_strategy(scaled) is strategy
+    assert compat.optimizer_strategy(outside) is not strategy
+
+
+def test_global_norm():
+    values = [tf.constant([3.0]), tf.constant([[4.0, 12.0]])]
+    assert float(compat.global_norm(values)) == pytest.approx(13.0)
+
+
+def test_all_reduce_sum_gradients_sums_across_replicas_in_apply_gradients():
+    """Keras calls it inside apply_gradients under a strategy; replacing it on the
+    optimizer object (as apply.clipping does) stops the sum."""
+    strategy = _strategy()
+    with strategy.scope():
+        variable = keras.Variable(0.0)
+        optimizer = keras.optimizers.SGD(learning_rate=1.0)
+        optimizer.build([variable])
+    compat.check_all_reduce_sum_gradients(optimizer)
+    calls = []
+    original = getattr(optimizer, compat.ALL_REDUCE_SUM_GRADIENTS)
+
+    def recording(grads_and_vars):
+        calls.append(1)
+        return original(grads_and_vars)
+
+    def step(gradient_fn):
+        @tf.function
+        def run():
+            def replica():
+                ctx = tf.distribute.get_replica_context()
+                gradient = tf.cast(ctx.replica_id_in_sync_group + 1, "float32")  # 1, 2
+                optimizer.apply_gradients([(gradient, variable)])
+            strategy.run(replica)
+        object.__setattr__(optimizer, compat.ALL_REDUCE_SUM_GRADIENTS, gradient_fn)
+        try:
+            run()
+        finally:
+            object.__delattr__(optimizer, compat.ALL_REDUCE_SUM_GRADIENTS)
+        return [float(v) for v in strategy.experimental_local_results(variable.value)]
+
+    assert step(recording) == [-3.0, -3.0]  # the sum 1 + 2 on every replica
+    assert calls  # Keras called it
+    variable.assign(0.0)
+    assert step(list) == [-1.0, -2.0]  # not summed: each replica its own gradient
+
+
+def test_check_all_reduce_sum_gradients_refuses_an_optimizer_without_it():
+    compat.check_all_reduce_sum_gradients(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
+    with pytest.raises(compat.KerasInternalsError, match="_all_reduce_sum_gradients"):
+        compat.check_all_reduce_sum_gradients(object())
+
+
+# --- the functional graph -----------------------------------------------------------------
+
+def test_layer_graph_and_inner_functional():
+    functional = _mlp()
+    assert compat.layer_graph(functional) is functional and compat.has_layer_graph(functional)
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+    inner = compat.inner_functional(sequential)
+    assert inner is not None and compat.layer_graph(sequential) is inner
+    assert [l.name for l in inner.layers][-1] == "d"
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    subclassed = Subclassed()
+    subclassed(np.ones((1, 4)))
+    assert compat.layer_graph(subclassed) is None and not compat.has_layer_graph(subclassed)
+    assert compat.inner_functional(functional) is None
+
+
+def test_nodes_by_depth_walks_from_the_inputs():
+    model = _mlp()
+    graph = compat.nodes_by_depth(model)
+    order = [node.operation.name for depth in sorted(graph, reverse=True)
+             for node in graph[depth]]
+    assert order == ["x", "a", "b"]
+    (output_node,) = graph[0]
+    assert [compat.producer(t).name for t in output_node.input_tensors] == ["a"]
+
+
+def test_keras_history_and_producer():
+    inputs = keras.Input((4,), name="x")
+    dense = keras.layers.Dense(2, name="d")
+    out = keras.ops.relu(dense(inputs))
+    history = compat.keras_history(out)
+    assert type(history.operation).__name__ == "Relu" and history.tensor_index == 0
+    assert compat.producer(history.operation.input) is dense
+    assert compat.producer(inputs).name == "x"  # the InputLayer
+    assert compat.keras_history(np.ones(2)) is None and compat.producer(tf.ones(2)) is None
+
+
+def test_inbound_nodes_counts_the_calls_of_a_shared_layer():
+    shared = keras.layers.Dense(4, name="shared")
+    inputs = keras.Input((4,))
+    keras.Model(inputs, shared(shared(inputs)))
+    assert len(compat.inbound_nodes(shared)) == 2
+    assert compat.inbound_nodes(keras.layers.Dense(1)) == []
+
+
+# --- layer internals ----------------------------------------------------------------------
+
+def test_analyze_einsum_string_gives_the_shapes_einsum_dense_builds():
+    assert compat.analyze_einsum_string("ab,bc->ac", "c", (None, 4), (3,)) == (
+        [4, 3], [3], [None, 3])
+    kernel, bias, full = compat.analyze_einsum_string("abc,cde->abde", None, (None, 5, 4),
+                                                      (None, 2, 3))
+    layer = keras.layers.EinsumDense("abc,cde->abde", (None, 2, 3))
+    layer.build((None, 5, 4))
+    assert tuple(kernel) == tuple(layer.kernel.shape) and bias is None
+    assert tuple(full) == (None, None, 2, 3)
+
+
+def test_keras_masks():
+    ids = np.array([[1, 0, 2]])
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(ids)
+    np.testing.assert_array_equal(compat.get_keras_mask(embedded), [[True, False, True]])
+    plain = tf.ones((1, 3, 2))
+    assert compat.get_keras_mask(plain) is None
+    compat.set_keras_mask(plain, tf.constant([[True, True, False]]))
+    np.testing.assert_array_equal(compat.get_keras_mask(plain), [[True, True, False]])
+
+
+def test_drop_unsplit_kernel_and_embeddings():
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    compat.drop_unsplit_kernel(dense)
+    assert dense.kernel is None
+    embedding = keras.layers.Embedding(4, 2)
+    embedding.build()
+    compat.drop_unsplit_embeddings(embedding)
+    assert embedding.embeddings is None
+
+
+def test_conv_causal_padding_is_what_conv1d_pads():
+    conv = keras.layers.Conv1D(1, 3, dilation_rate=2, padding="causal",
+                               kernel_initializer="ones", use_bias=False)
+    assert compat.conv_causal_padding(conv) == [[0, 0], [4, 0], [0, 0]]
+    x = np.arange(10, dtype="float32").reshape(1, 10, 1)
+    padded = keras.ops.pad(x, compat.conv_causal_padding(conv))
+    valid = keras.ops.conv(padded, np.ones((3, 1, 1), "float32"), padding="valid",
+                           dilation_rate=2)
+    np.testing.assert_allclose(valid, conv(x))
+
+
+def test_attention_settings():
+    layer = keras.layers.MultiHeadAttention(
+        2, 3, output_shape=5, kernel_initializer="ones",
+        bias_regularizer=keras.regularizers.L2(0.5), kernel_constraint="non_neg")
+    settings = compat.attention_settings(layer)
+    assert settings.output_shape == (5,) and settings.use_gate is False
+    assert isinstance(settings.kernel["initializer"], keras.initializers.Ones)
+    assert isinstance(settings.kernel["constraint"], keras.constraints.NonNeg)
+    assert settings.kernel["regularizer"] is None
+    assert settings.bias["regularizer"].l2 == 0.5
+    assert compat.attention_settings(keras.layers.MultiHeadAttention(2, 3)).output_shape is None
+
+
+def test_attention_scores_is_scaled_dot_product_attention():
+    layer = keras.layers.MultiHeadAttention(2, 3)
+    compat.build_attention(layer, 4)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 4, 2, 3)).astype("float32") for _ in range(3))
+    out, scores = compat.attention_scores(layer, q, k, v, None, False, True)
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(3.0)
+    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(scores, weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, np.einsum("bhqk,bkhd->bqhd", weights, v), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_attention_mask_combines_causal_and_padding_masks():
+    layer = keras.layers.MultiHeadAttention(2, 3)
+    query = tf.ones((1, 3, 4))
+    causal = compat.attention_mask(layer, query, query, use_causal_mask=True)
+    np.testing.assert_array_equal(causal, np.tril(np.ones((1, 3, 3), bool)))
+    padded = compat.attention_mask(layer, query, query,
+                                   value_mask=tf.constant([[True, True, False]]))
+    np.testing.assert_array_equal(np.broadcast_to(padded, (1, 3, 3)),
+                                  np.tile([[[True, True, False]]], (1, 3, 1)))
+
+
+def test_the_projections_keras_saves_are_the_ones_compat_sets():
+    built = keras.layers.MultiHeadAttention(2, 3)
+    query = np.ones((1, 3, 4), "float32")
+    built(query, query)
+    for part in compat.ATTENTION_PROJECTIONS:  # the public views of what compat sets
+        assert isinstance(getattr(built, f"{part}_dense"), keras.layers.EinsumDense)
+    layer = keras.layers.MultiHeadAttention(2, 3)  # set while building (not built yet)
+    replacement = keras.layers.Dense(1, name="replacement")
+    compat.set_attention_projection(layer, "query", replacement)
+    assert layer.query_dense is replacement
+    with pytest.raises(ValueError, match="part must be one of"):
+        compat.set_attention_projection(layer, "gate", replacement)
+
+
+# --- TensorFlow -----------------------------------------------------------------------------
+
+def test_local_devices_lists_cpu0_with_its_memory_limit():
+    devices = compat.local_devices()
+    names = [d.name for d in devices]
+    assert "/device:CPU:0" in names  # (one per physical device: not the logical CPUs)
+    cpu0 = devices[names.index("/device:CPU:0")]
+    assert cpu0.device_type == "CPU" and cpu0.memory_limit_bytes > 0
+
+
+# --- the wrapped models' Keras names ------------------------------------------------------
+
+def test_wrapped_models_are_registered_under_tfplan_and_the_old_names_under_stubs():
+    from tfplan.apply import legacy_names
+    from tfplan.apply.data_parallel import DataParallelModel
+    from tfplan.apply.multi_worker import MultiWorkerModel
+    from tfplan.apply.multi_worker_hybrid import MultiWorkerHybridModel
+    from tfplan.apply.pipeline import PlacedModel
+    from tfplan.apply.tensor_parallel import TensorParallelModel
+
+    classes = (DataParallelModel, MultiWorkerModel, MultiWorkerHybridModel, PlacedModel,
+               TensorParallelModel)
+    assert sorted(c.__name__ for c in classes) == sorted(legacy_names.WRAPPED_MODEL_CLASSES)
+    for cls in classes:
+        assert keras.saving.get_registered_name(cls) == f"tfplan>{cls.__name__}"
+        assert keras.saving.get_registered_object(f"tfplan>{cls.__name__}") is cls
+        stub = keras.saving.get_registered_object(f"apply>{cls.__name__}")
+        assert stub is legacy_names.LEGACY_STUBS[cls.__name__] and stub is not cls
+
+
+def _rewrite_config(src: str, dst: str, old: str, new: str) -> None:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == "config.json":
+                text = data.decode()
+                assert old in text
+                data = text.replace(old, new).encode()
+            zout.writestr(item, data)
+
+
+def test_a_file_saved_under_the_0_1_names_fails_with_the_fix_and_the_fix_works(tmp_path):
+    from tfplan import apply
+    from tfplan.apply.legacy_names import LegacyModelFileError
+    from tfplan.core.errors import PlannerError
+    from tests.apply.helpers import base_model, cpus, make_plan
+
+    module, model = base_model("tiny_mlp")
+    wrapped = apply.wrap(model, make_plan(model, [cpus(1), cpus(2)]))
+    wrapped.compile(optimizer="adam", loss=module.loss)
+    saved = str(tmp_path / "wrapped.keras")
+    wrapped.save(saved)
+    with zipfile.ZipFile(saved) as z:
+        config = json.loads(z.read("config.json"))
+    assert config["registered_name"] == "tfplan>PlacedModel"
+
+    old = str(tmp_path / "saved_by_0.1.keras")
+    _rewrite_config(saved, old, '"tfplan>', '"apply>')
+    with pytest.raises(LegacyModelFileError) as raised:
+        keras.models.load_model(old)
+    message = str(raised.value)
+    assert isinstance(raised.value, PlannerError)
+    for part in ("tf-parallel-planner 0.1", "'apply>PlacedModel'", "'tfplan>PlacedModel'",
+                 "config.json", "save it again with 0.2"):
+        assert part in message
+
+    fixed = str(tmp_path / "fixed.keras")  # what the message says to do
+    _rewrite_config(old, fixed, '"apply>', '"tfplan>')
+    loaded = keras.models.load_model(fixed)
+    assert type(loaded) is compat.functional_class()
+    x, _ = module.sample_batch(4)
+    np.testing.assert_allclose(loaded.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-6)
