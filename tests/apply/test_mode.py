@@ -2,17 +2,15 @@
 and the apply package's import layering that keeps it at the bottom."""
 from __future__ import annotations
 
-import ast
 import dataclasses
 import graphlib
-import os
 
 import pytest
 
-import tfplan.apply
 from tfplan.apply.mode import Mode, Processes, execution_mode, run_processes
 from tfplan.core.errors import PlannerError
 from tests.apply.helpers import cpus, make_plan
+from tests.test_architecture import import_graph
 
 SIGNATURE = tuple((f"l{i}", "Dense", 10) for i in range(4))
 
@@ -75,31 +73,12 @@ def test_a_plan_that_leaves_a_worker_idle_is_refused():
 
 
 def _apply_imports() -> dict[str, set[str]]:
-    """{apply module: apply modules it imports}, counting imports inside functions."""
-    folder = os.path.dirname(tfplan.apply.__file__)
-    graph: dict[str, set[str]] = {}
-    for file in sorted(os.listdir(folder)):
-        if not file.endswith(".py") or file == "__init__.py":
-            continue
-        module = f"tfplan.apply.{file[:-3]}"
-        with open(os.path.join(folder, file), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        graph[module] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfplan."):
-                assert not node.level
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{module} imports {private} from {node.module}"
-                assert not node.module.startswith(("tfplan.reports", "tfplan.cli")), \
-                    f"{module} imports {node.module}, above apply"
-                targets = [node.module] if node.module != "tfplan.apply" else \
-                    [f"tfplan.apply.{a.name}" for a in node.names]
-                graph[module] |= {t for t in targets if t.startswith("tfplan.apply.")}
-            elif isinstance(node, ast.Import):
-                graph[module] |= {a.name for a in node.names
-                                  if a.name.startswith("tfplan.apply.")}
-        graph[module].discard(module)
-    return graph
+    """{apply module: apply modules it imports}, counting imports inside functions
+    (the whole package graph of tests/test_architecture.py, restricted to apply)."""
+    graph, _ = import_graph()
+    apply = [m for m in graph if m.startswith("tfplan.apply.")]
+    return {m: {t for t in graph.successors(m) if t.startswith("tfplan.apply.")}
+            for m in apply}
 
 
 def test_apply_modules_import_in_layers_with_mode_at_the_bottom():
