@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass, field as dc_field, replace
 from typing import Any, Mapping
 
 from tfplan.core.cluster import ClusterSpec
@@ -257,7 +257,6 @@ class Plan:
                    for r in range(self.strategy.dp))
 
     def with_reason(self, reason: str) -> "Plan":
-        from dataclasses import replace
         return replace(self, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:

@@ -28,9 +28,11 @@ from typing import Callable, Sequence
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlannerError
+from tfplan.core.presets import cpu_cluster
+from tfplan.profiler import hw_comm, hw_compute
 from tfplan.profiler.hw_cluster import summary_rows, to_cluster_spec
 from tfplan.profiler.hw_profile import AllReduceResult, HardwareProfile, MatmulResult, P2PResult
-from tfplan.profiler.hw_timing import TimingPolicy
+from tfplan.profiler.hw_timing import FULL, QUICK, TimingPolicy
 
 __all__ = ["DEFAULT_PRECISIONS", "HardwareProfile", "Sizes", "default_sizes", "devices_from_arg",
            "profile_hardware", "resolve_devices", "run_profile_hardware", "summary_rows",
@@ -149,9 +151,6 @@ def profile_hardware(devices: Sequence[str] | None = None, *,
     device cannot run is skipped with a note. Raises PlannerError for bad device
     names or a broken collective.
     """
-    from tfplan.profiler import hw_compute
-    from tfplan.profiler.hw_timing import FULL, QUICK
-
     hw_compute.check_precisions(tuple(precisions))
     names = resolve_devices(devices)
     device_type = names[0].split(":")[1]
@@ -175,8 +174,6 @@ def _measure(names: tuple[str, ...], device_type: str, precisions: tuple[str, ..
              sizes: Sizes, policy: TimingPolicy, quick: bool,
              progress: Progress | None) -> HardwareProfile:
     import tensorflow as tf
-
-    from tfplan.profiler import hw_comm, hw_compute
 
     notes: list[str] = []
     matmul: list[MatmulResult] = []
@@ -309,8 +306,6 @@ def _device_kind(device_type: str) -> str:
 
 def _memory_per_device(names: tuple[str, ...]) -> tuple[int, str]:
     if names[0].startswith("/device:CPU"):
-        from tfplan.core.presets import cpu_cluster
-
         n = len(names)
         return (cpu_cluster(n).device.memory_bytes,
                 f"host physical memory // {n} (as planner.presets.cpu_cluster): the logical "

@@ -15,6 +15,7 @@ A model file may define, besides ``build_model()``:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -235,8 +236,6 @@ def _load_module_function(spec: str) -> ModelSource:
                        "Fix the error shown in the traceback below and try again.") from exc
     fn = getattr(module, func_name, None)
     if fn is None or not callable(fn):
-        import difflib
-
         names = [n for n in dir(module) if not n.startswith("_")]
         close = difflib.get_close_matches(func_name, names, n=5)
         hint = f" Close names: {', '.join(close)}." if close else ""

@@ -82,6 +82,8 @@ from tfplan.profiler.fused_kernels import (FUSIBLE, GraphOp, find_fused_kernels,
                                            spread_kernel_times)
 from tfplan.profiler.loader import ModelSource, build
 from tfplan.profiler.measured_profile import LayerTime, MeasuredProfile
+from tfplan.profiler.op_attribution import op_info
+from tfplan.profiler.op_flops import count_op
 from tfplan.profiler.peak_memory import MemoryProbe
 from tfplan.profiler.signature import profiled_layers
 
@@ -227,9 +229,6 @@ def _default_device() -> tuple[str, str | None]:
 
 def graph_ops(graph: Any) -> tuple[GraphOp, ...]:
     """The ops of a traced step's graph as ``GraphOp`` records (FLOPs of the fusible ones)."""
-    from tfplan.profiler.op_attribution import op_info
-    from tfplan.profiler.op_flops import count_op
-
     return tuple(GraphOp(op.name, op.type, tuple(t.op.name for t in op.inputs),
                          count_op(op_info(op)).flops if op.type in FUSIBLE else 0)
                  for op in graph.get_operations())

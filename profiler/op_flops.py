@@ -71,6 +71,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from tfplan.profiler.einsum import einsum_flops
+
 Shape = tuple  # a tuple of ints; an unknown dimension is None; an unknown rank is None
 
 
@@ -219,8 +221,6 @@ def _fused_batch_norm_grad(op: OpInfo) -> int:  # inputs: y_backprop, x, scale, 
 
 
 def _einsum(op: OpInfo) -> int:
-    from tfplan.profiler.einsum import einsum_flops
-
     try:
         return einsum_flops(_attr(op, "equation"),
                             [_in(op, i) for i in range(len(op.input_shapes))])

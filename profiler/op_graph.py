@@ -33,6 +33,7 @@ skipped layer's call returns its stand-in layer's outputs and creates no op.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -101,8 +102,6 @@ class _Recorder:
             self._mark()
 
     def owner_of_index(self) -> Callable[[int], tuple[str | None, str]]:
-        import bisect
-
         starts = [s[0] for s in self.segments]
 
         def lookup(index: int) -> tuple[str | None, str]:

@@ -33,6 +33,7 @@ import contextlib
 import glob
 import json
 import os
+import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -80,8 +81,6 @@ def xplane_files(logdir: str) -> list[str]:
 def _quiet_fd2() -> Iterator[list[str]]:
     """Capture file descriptor 2 (XProf's C++ logging) and hand back its lines."""
     lines: list[str] = []
-    import sys
-
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as capture:

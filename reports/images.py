@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
+from tfplan.planner.pipeline_order import device_order
 from tfplan.planner.plan import Plan
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -67,7 +68,6 @@ def schedule_slots(stages: int, microbatches: int, schedule: str, forward_s: flo
     device, each taking 1/v of ``forward_s`` and ``backward_s``."""
     v = virtual_stages if schedule == "interleaved" else 1
     if v > 1:
-        from tfplan.planner.pipeline_order import device_order
         orders = [[(sl.kind, sl.stage, sl.microbatch) for sl in
                    device_order("interleaved", d, stages, v, microbatches)]
                   for d in range(stages)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan, load_plan
 from tfplan.profiler.model_profile import ModelProfile
+from tfplan.reports.images import plan_images
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_seconds, profile_rows)
 
@@ -92,8 +93,6 @@ def _png_data_uri(image) -> str:
 
 def html_report(a: Analysis) -> str:
     """One self-contained HTML page: summary, candidates, pictures, per-layer profile."""
-    from tfplan.reports.images import plan_images
-
     images = "".join(
         f'<figure><img alt="{html.escape(tag)}" src="{_png_data_uri(image)}">'
         f"<figcaption>{html.escape(tag)}</figcaption></figure>"

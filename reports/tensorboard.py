@@ -12,11 +12,15 @@ TensorFlow is imported here only to write summaries.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from typing import Sequence
 
+from tfplan.planner import cost_model as cm
 from tfplan.planner.plan import Plan
 from tfplan.profiler.model_profile import ModelProfile
+from tfplan.reports.images import memory_bars, plan_images, plan_schedule
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_seconds, markdown_table, profile_rows)
 
@@ -58,7 +62,6 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
         for i, (device, nbytes) in enumerate(chosen.predicted.peak_memory_bytes_per_device):
             tf.summary.scalar(f"predicted/peak_memory_bytes/device_{i}", float(nbytes), step=0,
                               description=device)
-        from tfplan.reports.images import plan_images
         for tag, image in plan_images(profile, chosen).items():
             tf.summary.image(tag, image[None], step=0)
         for rank, cand in enumerate(candidates):
@@ -75,9 +78,6 @@ def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Pl
     """What the "Parallel plan" dashboard shows for one run (``reports.plugin``): the
     plans, per-layer rows (with the cost model's time per micro-batch on the plan's
     device), the simulated pipeline schedule and the memory bars."""
-    from tfplan.planner import cost_model as cm
-    from tfplan.reports.images import memory_bars, plan_schedule
-
     s, device = chosen.strategy, chosen.cluster.device
     where = chosen.device_of_layer()
     stage_of = {name: k % s.pp for k, st in enumerate(chosen.stages) for name in st.layers}
@@ -106,8 +106,6 @@ def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Pl
 def write_plugin_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Plan,
                           candidates: Sequence[Plan]) -> str:
     """Write ``plugin_analysis`` where the plugin finds it (``reports.plugin``)."""
-    import json
-
     from tfplan.reports.plugin import analysis_path
     path = analysis_path(os.fspath(logdir))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -121,8 +119,6 @@ def attach_capture(logdir: str | os.PathLike, trace_files: Sequence[str]) -> lis
     ``.../plugins/profile/<run>/<host>.xplane.pb``) under ``logdir/plugins/profile`` so the
     Profile tab shows it in the same TensorBoard run as the plan; return the copies.
     Files that no longer exist are skipped."""
-    import shutil
-
     out = []
     for path in trace_files:
         if not os.path.isfile(path):

@@ -80,9 +80,10 @@ def _toml(doc: dict) -> str:
 
 def lint_imports(staged: str, config: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": staged}
-    linter = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    return subprocess.run([linter, "--no-cache", config], cwd=staged, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # import-linter's own command (``lint-imports``), run by this interpreter
+    command = "from importlinter.cli import lint_imports_command as c; c()"
+    return subprocess.run([sys.executable, "-c", command, "--no-cache", config], cwd=staged,
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_import_linter_contracts_hold(tmp_path):
