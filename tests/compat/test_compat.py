@@ -58,7 +58,9 @@ def test_only_compat_names_keras_and_tensorflow_private_packages():
                                                                 ("tensorflow", "python"))))
     found = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        # the sources, not copies: `pip install .` leaves a build/ folder behind
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in (
+            "__pycache__", "build", "dist") and not d.endswith(".egg-info")]
         for f in files:
             path = os.path.join(folder, f)
             if f.endswith(".py") and os.path.relpath(path, ROOT) != os.path.join(
