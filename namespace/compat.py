@@ -520,3 +520,30 @@ def local_devices() -> tuple[LocalDevice, ...]:
                           "the local devices and their memory limits")
     return tuple(LocalDevice(d.name, d.device_type, int(d.memory_limit or 0))
                  for d in list_local())
+
+
+def function_graph(graph: Any, name: str) -> Any:
+    """The FuncGraph of function ``name`` in ``graph``'s function library or that of a
+    graph it is nested in (``Graph._get_function(name).graph``, walking
+    ``FuncGraph.outer_graph``).
+
+    ``profiler.control_flow`` reads the body and condition of a ``While`` op (its
+    ``body``/``cond`` attributes name them) and the function a ``PartitionedCall`` runs
+    (its ``f``) to count their ops with static shapes. The public route,
+    ``graph.as_graph_def().library``, gives FunctionDefs without shapes; turning one
+    back into a graph needs ``function_def_to_graph``, private too. Checked on
+    TensorFlow 2.21.0. Without it a While loop (an LSTM, ``keras.ops.scan``) and a
+    function call (a grouped convolution, which Keras runs as an XLA-compiled
+    ``tf.function``) would have no FLOPs.
+    """
+    g = graph
+    while g is not None:
+        found = _method(g, "_get_function", "a graph's function library")(name)
+        if found is not None:
+            try:
+                return found.graph
+            except AttributeError as e:
+                raise KerasInternalsError(_moved("AtomicFunction.graph (a function's "
+                                                 "FuncGraph)", e)) from e
+        g = getattr(g, "outer_graph", None)
+    return None

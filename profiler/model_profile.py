@@ -28,6 +28,9 @@ Per layer (JSON keys are the field names):
   Conv and their backprops), and ``memory_traffic_bytes_fwd``/``_bwd`` are the
   bytes every other op reads and writes (inputs + outputs; views and variable
   reads move nothing): the two sides of the cost model's roofline;
+* ``groups``: a convolution's feature groups (``Conv2D(groups=g)``; 1 otherwise):
+  ``apply`` splits only convolutions with groups=1, so the planner offers the others
+  no tensor-parallel split;
 * ``calls``: how many times the model calls the layer (a shared layer's numbers
   are the sum over its calls); ``inputs``: the layers that feed it.
 """
@@ -65,6 +68,7 @@ class LayerProfile:
     matmul_flops_bwd: int = 0
     memory_traffic_bytes_fwd: int = 0  # bytes read + written by the other ops
     memory_traffic_bytes_bwd: int = 0
+    groups: int = 1  # a convolution's feature groups (1 for every other layer)
     # measured forward/backward seconds for ModelProfile.measured_batch_size samples
     # on ModelProfile.measured_device (``profiler.calibrate``); None: not measured
     measured_fwd_s: float | None = None
@@ -105,7 +109,7 @@ class LayerProfile:
             "matmul_flops_fwd": self.matmul_flops_fwd, "matmul_flops_bwd": self.matmul_flops_bwd,
             "memory_traffic_bytes_fwd": self.memory_traffic_bytes_fwd,
             "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
-            "measured_fwd_s": self.measured_fwd_s, "measured_bwd_s": self.measured_bwd_s,
+            "groups": self.groups, "measured_fwd_s": self.measured_fwd_s, "measured_bwd_s": self.measured_bwd_s,
         }
 
     @classmethod
@@ -121,6 +125,8 @@ class LayerProfile:
                            ("memory_traffic_bytes_bwd", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
+        ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,
+                               default=1)
         measured = {n: (None if d.get(n) is None else
                         field(d, n, k, float, where=where, minimum=0))
                     for n in ("measured_fwd_s", "measured_bwd_s")}

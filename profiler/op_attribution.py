@@ -14,8 +14,13 @@ the resulting ``Trace`` goes to ``profiler.static``. FLOPs per op come from
   (a tensor read by several layers) to the layer of the gradient op that
   reads the sum: the layer that produced the tensor. Gradient ops that no
   requested gradient depends on (e.g. MatMul's input gradient when the input
-  is a model input) are never run by TensorFlow and are not counted.
-* Counts. Every op's FLOPs come from ``profiler.op_flops``. Per layer the trace also
+  is a model input) are never run by TensorFlow and are not counted; neither are
+  forward ops that nothing run depends on (the step Keras' ``rnn`` traces outside
+  its loop to learn output shapes).
+* Counts. Every op's FLOPs come from ``profiler.op_flops``; an op that runs a function
+  (a While loop, a nested ``tf.function``) from ``profiler.control_flow``: its body's
+  ops times its trip count, or, where that is not static, nothing and a note in
+  ``not_counted`` and ``Trace.unknown_loops``. Per layer the trace also
   measures: output and input bytes of its calls; the bytes kept for the
   backward pass (forward tensors that depend on the model inputs and are read
   by gradient ops other than shape queries, each counted once -- a view made
@@ -30,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from tfplan.profiler.control_flow import ControlFlow
 from tfplan.profiler.op_flops import NO_TRAFFIC_OPS, OpCount, OpInfo, count_op, is_matmul
 
 #: Attributes the FLOP formulas read, by op type.
@@ -91,6 +97,8 @@ class Trace:
     input_names: tuple[str, ...]
     graph: Any = None
     has_backward: bool = True
+    # While loops whose trip count is not static: (op name, its layer or None, why)
+    unknown_loops: tuple[tuple[str, str | None, str], ...] = ()
 
 
 # --- counting --------------------------------------------------------------------------------
@@ -117,6 +125,9 @@ class Accounting:
         self.layers: dict[str, LayerTrace] = {k: LayerTrace() for k in rec.keys.values()}
         self.outside: dict[str, list[str]] = {}
         self.live: set[int] = set()
+        self.dead_forward: set[int] = set()
+        self.used: dict[int, set[int]] = {}  # live gradient op -> the outputs read
+        self.flow = ControlFlow(op_info, self.traffic_bytes)
 
     # bytes
     def bytes_of(self, t: Any) -> int | None:
@@ -138,6 +149,7 @@ class Accounting:
     def run(self, graph: Any, grads: Sequence[Any]) -> Trace:
         fwd, loss, grad, end = (self.marks[k] for k in ("fwd", "loss", "grad", "end"))
         self.live = self._live(grads, grad, end)
+        self.dead_forward = self._dead_forward(fwd, loss, grad, end)
         lookup = self.rec.owner_of_index()
         for i in range(fwd, loss):
             self.owner[i], self.label[i] = lookup(i)
@@ -149,8 +161,11 @@ class Accounting:
         edges = self._edges(fwd, loss)
         self._saved(fwd, loss, grad, end)
         self._compute_weights(fwd, loss)
+        unknown = tuple((r.name, r.owner, r.problem) for r in records
+                        if r.type in ("While", "StatelessWhile") and r.problem)
         return Trace(self.layers, edges, self.outside, tuple(records),
-                     tuple(self.input_of.values()), graph, has_backward=self.loss_present)
+                     tuple(self.input_of.values()), graph, has_backward=self.loss_present,
+                     unknown_loops=unknown)
 
     def _live(self, grads: Sequence[Any], grad: int, end: int) -> set[int]:
         """Gradient ops the returned gradients depend on (TensorFlow prunes the rest at run time).
@@ -161,17 +176,40 @@ class Accounting:
         import keras
 
         live: set[int] = set()
-        todo = [t.op for g in grads for t in keras.tree.flatten(
+        todo = [(t.op, t.value_index) for g in grads for t in keras.tree.flatten(
             [g.values, g.indices] if hasattr(g, "indices") else g)]
+        while todo:
+            op, output = todo.pop()
+            i = self.index.get(op.name)
+            if i is None or i < grad:
+                continue
+            if output is not None:  # which outputs of a function call are read
+                self.used.setdefault(i, set()).add(output)
+            if i in live:
+                continue
+            live.add(i)
+            todo.extend((t.op, t.value_index) for t in op.inputs)
+            todo.extend((c, None) for c in op.control_inputs)
+        return live
+
+    def _dead_forward(self, fwd: int, loss: int, grad: int, end: int) -> set[int]:
+        """Forward ops that neither the loss, a live gradient op nor a stateful op (a
+        variable update) depends on: TensorFlow prunes them. E.g. the step Keras' ``rnn``
+        traces once outside its loop to learn the output shapes. None without a loss."""
+        if not self.loss_present:
+            return set()
+        reached: set[int] = set()
+        todo = [self.ops[i] for i in range(loss, grad)] + [self.ops[i] for i in self.live]
+        todo += [self.ops[i] for i in range(fwd, loss) if self.ops[i].op_def.is_stateful]
         while todo:
             op = todo.pop()
             i = self.index.get(op.name)
-            if i is None or i < grad or i in live:
+            if i is None or i in reached:
                 continue
-            live.add(i)
+            reached.add(i)
             todo.extend(t.op for t in op.inputs)
             todo.extend(op.control_inputs)
-        return live
+        return set(range(fwd, loss)) - reached
 
     def _attribute_gradients(self, fwd: int, loss: int, grad: int, end: int) -> None:
         forward = {self.ops[i].name: i for i in range(fwd, grad)}
@@ -228,10 +266,11 @@ class Accounting:
         total = end - fwd
         for n, i in enumerate(range(fwd, end)):
             op = self.ops[i]
-            if i >= grad and i not in self.live:
+            if (i >= grad and i not in self.live) or i in self.dead_forward:
                 continue
             info = op_info(op)
-            count = count_op(info)
+            body = self.flow.count(op, self.used.get(i) if i >= grad else None)
+            count = count_op(info) if body is None else OpCount(body.flops, body.unknown)
             owner = self.owner[i]
             phase = "loss" if owner == LOSS else ("bwd" if i >= grad else "fwd")
             records.append(OpRecord(op.name, op.type, owner, phase, count.flops, count.problem))
@@ -240,18 +279,23 @@ class Accounting:
                 self.outside.setdefault(self.label[i] or "model", []).append(
                     f"{op.name} ({op.type}): " + (count.problem or f"{count.flops} FLOPs"))
             if acc is not None:
-                matmul = is_matmul(info)
-                traffic = 0 if matmul else self.traffic_bytes(op)
+                if body is not None:
+                    matmul_flops, traffic = body.matmul_flops, body.traffic_bytes
+                else:
+                    matmul_flops = count.flops if is_matmul(info) else 0
+                    traffic = 0 if is_matmul(info) else self.traffic_bytes(op)
                 if phase == "bwd":
                     acc.flops_bwd += count.flops
-                    acc.matmul_flops_bwd += count.flops if matmul else 0
+                    acc.matmul_flops_bwd += matmul_flops
                     acc.traffic_bytes_bwd += traffic
                 else:
                     acc.flops_fwd += count.flops
-                    acc.matmul_flops_fwd += count.flops if matmul else 0
+                    acc.matmul_flops_fwd += matmul_flops
                     acc.traffic_bytes_fwd += traffic
                 if count.problem:
                     acc.not_counted.append(_problem(op, count))
+                if body is not None:
+                    acc.not_counted.extend(body.problems)
             if self.progress is not None and (n % 2000 == 0 or n == total - 1):
                 self.progress("count", n + 1, total)
         return records

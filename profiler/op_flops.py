@@ -60,6 +60,8 @@ Conventions (the tests hand-compute totals from exactly these rules):
   arithmetic: 0 FLOPs by convention (their cost is memory traffic). ``Cast`` is
   one of them: a conversion, not arithmetic (the registry counts 0 too); so are
   the random-number generators (bits, not floating-point arithmetic).
+* Ops that run a function (``While``, ``PartitionedCall``...) are counted by
+  ``profiler.control_flow`` from their bodies, with these formulas.
 * Any other op type has no formula: it counts 0 and ``count_op`` says so in
   ``OpCount.problem``, which the profile lists under ``not_counted``. Nothing
   is ever silently zero. The same holds for a formula that needs a shape the
@@ -306,6 +308,11 @@ ZERO_FLOP_OPS: frozenset[str] = frozenset((
     "MatrixSetDiag", "MatrixSetDiagV3", "InvertPermutation", "DynamicStitch",
     "ParallelDynamicStitch", "Bitcast", "Cast", "ResizeNearestNeighbor", "Unique",
     "ListDiff", "TensorListFromTensor", "TensorListStack", "Roll",
+    # tensor lists (the TensorArrays of While loops) hold tensors, they compute nothing
+    "EmptyTensorList", "TensorListReserve", "TensorListGetItem", "TensorListSetItem",
+    "TensorListPushBack", "TensorListPopBack", "TensorListLength", "TensorListElementShape",
+    "TensorListConcatV2", "TensorListSplit", "TensorListGather", "TensorListScatterV2",
+    "TensorListScatterIntoExistingList", "TensorListResize",
     # random numbers
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
     "RandomShuffle", "Multinomial", "StatelessRandomUniform", "StatelessRandomNormal",

@@ -237,7 +237,13 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         flops_fwd=got.flops_fwd, flops_bwd=got.flops_bwd, not_counted=tuple(not_counted),
         calls=got.calls, matmul_flops_fwd=got.matmul_flops_fwd,
         matmul_flops_bwd=got.matmul_flops_bwd, memory_traffic_bytes_fwd=got.traffic_bytes_fwd,
-        memory_traffic_bytes_bwd=got.traffic_bytes_bwd)
+        memory_traffic_bytes_bwd=got.traffic_bytes_bwd, groups=_groups(layer))
+
+
+def _groups(layer: Any) -> int:
+    """A convolution's ``groups`` (Keras' Conv1D/2D/3D and transposes); 1 otherwise."""
+    groups = getattr(layer, "groups", 1) if hasattr(layer, "kernel_size") else 1
+    return groups if isinstance(groups, int) and groups >= 1 else 1
 
 
 def _edges(raw: Sequence[tuple[str, str, int]], names: list[str], functional: bool
@@ -259,6 +265,11 @@ def _trace_warnings(trace: Trace) -> list[str]:
             "(by keras.ops calls between layers or a model's own call) are not counted in any "
             "layer: " + "; ".join(parts) + ". Wrap them in a layer (e.g. a custom Layer) to "
             "see them per layer.")
+    for name, owner, why in trace.unknown_loops:
+        out.append(f"While loop {name} ({'layer ' + owner if owner else 'outside any layer'}):"
+                   f" {why}; its FLOPs are not counted (listed under not_counted). Give the "
+                   "loop a static length (a fixed sequence length, maximum_iterations with a "
+                   "counter condition) to count it.")
     if not trace.has_backward:
         out.append("the model has no float output or no trainable weight: no backward pass "
                    "was traced (flops_bwd and saved activations are 0)")

@@ -432,3 +432,20 @@ def test_local_devices_lists_cpu0_with_its_memory_limit():
     assert "/device:CPU:0" in names  # (one per physical device: not the logical CPUs)
     cpu0 = devices[names.index("/device:CPU:0")]
     assert cpu0.device_type == "CPU" and cpu0.memory_limit_bytes > 0
+
+
+def test_function_graph_gives_a_while_loops_body_with_shapes():
+    w = tf.ones((3, 3))
+
+    @tf.function(autograph=False)
+    def loop(x):
+        return tf.while_loop(lambda i, v: i < 4, lambda i, v: (i + 1, tf.matmul(v, w)),
+                             (0, x))[1]
+
+    graph = loop.get_concrete_function(tf.TensorSpec((2, 3))).graph
+    (op,) = [o for o in graph.get_operations() if o.type in ("While", "StatelessWhile")]
+    body = compat.function_graph(graph, op.get_attr("body").name)
+    (matmul,) = [o for o in body.get_operations() if o.type == "MatMul"]
+    assert matmul.outputs[0].shape.as_list() == [2, 3]
+    assert len(body.inputs) == len(op.inputs) == len(body.outputs)
+    assert compat.function_graph(graph, "no_such_function") is None
