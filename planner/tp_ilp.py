@@ -24,7 +24,8 @@ what layout a layer's output has and what layout it reads its input in:
 
 Column and row are offered for ``profiler.comm.COLUMN_ROW_TYPES``: Dense, EinsumDense
 and the channels-last convolutions, whose S layout cuts the channel axis (the last one),
-so the same layouts and resharding rules hold for them.
+so the same layouts and resharding rules hold for them; not for a grouped convolution
+(``LayerProfile.groups`` > 1), which ``apply`` does not split: it stays replicated.
 
 Resharding on an edge u -> v depends only on (output layout of u, input layout of v),
 for the edge's tensor of n bytes (``RESHARDING``):
@@ -178,6 +179,8 @@ def split_options(layer: LayerProfile, input_bytes: int, time_s: float, state_by
     every other output is whole. Its own collectives are ``profiler.comm``'s.
     """
     options = [SplitOption("replicate", time_s, state_bytes + activation_bytes)]
+    if layer.groups > 1:  # apply.sharded_layers splits convolutions with groups=1 only
+        return tuple(options)
     for ts in layer_comm(layer, input_bytes).tp_splits:
         own = tuple(Collective("all-reduce", direction, float(n), layer.name)
                     for direction, n in (("forward", ts.fwd_allreduce_bytes),

@@ -89,13 +89,16 @@ class SplitChoice:
     problem: TPProblem | None  # None when the ILP was not applicable
 
 
-def tp_split_rule(types: tuple[str, ...]) -> tuple[str, ...]:
+def tp_split_rule(types: tuple[str, ...], groups: Sequence[int] | None = None
+                  ) -> tuple[str, ...]:
     """The split of each layer under tp > 1 ("" = replicated), by the fixed rule: Dense-like
     layers alternate column, row (the Megatron MLP pair), attention splits by heads,
-    Embedding by vocabulary, everything else is replicated (Shoeybi et al., 2019, Sec. 3)."""
+    Embedding by vocabulary, everything else is replicated (Shoeybi et al., 2019, Sec. 3).
+    ``groups``: per layer, ``LayerProfile.groups``; a grouped convolution (> 1) is
+    replicated, as ``apply`` cannot split it."""
     out, last_dense = [], "row"
-    for t in types:
-        if t in COLUMN_ROW_TYPES:
+    for i, t in enumerate(types):
+        if t in COLUMN_ROW_TYPES and (groups is None or groups[i] == 1):
             last_dense = "column" if last_dense == "row" else "row"
             out.append(last_dense)
         elif t in HEAD_SPLIT_TYPES:
@@ -244,7 +247,8 @@ def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
                  memory_capacity_bytes: float | None = None,
                  grad_allreduce_s: Callable[[float], float] | None = None) -> SplitChoice:
     """The splits at degree ``tp`` with their prices (see the module docstring)."""
-    rule = tp_split_rule(tuple(l.type for l in profile.layers))
+    rule = tp_split_rule(tuple(l.type for l in profile.layers),
+                         tuple(l.groups for l in profile.layers))
     if tp == 1:
         return SplitChoice(("",) * len(profile.layers), "no tensor parallelism", 0.0, 0.0,
                            samples, None)

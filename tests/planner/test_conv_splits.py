@@ -94,3 +94,50 @@ def test_planner_splits_the_cnn_convolutions_when_it_pays():
     # 16 samples: the collectives' latency outweighs half of a tiny conv; nothing split
     small = search(profile, cluster, 16, fix=fix).chosen
     assert not [n for n, _ in small.tp_splits if types[n] == "Conv2D"]
+
+
+# --- grouped convolutions: apply.sharded_layers splits groups=1 only -----------------------
+def _grouped(groups: int = 4) -> LayerProfile:
+    import dataclasses
+
+    return dataclasses.replace(_conv(), groups=groups)
+
+
+def test_a_grouped_conv_is_offered_no_split():
+    conv = _grouped()
+    options = split_options(conv, conv.input_bytes, time_s=8.0, state_bytes=1000.0,
+                            activation_bytes=400.0, degree=4)
+    assert [o.split for o in options] == ["replicate"]
+    ungrouped = split_options(_grouped(1), conv.input_bytes, time_s=8.0, state_bytes=1000.0,
+                              activation_bytes=400.0, degree=4)
+    assert [o.split for o in ungrouped] == ["replicate", "column", "row"]
+
+
+def test_tp_split_rule_replicates_grouped_convs():
+    types = ("Conv2D", "Conv2D", "Conv2D", "Dense")
+    assert tp_split_rule(types, (1, 8, 1, 1)) == ("column", "", "row", "column")
+
+
+def test_groups_round_trips_and_defaults_to_one():
+    conv = _grouped(8)
+    d = conv.to_dict()
+    assert d["groups"] == 8 and LayerProfile.from_dict(d) == conv
+    del d["groups"]  # a profile written before the field existed
+    assert LayerProfile.from_dict(d).groups == 1
+
+
+def test_planner_keeps_grouped_convolutions_replicated():
+    import dataclasses
+
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
+
+    profile = _cnn_profile()
+    convs = {l.name for l in profile.layers if l.type == "Conv2D"}
+    grouped = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(l, groups=2) if l.name in convs else l for l in profile.layers))
+    fix = {"tp": 2, "dp": 1, "pp": 1, "num_microbatches": 1}
+    # at 256 samples the ungrouped convolutions are split (the test above)
+    plan = search(grouped, parse_cluster("cpu:8"), 256, fix=fix).chosen
+    validate_plan(plan, grouped)
+    assert not [n for n, _ in plan.tp_splits if n in convs], plan.tp_splits
