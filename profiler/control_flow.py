@@ -133,6 +133,28 @@ class ControlFlow:
                                       0 if matmul else self.traffic_bytes(inner), problem)
         return total
 
+    def accumulated_bytes(self, t: Any, bytes_of: Callable[[Any], int | None]) -> int:
+        """Bytes a forward While loop's output ``t`` holds when it is one of the tensor
+        lists its body pushes a tensor onto every iteration for the gradient loop: trips
+        x the tensor's bytes; 0 for anything else, for an unknown trip count, and for
+        pushed variable reads (the variable's own buffer, counted as a weight)."""
+        op = t.op
+        if op.type not in WHILE_OPS or t.dtype.name != "variant":
+            return 0
+        trips = self.loop(op).trips
+        body = compat.function_graph(op.graph, op.get_attr("body").name)
+        if not trips or body is None or t.value_index >= len(body.outputs):
+            return 0
+        push = body.outputs[t.value_index].op
+        if push.type != "TensorListPushBack":
+            return 0
+        element = push.inputs[1]
+        while element.op.type in ("Identity", "Snapshot") and element.op.inputs:
+            element = element.op.inputs[0]
+        if element.op.type == "ReadVariableOp":
+            return 0
+        return trips * (bytes_of(element) or 0)
+
     # --- trip counts ----------------------------------------------------------------------
     def loop(self, op: Any) -> Loop:
         """The trip count of While op ``op`` (see the module docstring)."""

@@ -26,7 +26,8 @@ the resulting ``Trace`` goes to ``profiler.static``. FLOPs per op come from
   by gradient ops other than shape queries, each counted once -- a view made
   by Reshape/Squeeze/ExpandDims/Identity is its source tensor -- and charged to
   the layer that produced it; model inputs themselves are charged to nobody,
-  they travel on input edges); the low-precision weight copies its ``Cast`` ops
+  they travel on input edges; a While loop's per-iteration accumulators count
+  trips x the tensor pushed, ``profiler.control_flow``); the low-precision weight copies its ``Cast`` ops
   make from variable reads (mixed precision); and the tensors flowing between
   layers (edges), traced through ops outside any layer.
 """
@@ -375,7 +376,8 @@ class Accounting:
                 counted.add(t.name)
                 acc = self.layers.get(self.owner[j]) if self.owner[j] is not None else None
                 if acc is not None:
-                    acc.saved_bytes += self.bytes_of(t) or 0
+                    acc.saved_bytes += self.bytes_of(t) or \
+                        self.flow.accumulated_bytes(t, self.bytes_of)
 
     def _compute_weights(self, fwd: int, loss: int) -> None:
         seen = set()

@@ -52,6 +52,13 @@ def test_lstm_flops_grow_linearly_with_the_sequence_length():
     s, l = short.layer("lstm"), long.layer("lstm")
     assert l.matmul_flops_fwd == 4 * s.matmul_flops_fwd
     assert l.matmul_flops_bwd == 4 * s.matmul_flops_bwd
+    # kept for the backward pass, per step: the 3 sigmoid and 2 tanh outputs, the states
+    # c and h before the step and the input x_t (float32), and 16 bytes of TensorList
+    # bookkeeping (an element shape, a length, a scalar); the weights it reads are not
+    # copies (the variables' own buffers)
+    per_step = 4 * (7 * B * U + B * I) + 16
+    assert l.activation_saved_bytes - s.activation_saved_bytes == 15 * per_step
+    assert s.activation_saved_bytes >= 5 * per_step
 
 
 @pytest.mark.parametrize("cls,gates", [(keras.layers.GRU, 3), (keras.layers.SimpleRNN, 1)])
