@@ -108,11 +108,12 @@ class Accounting:
 
     def __init__(self, rec: Any, ops: list[Any], marks: Mapping[str, int],
                  inputs: list[Any], specs: Sequence[Any], compute_dtype: str | None,
-                 progress: Callable[[str, int, int], None] | None, loss_present: bool):
+                 progress: Callable[[str, int, int], None] | None, loss_present: bool,
+                 outputs: Sequence[Any] = ()):
         """``rec``: the recorder of the trace (profiled layer keys, calls, op owners);
         ``ops``: the graph's ops in creation order; ``marks``: where the forward, loss
         and gradient ops start and end; ``inputs``/``specs``: the input placeholders
-        and their specs.
+        and their specs; ``outputs``: the model's output tensors.
         """
         import tensorflow as tf
 
@@ -120,6 +121,7 @@ class Accounting:
         self.input_of = {t.name: s.name for t, s in zip(inputs, specs)}
         self.override = tf.as_dtype(compute_dtype).size if compute_dtype else None
         self.loss_present = loss_present
+        self.outputs = list(outputs)
         self.index = {op.name: i for i, op in enumerate(ops)}
         self.owner: list[str | None] = [None] * len(ops)
         self.label: list[str] = [""] * len(ops)
@@ -194,14 +196,15 @@ class Accounting:
         return live
 
     def _dead_forward(self, fwd: int, loss: int, grad: int, end: int) -> set[int]:
-        """Forward ops that neither the loss, a live gradient op nor a stateful op (a
-        variable update) depends on: TensorFlow prunes them. E.g. the step Keras' ``rnn``
+        """Forward ops that neither a model output, the loss, a live gradient op nor a
+        stateful op (a variable update) depends on: TensorFlow prunes them. E.g. the step Keras' ``rnn``
         traces once outside its loop to learn the output shapes. None without a loss."""
         if not self.loss_present:
             return set()
         reached: set[int] = set()
         todo = [self.ops[i] for i in range(loss, grad)] + [self.ops[i] for i in self.live]
         todo += [self.ops[i] for i in range(fwd, loss) if self.ops[i].op_def.is_stateful]
+        todo += [t.op for t in self.outputs]
         while todo:
             op = todo.pop()
             i = self.index.get(op.name)

@@ -220,6 +220,7 @@ def trace_training_step(model: Any, keys: Mapping[int, str], structure: Any,
         marks["fwd"] = graph.version
         with _recording(rec):
             outputs = model(keras.tree.pack_sequence_as(structure, list(flat)), training=True)
+        holder["outputs"] = _flat_tensors(outputs)
         rec.set_region(LOSS, LOSS)
         marks["loss"] = graph.version
         floats = [o for o in _flat_tensors(outputs) if o.dtype.is_floating]
@@ -256,7 +257,8 @@ def trace_training_step(model: Any, keys: Mapping[int, str], structure: Any,
             "this TensorFlow version creates ops differently, so ops cannot be attributed "
             "to layers. Please report it with your TensorFlow version.")
     return Accounting(rec, ops, marks, holder["inputs"], specs, compute_dtype, progress,
-                    loss_present=marks["end"] > marks["grad"]).run(graph, holder.get("grads", []))
+                    loss_present=marks["end"] > marks["grad"],
+                    outputs=holder["outputs"]).run(graph, holder.get("grads", []))
 
 
 def _safe(name: str) -> str:

@@ -172,3 +172,20 @@ def test_grouped_convolution_with_groups_equal_channels_equals_a_depthwise_one()
     assert grouped.flops_fwd == depthwise.flops_fwd == 2 * B * 6 * 6 * 16 * 9 + B * 6 * 6 * 16
     assert grouped.flops_bwd == depthwise.flops_bwd
     assert grouped.groups == 16 and depthwise.groups == 1
+
+
+# --- forward ops nothing depends on are pruned, model outputs are not ---------------------
+class _ArgMax(keras.layers.Layer):
+    def call(self, x):
+        return keras.ops.argmax(x, axis=-1)
+
+
+def test_an_integer_model_output_is_still_counted():
+    with tf.Graph().as_default():
+        x = keras.Input((I,))
+        h = keras.layers.Dense(U, name="dense")(x)
+        model = keras.Model(x, [h, _ArgMax(name="argmax")(h)])
+        profile = profile_and_trace(model, B, optimizer="sgd")[0]
+    # not part of the loss, but an output the step returns: Keras' argmax (its ArgMax,
+    # prod(in) - prod(out), and the ops around it)
+    assert profile.layer("argmax").flops_fwd >= B * U - B
