@@ -163,3 +163,23 @@ def test_renaming_and_plan_files_with_and_without_shapes(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(SchemaError, match="output_shapes has 1 entries"):
         load_plan(tmp_path / "bad.json")
+
+
+def test_recomputation_follows_the_mapping(tmp_path):
+    import dataclasses
+
+    plan = _plan({"pp": 2}, tmp_path)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                  recompute="full"))
+    MODULE.build_model()  # names move on
+    keras.utils.set_random_seed(0)
+    model = MODULE.build_model()
+    names = [n for n, _, _ in model_signature(model)]
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer=fresh_optimizer(MODULE), loss=MODULE.loss)
+    expected = step_losses(reference, _batches(3))
+    wrapped = apply.wrap(model, plan)
+    assert wrapped.recompute_layers == frozenset(names)  # every layer, by the model's names
+    wrapped.compile(optimizer=fresh_optimizer(MODULE), loss=MODULE.loss)
+    assert_losses_match(step_losses(wrapped, _batches(3)), expected)
