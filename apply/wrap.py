@@ -5,9 +5,11 @@ analyze``) and the user's own model; returns a ``keras.Model`` that trains
 with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
 ``save_weights``/``load_weights``. Steps:
 
-1. the plan is checked against the model (``Plan.check_model`` on
-   ``profiler.signature.model_signature``: PlanMismatchError naming the first
-   differing layer), against itself (stages cover each layer once; ``dp``/``pp``
+1. the plan is matched to the model by structure (``Plan.for_model`` on
+   ``profiler.signature.model_signature`` and ``output_shapes``: layer types,
+   parameter counts and output shapes in the profile's order, not Keras's generated
+   names; PlanMismatchError naming the first differing layer) and its layer names
+   replaced by the model's (``wrapped.plan`` is that plan), against itself (stages cover each layer once; ``dp``/``pp``
    agree with the stages), and against this process's devices
    (``apply.ensure_devices``);
 2. the plan's shape picks the mode, once (``apply.mode.execution_mode``: a ``Mode``
@@ -66,7 +68,7 @@ from tfplan.apply.schedule import schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
-from tfplan.profiler.signature import model_signature
+from tfplan.profiler.signature import model_signature, output_shapes
 
 
 def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLike | None = None
@@ -82,7 +84,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         plan = load_plan(plan)
     view = to_functional(model)
     signature = model_signature(view)
-    plan.check_model(signature)
+    # matched by structure, renamed to this model's layer names: every lookup below
+    # (placement, tp_splits, stages, recompute, ZeRO) then finds the model's layers
+    plan = plan.for_model(signature, output_shapes(view))
     mode = execution_mode(plan)  # how it runs, decided once (apply.mode)
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan, mode=mode)

@@ -4,7 +4,10 @@ Pipeline position: the end of the pipeline, after ``plan analyze`` wrote a
 plan.json. It loads the plan, makes its devices exist (``apply.ensure_devices``,
 before any model is built), builds the model from a model file (``build_model``,
 ``loss``, ``optimizer``, ``sample_batch``), wraps it, and trains ``--steps``
-steps on batches of the plan's global batch, printing each step's loss.
+steps on batches of the plan's global batch, printing each step's loss. The model
+file's ``sample_batch`` may give one array or a dict, list or tuple of arrays for
+``x`` (a multi-input model) and ``y`` (a multi-output one); each step takes the same
+rows of every array.
 Without ``--plan`` it trains on one device: the single-device reference whose
 losses a plan must reproduce.
 
@@ -91,6 +94,19 @@ def _optimizer(spec: Any) -> Any:
     return spec
 
 
+def rows(data: Any, part: slice) -> Any:
+    """The rows ``part`` of every array in ``data``: one array, or a dict, list or tuple
+    of them (a multi-input model's ``x``, a multi-output model's ``y``), nested as given;
+    None stays None."""
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        return {k: rows(v, part) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(rows(v, part) for v in data)
+    return data[part]
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     from tfplan import apply
     from tfplan.planner.plan import load_plan
@@ -134,7 +150,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     losses = []
     for step in range(args.steps):
         part = slice(step * batch, (step + 1) * batch)
-        logs = model.train_on_batch(x[part], y[part], return_dict=True)
+        logs = model.train_on_batch(rows(x, part), rows(y, part), return_dict=True)
         losses.append(float(logs["loss"]))
         if not args.json:
             print(f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f}", flush=True)

@@ -53,7 +53,8 @@ class SearchContext:
         flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
         return Plan(
             name=name, model_name=p.model_name, model_fingerprint=p.fingerprint,
-            model_signature=p.signature(), cluster=self.cluster, global_batch=self.global_batch,
+            model_signature=p.signature(), model_output_shapes=p.output_shapes(),
+            cluster=self.cluster, global_batch=self.global_batch,
             precision=p.precision, optimizer=p.optimizer, strategy=strategy, stages=stages,
             predicted=Prediction(
                 step_time_s=step_s, breakdown=breakdown, peak_memory_bytes_per_device=memory,

@@ -12,6 +12,11 @@ configured from ``TF_CONFIG``). Imports nothing heavy: no TensorFlow here.
   with a ``[worker i]`` prefix, and fails fast: as soon as one worker exits
   non-zero, the others (and their children) are stopped and that exit code is
   returned. 0 when every worker succeeds. Ctrl-C or SIGTERM stops every worker.
+* ``check_plan_workers(plan, workers)``: before anything starts, a plan's devices
+  must span exactly the requested workers (``/job:worker/task:0 .. W-1``, as
+  ``plan analyze --cluster Wxcpu:N`` writes them); a one-host plan under
+  ``--workers 2`` would start two independent copies that never exchange
+  gradients, so it is refused (PlanMismatchError, exit 2) with the plan to make instead.
 * ``tf_configs(workers, hosts, port)``: the TF_CONFIG of each worker of a real
   cluster (``--emit tf-config``); ``tfjob_manifest(...)``: a Kubeflow TFJob
   (``kubeflow.org/v1``) running the script on ``workers`` pods; the training
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +35,8 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
-from tfplan.core.errors import PlannerError
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.plan import Plan, load_plan
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_PORT = 12345  # --emit tf-config: worker i on host i listens here (or port + i)
@@ -65,6 +72,46 @@ def check_workers(workers: int) -> int:
     return workers
 
 
+_TASK = re.compile(r"^/job:worker/(?:replica:\d+/)?task:(\d+)(?:/|$)")
+
+
+def plan_workers(plan: Plan) -> tuple[int, ...]:
+    """The worker tasks (``/job:worker/task:i``) the plan's devices name, sorted; ()
+    for a one-host plan (``/device:CPU:0``...)."""
+    tasks = set()
+    for device in plan.devices:
+        m = _TASK.match(device)
+        if m:
+            tasks.add(int(m.group(1)))
+    return tuple(sorted(tasks))
+
+
+def check_plan_workers(plan: Plan, workers: int, path: str = "the plan") -> None:
+    """PlanMismatchError unless ``plan``'s devices span exactly workers 0 .. ``workers - 1``
+    (one worker: a one-host plan, or a plan for one worker task)."""
+    check_workers(workers)
+    tasks = plan_workers(plan)
+    per_node = plan.cluster.devices_per_node
+    if tasks == tuple(range(workers)) or (workers == 1 and not tasks):
+        return
+    if not tasks:
+        raise PlanMismatchError(
+            f"{path} ({plan.name!r}) runs on one host: its devices "
+            f"({', '.join(plan.devices[:4])}{', ...' if len(plan.devices) > 4 else ''}) "
+            f"name no worker task, so --workers {workers} would start {workers} independent "
+            "copies that never exchange gradients. Make a plan for "
+            f"{workers} workers: plan analyze MODEL --cluster {workers}xcpu:{per_node} "
+            "--global-batch B (or NxPRESET for hosts of GPUs), then plan launch --workers "
+            f"{workers}; or run this plan in one process (--workers 1).")
+    raise PlanMismatchError(
+        f"{path} ({plan.name!r}) uses worker task(s) {list(tasks)}, but --workers is "
+        f"{workers}; a plan's devices must span exactly the workers started "
+        f"(tasks 0..{workers - 1}). Launch --workers {max(tasks) + 1}, or make a plan for "
+        f"{workers} worker(s): plan analyze MODEL --cluster "
+        f"{workers}xcpu:{per_node} --global-batch B"
+        + (" (for one worker: --cluster cpu:N)." if workers == 1 else "."))
+
+
 def worker_command(script: str, args: Sequence[str], python: str = sys.executable
                    ) -> list[str]:
     """``[python, script, *args]`` for a .py file, ``[script, *args]`` for an executable."""
@@ -94,6 +141,7 @@ def launch_local(script: str, args: Sequence[str], workers: int, *, plan: str | 
             raise PlannerError(f"--plan {plan!r} does not exist. Make one with plan analyze "
                                "MODEL --cluster 2xcpu:1 --fix dp=2 --global-batch B.")
         plan_file = os.path.abspath(plan)
+        check_plan_workers(load_plan(plan_file), workers, f"--plan {plan}")
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     addresses = [f"{LOCALHOST}:{p}" for p in free_ports(workers)]
@@ -216,9 +264,13 @@ def tfjob_manifest(workers: int, command: Sequence[str], *, name: str = "plan-tr
     """A Kubeflow TFJob (kubeflow.org/v1) with ``workers`` Worker replicas.
 
     The training operator writes TF_CONFIG into each pod (container name
-    ``tensorflow``, port 2222); ``plan`` becomes PLAN_FILE (a path inside the image).
+    ``tensorflow``, port 2222); ``plan`` becomes PLAN_FILE (a path inside the image);
+    when that path is also a file here, its devices must span the ``workers``
+    (``check_plan_workers``).
     """
     check_workers(workers)
+    if plan is not None and os.path.isfile(plan):
+        check_plan_workers(load_plan(plan), workers, f"--plan {plan}")
     container: dict[str, Any] = {"name": "tensorflow", "image": image,
                                  "command": list(command)}
     if plan is not None:

@@ -40,6 +40,8 @@ SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 LAYOUTS = ("tp-dp-pp", "tp-pp-dp")  # Strategy.layout: innermost to outermost
 DEFAULT_LAYOUT = "tp-dp-pp"
+Shape = tuple  # a layer's output shape per sample: ints, None for a dynamic dimension
+Signature = tuple  # ((layer name, layer type, params), ...) in the profile's order
 
 
 def stage_devices(devices: tuple[str, ...], layout: str, dp: int, tp: int, pp: int,
@@ -227,6 +229,10 @@ class Plan:
     # model order; a layer not named is replicated on its stage's tp devices. Empty when
     # tp == 1, and in plan files written before the field existed.
     tp_splits: tuple[tuple[str, str], ...] = ()
+    # output shape per sample of each layer of model_signature (None: unknown), as the
+    # profile recorded it; () in plans made from profiles without shapes. Part of the
+    # structure a model must match (``for_model``).
+    model_output_shapes: tuple[Shape | None, ...] = ()
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     @property
@@ -263,7 +269,10 @@ class Plan:
         return {
             "schema_version": self.schema_version, "name": self.name,
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint,
-                      "layers": [list(x) for x in self.model_signature]},
+                      "layers": [list(x) for x in self.model_signature],
+                      **({"output_shapes": [None if sh is None else list(sh)
+                                            for sh in self.model_output_shapes]}
+                         if self.model_output_shapes else {})},
             "cluster": self.cluster.to_dict(), "global_batch": self.global_batch,
             "precision": self.precision, "optimizer": self.optimizer,
             "strategy": self.strategy.to_dict(),
@@ -309,21 +318,89 @@ class Plan:
             solver=field(d, "solver", k, str, optional=True, default=""),
             placement=placement,
             tp_splits=_tp_splits_from(d),
+            model_output_shapes=_shapes_from(model, len(sig)),
         )
 
-    def check_model(self, signature: tuple[tuple[str, str, int], ...]) -> None:
-        """Raise PlanMismatchError naming the first difference from ``signature``."""
-        mine = self.model_signature
-        for i, (a, b) in enumerate(zip(mine, signature)):
-            if a != b:
+    def check_model(self, signature: Signature,
+                    output_shapes: tuple[Shape | None, ...] = ()) -> None:
+        """Raise PlanMismatchError naming the first structural difference from the
+        model's ``signature`` (and ``output_shapes``): see ``layer_names_for``."""
+        self.layer_names_for(signature, output_shapes)
+
+    def layer_names_for(self, signature: Signature,
+                        output_shapes: tuple[Shape | None, ...] = ()) -> dict[str, str]:
+        """{plan's layer name: the model's}, position by position, when the model has the
+        plan's structure: as many layers, each of the same type, parameter count and
+        (where both are known) output shape per sample, in the profile's topological
+        order. Names may differ: Keras generates them per process (``dense_1`` once
+        another model was built first). PlanMismatchError names the first layer that
+        differs otherwise."""
+        mine, theirs = self.model_signature, tuple(signature)
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            shape_a = _at(self.model_output_shapes, i)
+            shape_b = _at(output_shapes, i)
+            same_shape = shape_a is None or shape_b is None or tuple(shape_a) == tuple(shape_b)
+            if a[1:] != b[1:] or not same_shape:
                 raise PlanMismatchError(
-                    f"This plan was made for model {self.model_name!r}, and layer {i} differs: "
-                    f"the plan has {a[0]!r} ({a[1]}, {a[2]} params), the model has {b[0]!r} "
-                    f"({b[1]}, {b[2]} params). Re-run `plan analyze` for this model.")
-        if len(mine) != len(signature):
+                    f"This plan was made for model {self.model_name!r}, and layer {i} (in "
+                    f"the profile's topological order) differs: the plan has {a[0]!r} "
+                    f"({a[1]}, output {_show(shape_a)}, {a[2]} params), the model has "
+                    f"{b[0]!r} ({b[1]}, output {_show(shape_b)}, {b[2]} params). Plans match "
+                    "models by structure (layer types, output shapes, parameter counts in "
+                    "order), not by layer names, so this is another model. Re-run `plan "
+                    "analyze` for this model (or load the plan made for it).")
+        if len(mine) != len(theirs):
+            extra = (f"the model's first extra layer is {theirs[len(mine)][0]!r} "
+                     f"({theirs[len(mine)][1]})" if len(theirs) > len(mine) else
+                     f"the plan's layer {len(theirs)}, {mine[len(theirs)][0]!r} "
+                     f"({mine[len(theirs)][1]}), has no counterpart")
             raise PlanMismatchError(
                 f"This plan was made for model {self.model_name!r} with {len(mine)} layers; the "
-                f"model has {len(signature)}. Re-run `plan analyze` for this model.")
+                f"model has {len(theirs)} ({extra}). Re-run `plan analyze` for this model.")
+        return {a[0]: b[0] for a, b in zip(mine, theirs)}
+
+    def for_model(self, signature: Signature,
+                  output_shapes: tuple[Shape | None, ...] = ()) -> "Plan":
+        """This plan with its layers named as the model names them (``layer_names_for``):
+        stages, ``tp_splits`` and the signature, so that everything that looks a layer up
+        by the plan's names finds the model's. The plan itself when the names agree."""
+        names = self.layer_names_for(signature, output_shapes)
+        if all(k == v for k, v in names.items()):
+            return self
+        return replace(
+            self,
+            model_signature=tuple((names[n], t, p) for n, t, p in self.model_signature),
+            stages=tuple(Stage(layers=tuple(names.get(n, n) for n in st.layers),
+                               devices=st.devices) for st in self.stages),
+            tp_splits=tuple((names.get(n, n), split) for n, split in self.tp_splits))
+
+
+def _at(shapes: tuple[Shape | None, ...], i: int) -> Shape | None:
+    return shapes[i] if i < len(shapes) else None
+
+
+def _show(shape: Shape | None) -> str:
+    if shape is None:
+        return "shape unknown"
+    return "(" + ", ".join(["batch", *("?" if d is None else str(d) for d in shape)]) + ")"
+
+
+def _shapes_from(model: Mapping[str, Any], n_layers: int) -> tuple[Shape | None, ...]:
+    """``Plan.model_output_shapes`` from plan.json's ``model.output_shapes`` (absent in
+    older files: ())."""
+    raw = field(model, "output_shapes", "Plan", list, where="model", optional=True,
+                default=[])
+    if raw and len(raw) != n_layers:
+        raise SchemaError(f"Plan.model.output_shapes has {len(raw)} entries; expected one per "
+                          f"layer of model.layers ({n_layers}).")
+    out: list[Shape | None] = []
+    for i, sh in enumerate(raw):
+        if sh is not None and not (isinstance(sh, list) and all(
+                d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in sh)):
+            raise SchemaError(f"Plan.model.output_shapes[{i}] is {sh!r}; expected a list of "
+                              "dimensions (ints, null for a dynamic one) or null.")
+        out.append(None if sh is None else tuple(sh))
+    return tuple(out)
 
 
 def _tp_splits_from(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -361,7 +361,8 @@ class Pricer:
         n_dev = c.dp * c.tp * c.pp
         return Plan(
             name=c.name, model_name=p.model_name, model_fingerprint=p.fingerprint,
-            model_signature=p.signature(), cluster=ctx.cluster, global_batch=ctx.global_batch,
+            model_signature=p.signature(), model_output_shapes=p.output_shapes(),
+            cluster=ctx.cluster, global_batch=ctx.global_batch,
             precision=p.precision, optimizer=p.optimizer,
             strategy=Strategy(dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size,
                               num_microbatches=c.num_microbatches, schedule=c.schedule,

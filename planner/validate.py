@@ -38,8 +38,8 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
         raise error_type(f"Plan {plan.name!r} for model {plan.model_name!r}: {what}")
 
     signature = tuple(model.signature() if isinstance(model, ModelProfile) else model)
-    if error_type is PlanMismatchError:
-        plan.check_model(signature)
+    if error_type is PlanMismatchError:  # a live model: matched by structure, not names
+        plan = plan.for_model(signature)
     elif plan.model_signature != signature:
         fail("its model signature differs from the profile's.")
     _check_strategy(plan, fail)

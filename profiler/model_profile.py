@@ -40,6 +40,7 @@ import hashlib
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Mapping
 
+from tfplan.core.errors import SchemaError
 from tfplan.core.schema import SCHEMA_VERSION, check_version, field
 
 
@@ -73,6 +74,9 @@ class LayerProfile:
     # on ModelProfile.measured_device (``profiler.calibrate``); None: not measured
     measured_fwd_s: float | None = None
     measured_bwd_s: float | None = None
+    # output shape per sample (batch dimension dropped, None for a dynamic one); None:
+    # unknown (``profiler.signature.output_shape``). Part of the structure a plan matches.
+    output_shape: tuple[int | None, ...] | None = None
 
     @property
     def has_op_classes(self) -> bool:
@@ -109,7 +113,9 @@ class LayerProfile:
             "matmul_flops_fwd": self.matmul_flops_fwd, "matmul_flops_bwd": self.matmul_flops_bwd,
             "memory_traffic_bytes_fwd": self.memory_traffic_bytes_fwd,
             "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
-            "groups": self.groups, "measured_fwd_s": self.measured_fwd_s, "measured_bwd_s": self.measured_bwd_s,
+            "groups": self.groups, "measured_fwd_s": self.measured_fwd_s,
+            "measured_bwd_s": self.measured_bwd_s,
+            **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
         }
 
     @classmethod
@@ -136,8 +142,20 @@ class LayerProfile:
             inputs=tuple(field(d, "inputs", k, list, where=where, optional=True, default=[])),
             not_counted=tuple(field(d, "not_counted", k, list, where=where, optional=True,
                                     default=[])),
+            output_shape=_output_shape_from(d, where),
             **ints,
         )
+
+
+def _output_shape_from(d: Mapping[str, Any], where: str) -> tuple[int | None, ...] | None:
+    raw = d.get("output_shape")
+    if raw is None:
+        return None
+    if not (isinstance(raw, list) and all(
+            x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in raw)):
+        raise SchemaError(f"ModelProfile.{where}.output_shape is {raw!r}; expected a list of "
+                          "dimensions (ints, null for a dynamic one) or null.")
+    return tuple(raw)
 
 
 @dataclass(frozen=True)
@@ -229,6 +247,12 @@ class ModelProfile:
     def signature(self) -> tuple[tuple[str, str, int], ...]:
         """(name, type, params) per layer: what a plan checks a model against."""
         return tuple((l.name, l.type, l.params) for l in self.layers)
+
+    def output_shapes(self) -> tuple[tuple[int | None, ...] | None, ...]:
+        """Each layer's output shape per sample (None: unknown), in signature order; ()
+        when no layer's is known (profiles written before shapes were recorded)."""
+        shapes = tuple(l.output_shape for l in self.layers)
+        return shapes if any(sh is not None for sh in shapes) else ()
 
     @property
     def fingerprint(self) -> str:

@@ -44,7 +44,7 @@ from tfplan.profiler.op_flops import prod
 from tfplan.profiler.op_graph import InputSpec, model_input_specs, trace_training_step
 from tfplan.profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
 from tfplan.profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
-from tfplan.profiler.signature import profiled_layer_paths
+from tfplan.profiler.signature import output_shape, profiled_layer_paths
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "float64")
 REPEAT_BLOCKS_MIN_LAYERS = 200
@@ -237,7 +237,8 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         flops_fwd=got.flops_fwd, flops_bwd=got.flops_bwd, not_counted=tuple(not_counted),
         calls=got.calls, matmul_flops_fwd=got.matmul_flops_fwd,
         matmul_flops_bwd=got.matmul_flops_bwd, memory_traffic_bytes_fwd=got.traffic_bytes_fwd,
-        memory_traffic_bytes_bwd=got.traffic_bytes_bwd, groups=_groups(layer))
+        memory_traffic_bytes_bwd=got.traffic_bytes_bwd, groups=_groups(layer),
+        output_shape=output_shape(layer))
 
 
 def _groups(layer: Any) -> int:

@@ -14,6 +14,11 @@ import time
 
 import yaml
 
+from tfplan.core.presets import parse_cluster
+from tfplan.planner.plan import save_plan
+from tfplan.planner.search import search
+from tests.planner.test_search import chain_profile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRINT_TASK = """\
@@ -43,6 +48,15 @@ sys.exit(3)
 """
 
 
+def write_plan(path, cluster: str, dp: int = 2) -> str:
+    """A data-parallel plan.json for ``cluster`` (planned from a synthetic profile, no
+    TensorFlow): ``2xcpu:1`` names /job:worker/task:0 and task:1, ``cpu:4`` one host."""
+    plan = search(chain_profile(n_layers=4, params=1000), parse_cluster(cluster), 32,
+                  fix={"dp": dp}).chosen
+    save_plan(plan, path)
+    return str(path)
+
+
 def run_plan(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tfplan.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -51,8 +65,7 @@ def run_plan(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_two_workers_get_their_tf_config_and_prefixes(tmp_path):
     script = tmp_path / "print_task.py"
     script.write_text(PRINT_TASK)
-    plan = tmp_path / "plan.json"
-    plan.write_text("{}")  # the launcher only passes its path on
+    plan = write_plan(tmp_path / "plan.json", "2xcpu:1")  # a plan for two workers
     r = run_plan("launch", "--workers", "2", "--plan", str(plan), str(script),
                  "--plan", "theirs.json", "-x")
     assert r.returncode == 0, r.stderr
@@ -128,3 +141,40 @@ def test_launch_errors_are_clear(tmp_path):
     r = run_plan("launch", "--workers", "2", "--plan", str(tmp_path / "nope.json"),
                  str(script))
     assert r.returncode == 2 and "--plan" in r.stderr and "does not exist" in r.stderr
+
+
+def test_a_one_host_plan_is_refused_for_several_workers(tmp_path):
+    script = tmp_path / "print_task.py"
+    script.write_text(PRINT_TASK)
+    one_host = write_plan(tmp_path / "one_host.json", "cpu:4")
+    r = run_plan("launch", "--workers", "2", "--plan", one_host, str(script))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "PlanMismatchError" in r.stderr
+    assert "runs on one host" in r.stderr and "never exchange gradients" in r.stderr
+    assert "--cluster 2xcpu:4" in r.stderr  # the plan to make instead
+    assert "[worker" not in r.stdout  # nothing started
+    # the same plan in one process is fine
+    r = run_plan("launch", "--workers", "1", "--plan", one_host, str(script))
+    assert r.returncode == 0, r.stderr
+    assert "[worker 0] task 0 of " in r.stdout
+
+
+def test_a_plan_for_other_workers_is_refused(tmp_path):
+    script = tmp_path / "print_task.py"
+    script.write_text(PRINT_TASK)
+    two = write_plan(tmp_path / "two.json", "2xcpu:1")
+    r = run_plan("launch", "--workers", "3", "--plan", two, str(script))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "worker task(s) [0, 1]" in r.stderr and "--workers is 3" in r.stderr
+    assert "Launch --workers 2" in r.stderr and "--cluster 3xcpu:1" in r.stderr
+    r = run_plan("launch", "--workers", "1", "--plan", two, str(script))
+    assert r.returncode == 2 and "--workers is 1" in r.stderr
+    # two workers of two CPUs each, data parallel over task 0's CPUs only: worker 1 idle
+    lopsided = write_plan(tmp_path / "lopsided.json", "2xcpu:2")
+    r = run_plan("launch", "--workers", "2", "--plan", lopsided, str(script))
+    assert r.returncode == 2 and "worker task(s) [0]" in r.stderr
+    # a manifest for the wrong number of workers is refused too (the plan is a file here)
+    r = run_plan("launch", "--workers", "3", "--emit", "tfjob", "--plan", two, str(script))
+    assert r.returncode == 2 and "--workers is 3" in r.stderr
+    r = run_plan("launch", "--workers", "2", "--emit", "tfjob", "--plan", two, str(script))
+    assert r.returncode == 0, r.stderr
