@@ -175,7 +175,7 @@ def _add_launch_parser(sub: Any) -> None:
         epilog="example: plan analyze examples/mlp.py --cluster 2xcpu:1 --fix dp=2 "
                "--global-batch 32 && plan launch --workers 2 examples/train.py --plan "
                "out/plan.json")
-    lp.add_argument("--workers", type=int, required=True, metavar="N",
+    lp.add_argument("--workers", type=_worker_count, required=True, metavar="N",
                     help="number of worker processes (the plan's workers)")
     lp.add_argument("--plan", metavar="PLAN",
                     help="plan.json; each worker gets PLAN_FILE=<its absolute path>")
@@ -184,7 +184,7 @@ def _add_launch_parser(sub: Any) -> None:
     lp.add_argument("--hosts", metavar="H1,H2",
                     help="--emit tf-config: one host (or host:port) per worker "
                          "(default 127.0.0.1 with ports PORT, PORT+1, ...)")
-    lp.add_argument("--port", type=_positive_int, default=12345,
+    lp.add_argument("--port", type=_port, default=12345,
                     help="--emit tf-config: port for hosts given without one (default 12345)")
     lp.add_argument("--image", default=None,
                     help="--emit tfjob: container image (default tensorflow/tensorflow:2.21.0)")
@@ -232,6 +232,28 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+    return value
+
+
+MAX_WORKERS = 1024  # --emit tf-config prints every worker's address list: n**2 lines
+
+
+def _worker_count(text: str) -> int:
+    """An integer at most MAX_WORKERS (below 1: ``launch.check_workers`` says so)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers, received {text!r}")
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, received "
+                                         f"{text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, received {text!r}")
     return value
 
 
@@ -351,7 +373,8 @@ def _read_measured(path: str):
         raise SchemaError(f"--measured {path!r} holds no measurement (no 'measured' object "
                           "with layer times). Make it with plan profile MODEL --measure "
                           "--json > measured.json.")
-    return MeasuredProfile.from_dict(doc)
+    from tfplan.core.schema import decode
+    return decode(MeasuredProfile.from_dict, doc, f"--measured {path!r}")
 
 
 def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
