@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(for plan launch), a preset such as 8xA100-80GB, "
                         "NODESxPRESET such as 64x8xA100-80GB, or a .yaml/.json cluster file "
                         "(`plan clusters` lists the presets)")
-    a.add_argument("--global-batch", type=_positive_int, required=True,
+    a.add_argument("--global-batch", type=_global_batch, required=True,
                    help="samples per training step, over all devices")
     _add_model_options(a)
     a.add_argument("--fix", metavar="dp=D,tp=T,pp=P",
@@ -177,7 +177,7 @@ def _add_launch_parser(sub: Any) -> None:
         epilog="example: plan analyze examples/mlp.py --cluster 2xcpu:1 --fix dp=2 "
                "--global-batch 32 && plan launch --workers 2 examples/train.py --plan "
                "out/plan.json")
-    lp.add_argument("--workers", type=int, required=True, metavar="N",
+    lp.add_argument("--workers", type=_worker_count, required=True, metavar="N",
                     help="number of worker processes (the plan's workers)")
     lp.add_argument("--plan", metavar="PLAN",
                     help="plan.json; each worker gets PLAN_FILE=<its absolute path>")
@@ -186,7 +186,7 @@ def _add_launch_parser(sub: Any) -> None:
     lp.add_argument("--hosts", metavar="H1,H2",
                     help="--emit tf-config: one host (or host:port) per worker "
                          "(default 127.0.0.1 with ports PORT, PORT+1, ...)")
-    lp.add_argument("--port", type=_positive_int, default=12345,
+    lp.add_argument("--port", type=_port, default=12345,
                     help="--emit tf-config: port for hosts given without one (default 12345)")
     lp.add_argument("--image", default=None,
                     help="--emit tfjob: container image (default tensorflow/tensorflow:2.21.0)")
@@ -237,6 +237,41 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_WORKERS = 1024  # --emit tf-config prints every worker's address list: n**2 lines
+
+
+def _worker_count(text: str) -> int:
+    """An integer at most MAX_WORKERS (below 1: ``launch.check_workers`` says so)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers, received {text!r}")
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, received "
+                                         f"{text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, received {text!r}")
+    return value
+
+
+MAX_GLOBAL_BATCH = 10**13  # far beyond any training run; the search's divisor scans stay fast
+
+
+def _global_batch(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_GLOBAL_BATCH:
+        raise argparse.ArgumentTypeError(
+            f"a global batch of {value:.3g} samples is beyond what this planner prices "
+            f"(at most {MAX_GLOBAL_BATCH:.0e}); the largest training runs use about 1e7 "
+            "samples (tokens) per step")
+    return value
+
+
 def parse_fix(text: str | None) -> dict[str, int] | None:
     """'dp=2,pp=2' -> {'dp': 2, 'pp': 2}."""
     if text is None:
@@ -248,6 +283,10 @@ def parse_fix(text: str | None) -> dict[str, int] | None:
             raise PlannerError(
                 f"--fix {text!r}: each part must be dp=N, tp=N or pp=N with N >= 1 "
                 f"(received {part.strip()!r}); e.g. --fix dp=2,pp=2.")
+        if key in fixed:
+            raise PlannerError(
+                f"--fix {text!r} gives {key} twice ({key}={fixed[key]} and {key}={value}); "
+                f"give each of dp, tp, pp at most once, e.g. --fix {key}={value}.")
         fixed[key] = int(value)
     return fixed
 
@@ -276,6 +315,7 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         # TensorFlow's default CPU allocator keeps no memory counter; its BFC allocator
         # does, and must be chosen before the runtime starts (profiler.peak_memory).
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    _check_optimizer_arg(args)
     profile = _profile(args, args.batch_size, ui.status, ui.progress)
     measured = _measure(args, ui) if args.measure else None
     if args.json:
@@ -335,7 +375,8 @@ def _read_measured(path: str):
         raise SchemaError(f"--measured {path!r} holds no measurement (no 'measured' object "
                           "with layer times). Make it with plan profile MODEL --measure "
                           "--json > measured.json.")
-    return MeasuredProfile.from_dict(doc)
+    from tfplan.core.schema import decode
+    return decode(MeasuredProfile.from_dict, doc, f"--measured {path!r}")
 
 
 def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
@@ -350,6 +391,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     if knobs:  # with --fix: evaluate that strategy; without: search under these settings
         fix = {**(fix or {}), **knobs}
     cluster = parse_cluster(args.cluster)  # before the slow profile: fail fast on a typo
+    _check_before_profiling(args, fix, cluster)
     out_dir = os.path.abspath(args.out)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise PlannerError(f"--out {args.out!r} exists and is not a directory; pass a "
@@ -381,12 +423,14 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
             from tfplan.reports.tensorboard import attach_capture
             attach_capture(logdir, measured.trace_files)
 
+    warnings = [*profile.warnings, *input_warnings(result.chosen, args.global_batch)]
     if args.json:
         ui.print_json({"plan": result.chosen.to_dict(),
                        "candidates": [c.to_dict() for c in result.candidates],
                        "profile": {"model_name": profile.model_name,
                                    "fingerprint": profile.fingerprint,
                                    "totals": profile.totals()},
+                       "warnings": warnings, "not_counted": list(profile.not_counted),
                        "files": {"plan": plan_path, "tensorboard": logdir}})
         return 0
     from tfplan.reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
@@ -401,9 +445,77 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     layout = _layout_note(result.chosen)
     if layout:
         ui.note(layout)
+    for line in warning_lines(warnings, profile.not_counted):
+        ui.note(line)
     ui.note(f"Wrote {plan_path}")
     ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0
+
+
+# Beyond these, an input is almost surely a typo (a few extra zeros): said, not refused.
+MAX_STEP_TIME_S = 86400.0  # one step longer than a day
+MAX_SANE_MICROBATCHES = 4096  # Megatron-LM's largest runs use a few hundred per step
+
+
+def input_warnings(plan: Any, global_batch: int) -> list[str]:
+    """What is absurd about the request, judged by the chosen plan's prediction."""
+    from tfplan.reports.tables import fmt_seconds
+    out = []
+    step_s, m = plan.predicted.step_time_s, plan.strategy.num_microbatches
+    if step_s > MAX_STEP_TIME_S:
+        out.append(f"one step of global batch {global_batch:,} is predicted to take "
+                   f"{step_s / 86400:,.1f} days on these devices ({fmt_seconds(step_s)}): "
+                   "check --global-batch (samples per step, over all devices) and --cluster")
+    if m > MAX_SANE_MICROBATCHES:
+        out.append(f"the chosen plan runs {m:,} micro-batches of {plan.strategy.microbatch_size:,} "
+                   f"per step (more than {MAX_SANE_MICROBATCHES:,}): check --global-batch, or "
+                   "fix a larger --microbatch-size")
+    return out
+
+
+def warning_lines(warnings: Sequence[str], not_counted: Sequence[str]) -> list[str]:
+    """The text block under ``plan analyze``'s table: the warnings, then the ops whose
+    FLOPs are missing from the profile (and so from every predicted time)."""
+    lines = []
+    if warnings:
+        lines.append("Warnings:")
+        lines += [f"  - {w}" for w in warnings]
+    if not_counted:
+        lines.append("Not counted (no FLOP formula; predicted times leave them out):")
+        lines += [f"  - {n}" for n in not_counted]
+    return lines
+
+
+def _check_before_profiling(args: argparse.Namespace, fix: dict[str, Any] | None,
+                            cluster: Any) -> None:
+    """The checks of ``plan analyze``'s arguments that need no profile: they fail in
+    a second instead of after minutes of profiling."""
+    from tfplan.core.errors import InfeasiblePlanError
+    from tfplan.planner.search import check_microbatch_size
+
+    _check_optimizer_arg(args)
+    fix = fix or {}
+    b = args.global_batch
+    dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
+    if dp * tp * pp > cluster.num_devices:
+        raise InfeasiblePlanError(f"--fix asks for dp*tp*pp = {dp * tp * pp} devices; cluster "
+                                  f"{cluster.name!r} has {cluster.num_devices}. Use a bigger "
+                                  "cluster or smaller degrees.")
+    if b % dp:
+        raise PlannerError(f"--fix dp={dp} does not divide the global batch {b}; choose a dp "
+                           "that divides it (or change --global-batch).")
+    if args.microbatch_size is not None:
+        check_microbatch_size(args.microbatch_size, b, dp)
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        raise PlannerError(f"--time-limit {args.time_limit!r}; expected a positive number of "
+                           "seconds, e.g. --time-limit 10.")
+
+
+def _check_optimizer_arg(args: argparse.Namespace) -> None:
+    """--optimizer NAME must name an optimizer the profiler knows (an error otherwise)."""
+    if getattr(args, "optimizer", None) is not None:
+        from tfplan.profiler.optimizer_slots import check_optimizer_name
+        check_optimizer_name(args.optimizer)
 
 
 def _layout_note(plan: Any) -> str | None:

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlanMismatchError, SchemaError
-from tfplan.core.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.schema import SCHEMA_VERSION, check_version, decode, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -431,4 +431,4 @@ def load_plan(path: str | os.PathLike) -> Plan:
                                 "`plan analyze MODEL --cluster C --global-batch B --out DIR`.")
     except json.JSONDecodeError as e:
         raise SchemaError(f"Plan file {os.fspath(path)!r} is not valid JSON ({e}).")
-    return Plan.from_dict(doc)
+    return decode(Plan.from_dict, doc, f"Plan file {os.fspath(path)!r}")

@@ -89,6 +89,8 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     knobs = _check_fix(fix) if fix is not None else {}
     if any(k in knobs for k in SHAPE_KEYS):
         return _fixed(ctx, knobs, time_limit_s)
+    if "microbatch_size" in knobs:
+        check_microbatch_size(knobs["microbatch_size"], global_batch)
     n, b = cluster.num_devices, global_batch
     plans: list[Plan] = []
     if not knobs:  # the classic candidates; knobs restrict the search to hybrid pricing
@@ -113,7 +115,9 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     for plan in plans:
         validate_plan(plan, profile, error_type=SolverError)
     ranked = sorted(plans, key=_rank_key)
-    if not ranked or not ranked[0].predicted.fits:
+    if not ranked:  # only knobs restrict the search this far
+        raise PlannerError(_nothing_to_price(ctx, knobs))
+    if not ranked[0].predicted.fits:
         raise InfeasiblePlanError(_nothing_fits(ctx, ranked, estimates))
     fitting = [p for p in ranked if p.predicted.fits][:MAX_RANKED]
     not_fitting = [p for p in ranked if not p.predicted.fits]
@@ -256,6 +260,29 @@ def _pipeline_with(ctx: SearchContext, pp: int, m: int, capacity: float | None, 
 
 
 # --- a strategy fixed by the caller ------------------------------------------------------------
+
+def check_microbatch_size(microbatch_size: int, global_batch: int, dp: int = 1) -> None:
+    """PlannerError unless ``microbatch_size`` divides a replica's batch, global batch / dp
+    (each replica runs a whole number of micro-batches)."""
+    local = global_batch // dp
+    if microbatch_size < 1 or microbatch_size > local or local % microbatch_size:
+        sizes = [d for d in divisors(local) if d <= 4096]
+        where = (f"the global batch {global_batch}" if dp == 1 else
+                 f"the batch per replica, {local} (global batch {global_batch} / dp {dp})")
+        raise PlannerError(
+            f"micro-batch size {microbatch_size} does not divide {where}: each replica runs a "
+            "whole number of micro-batches. Choose a --microbatch-size that divides it, e.g. "
+            f"one of {sizes[:12]}{' ...' if len(sizes) > 12 else ''}, or leave it out to "
+            "have it searched.")
+
+
+def _nothing_to_price(ctx: SearchContext, knobs: Mapping[str, Any]) -> str:
+    return (f"the settings {dict(knobs)} leave no strategy to price on {ctx.cluster.name!r} "
+            f"({ctx.cluster.num_devices} devices, global batch {ctx.global_batch}): the "
+            "micro-batch size must divide some replica's batch (global batch / dp), "
+            "--schedule interleaved and --virtual-stages need a pipeline of at least 2 "
+            "stages with enough layers and micro-batches. Drop or change one of them.")
+
 
 def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(fix, Mapping):

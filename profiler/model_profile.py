@@ -42,7 +42,14 @@ from typing import Any, Mapping
 
 from tfplan.core.errors import SchemaError
 from tfplan.core.schema import SCHEMA_VERSION, check_version, field
+from tfplan.core.errors import SchemaError
 
+
+
+def _strings(values: list, path: str) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in values):
+        raise SchemaError(f"{path} is {values!r:.80}; expected a list of strings.")
+    return tuple(values)
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -139,9 +146,10 @@ class LayerProfile:
         return cls(
             name=field(d, "name", k, str, where=where), type=field(d, "type", k, str, where=where),
             **measured,
-            inputs=tuple(field(d, "inputs", k, list, where=where, optional=True, default=[])),
-            not_counted=tuple(field(d, "not_counted", k, list, where=where, optional=True,
-                                    default=[])),
+            inputs=_strings(field(d, "inputs", k, list, where=where, optional=True,
+                                  default=[]), f"{k}.{where}.inputs"),
+            not_counted=_strings(field(d, "not_counted", k, list, where=where, optional=True,
+                                       default=[]), f"{k}.{where}.not_counted"),
             output_shape=_output_shape_from(d, where),
             **ints,
         )

@@ -21,8 +21,10 @@ State per trainable variable of shape S (from each Keras 3.15 optimizer's
 
 Not counted per layer: the optimizer-wide scalars every Keras optimizer keeps
 (``iteration`` int64, ``learning_rate`` float32; Nadam's ``u_product``) --
-16-20 bytes per model. Any other optimizer counts 2 full-size slots, with a
-warning.
+16-20 bytes per model. An optimizer *name* outside this list is an error
+(``PlannerError``, naming the known ones: Keras's ``optimizers.get`` refuses
+it too); an optimizer *object* of another class (a custom optimizer) counts 2
+full-size slots, with a warning.
 """
 from __future__ import annotations
 
@@ -30,12 +32,30 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from tfplan.core.errors import PlannerError
+
 _BASE_SLOTS = {"sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "lamb": 2,
                "rmsprop": 1, "adagrad": 1, "adadelta": 2, "ftrl": 2, "lion": 1, "muon": 1,
                "adafactor": 1}
 UNKNOWN_SLOTS = 2
 DEFAULT_OPTIMIZER = "adam"
 INT32_BYTES = 4
+
+
+def known_optimizers() -> tuple[str, ...]:
+    """The optimizer names ``optimizer_slots`` accepts, sorted."""
+    return tuple(sorted(_BASE_SLOTS))
+
+
+def check_optimizer_name(name: str) -> str:
+    """``name`` in canonical form; PlannerError if it names no known optimizer."""
+    canonical = _canonical(name)
+    if canonical not in _BASE_SLOTS:
+        raise PlannerError(
+            f"optimizer {name!r} is not one the profiler knows; expected one of "
+            f"{', '.join(known_optimizers())} (e.g. --optimizer adam), or give the model "
+            "file an optimizer object.")
+    return canonical
 
 
 @dataclass(frozen=True)
@@ -66,11 +86,9 @@ def _canonical(name: str) -> str:
 
 def optimizer_slots(optimizer: Any) -> OptimizerSlots:
     """The state rule for ``optimizer`` (a name, a Keras optimizer, or a factory)."""
-    if isinstance(optimizer, str):
-        name = _canonical(optimizer)
-        if name in _BASE_SLOTS:  # names use Keras defaults: no momentum, not centered
-            return OptimizerSlots(name, _BASE_SLOTS[name])
-        return _unknown(optimizer)
+    if isinstance(optimizer, str):  # names use Keras defaults: no momentum, not centered
+        name = check_optimizer_name(optimizer)
+        return OptimizerSlots(name, _BASE_SLOTS[name])
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
     if inner is not None:
         return optimizer_slots(inner)

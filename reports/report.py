@@ -17,7 +17,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from tfplan.core.errors import PlannerError
+from tfplan.core.errors import PlannerError, SchemaError
+from tfplan.core.schema import decode
 from tfplan.planner.plan import Plan, load_plan
 from tfplan.profiler.model_profile import ModelProfile
 from tfplan.reports.images import plan_images
@@ -44,14 +45,33 @@ def load_analysis(out_dir: str | os.PathLike) -> Analysis:
                 "directory. Make one with plan analyze MODEL --cluster C --global-batch B "
                 f"--out {out_dir}.")
     chosen = load_plan(plan_path)
-    with open(profile_path, encoding="utf-8") as f:
-        profile = ModelProfile.from_dict(json.load(f))
+    profile = decode(ModelProfile.from_dict, _read_json(profile_path, out_dir),
+                     f"Profile {profile_path!r}")
     candidates: tuple[Plan, ...] = (chosen,)
     cand_path = os.path.join(out_dir, "candidates.json")
     if os.path.isfile(cand_path):
-        with open(cand_path, encoding="utf-8") as f:
-            candidates = tuple(Plan.from_dict(d) for d in json.load(f))
+        docs = _read_json(cand_path, out_dir)
+        if not isinstance(docs, list):
+            raise SchemaError(f"{cand_path!r} holds {type(docs).__name__}; expected a list of "
+                              f"plans. {_RERUN.format(out_dir=out_dir)}")
+        candidates = tuple(decode(Plan.from_dict, d, f"Candidate {i} of {cand_path!r}")
+                           for i, d in enumerate(docs))
     return Analysis(profile, chosen, candidates)
+
+
+_RERUN = ("Re-run plan analyze MODEL --cluster C --global-batch B --out {out_dir} to write "
+          "the analysis again.")
+
+
+def _read_json(path: str, out_dir: str):
+    """The JSON document at ``path``; SchemaError (saying what to re-run) if it is
+    unreadable or not JSON, as a file cut short by an interrupted write is."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SchemaError(f"{path!r} cannot be read as JSON ({e}): it is damaged or cut "
+                          f"short. {_RERUN.format(out_dir=out_dir)}") from e
 
 
 def save_candidates(candidates, out_dir: str | os.PathLike) -> str:

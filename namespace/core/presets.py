@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from tfplan.core.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from tfplan.core.errors import ClusterSpecError, SchemaError
-from tfplan.core.schema import SCHEMA_VERSION
+from tfplan.core.schema import SCHEMA_VERSION, decode
 
 GiB = 2**30
 
@@ -308,7 +308,7 @@ def load_cluster_file(path: str) -> ClusterSpec:
             return _preset_reference(path, doc)
         doc = dict(doc)
         doc.setdefault("schema_version", SCHEMA_VERSION)
-        return ClusterSpec.from_dict(doc)
+        return decode(ClusterSpec.from_dict, doc, "the cluster")
     except (SchemaError, ClusterSpecError) as e:
         raise ClusterSpecError(f"Cluster file {path!r}: {e}") from e
 

@@ -6,11 +6,12 @@ value received and the value expected, instead of a KeyError deep in the planner
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from tfplan.core.errors import SchemaError
 
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 
 def check_version(doc: Mapping[str, Any], kind: str) -> None:
@@ -31,6 +32,9 @@ def field(doc: Mapping[str, Any], key: str, kind: str, types: type | tuple[type,
           default: Any = None) -> Any:
     """Return ``doc[key]`` checked against ``types`` (and ``minimum`` for numbers)."""
     path = f"{kind}{'.' + where if where else ''}.{key}"
+    if not isinstance(doc, Mapping):
+        raise SchemaError(f"{kind}{'.' + where if where else ''} is {doc!r:.60} "
+                          f"({type(doc).__name__}); expected a JSON object with {key!r}.")
     if key not in doc:
         if optional:
             return default
@@ -49,6 +53,19 @@ def field(doc: Mapping[str, Any], key: str, kind: str, types: type | tuple[type,
     if minimum is not None and value < minimum:
         raise SchemaError(f"{path} is {value!r}; expected a value >= {minimum}.")
     return value
+
+
+def decode(from_dict: Callable[[Any], T], doc: Any, what: str) -> T:
+    """``from_dict(doc)``, with any error a malformed document causes inside it (a value
+    of the wrong type deep in a list, say) turned into a SchemaError naming ``what``:
+    the boundary between a file's contents and the pipeline's dataclasses."""
+    try:
+        return from_dict(doc)
+    except SchemaError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise SchemaError(f"{what} is malformed ({type(e).__name__}: {e}). Regenerate it with "
+                          "this version of the tool (e.g. run `plan analyze` again).") from e
 
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

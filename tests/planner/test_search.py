@@ -241,3 +241,12 @@ def test_cpu_preset_offers_every_kind_of_candidate():
     _check_result(result, profile)
     text = " ".join(p.name for p in result.candidates)
     assert "single device" in text and "data parallel" in text and "pipeline" in text
+
+
+@pytest.mark.parametrize("knobs, match", [
+    ({"microbatch_size": 128}, r"micro-batch size 128 does not divide the global batch 64"),
+    ({"microbatch_size": 48}, r"micro-batch size 48 does not divide the global batch 64")])
+def test_microbatch_size_that_does_not_divide_the_batch_is_a_planner_error(knobs, match):
+    # was: ValueError "min() arg is an empty sequence" from explaining why nothing fits
+    with pytest.raises(PlannerError, match=match):
+        search(chain_profile(), make_cluster(4), 64, fix=knobs)

@@ -281,8 +281,16 @@ def test_optimizer_names_and_guesses():
     assert p.layer("ed").optimizer_bytes == (160 + 32 + 40 + 20 + 4 + 5) * F32
     # LayerNormalization gamma and beta (20,): velocity and two int32 scalar placeholders each
     assert p.layer("ln").optimizer_bytes == 2 * (20 * F32 + 2 * 4)
-    p = profile_model(model, optimizer="novograd")
-    assert p.optimizer_slots_per_param == 2 and any("novograd" in w for w in p.warnings)
+    # a name no one knows is an error naming the known ones (Keras refuses it too) ...
+    with pytest.raises(PlannerError, match="'novograd' is not one the profiler knows.*adam"):
+        profile_model(model, optimizer="novograd")
+
+    # ... while an optimizer object of another class counts Adam's 2 slots, with a warning
+    class NovoGrad(keras.optimizers.SGD):
+        pass
+
+    p = profile_model(model, optimizer=NovoGrad())
+    assert p.optimizer_slots_per_param == 2 and any("NovoGrad" in w for w in p.warnings)
 
 
 def test_unknown_op_shows_in_not_counted():
