@@ -42,7 +42,6 @@ from typing import Any, Mapping
 
 from tfplan.core.errors import SchemaError
 from tfplan.core.schema import SCHEMA_VERSION, check_version, field
-from tfplan.core.errors import SchemaError
 
 
 
@@ -293,6 +292,9 @@ class ModelProfile:
         check_version(d, k)
         layers = tuple(LayerProfile.from_dict(ld, where=f"layers[{i}]")
                        for i, ld in enumerate(field(d, "layers", k, list)))
+        if not layers:
+            raise SchemaError(f"{k}.layers is empty; a profile has at least one layer. "
+                              "Regenerate the file (`plan profile --json` or `plan analyze`).")
         edges = tuple(Edge(src=field(e, "src", k, str, where=f"edges[{i}]"),
                            dst=field(e, "dst", k, str, where=f"edges[{i}]"),
                            bytes=field(e, "bytes", k, int, where=f"edges[{i}]", minimum=0))
