@@ -152,7 +152,7 @@ def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     if args.json:
         ui.print_json({"plan": a.chosen.to_dict(),
                        "candidates": [c.to_dict() for c in a.candidates],
-                       "summary": summary_lines(a), "html": html_path})
+                       "summary": summary_lines(a), "html": html_path, "run_id": a.run_id})
         return 0
     for line in summary_lines(a):
         ui.note(line)
@@ -369,7 +369,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     with ui.status("Writing the analysis and its TensorBoard run"):
         # all files replaced at once: the previous set or the new one, never a mix
         written = write_analysis_dir(out_dir, profile, result.chosen, result.candidates,
-                                     trace_files=measured.trace_files if measured else ())
+                                     trace_files=measured.trace_files if measured else (),
+                                     model_source=args.model)
     plan_path, logdir = written.plan_path, written.logdir
 
     if args.json:

@@ -87,10 +87,11 @@ def save_candidates(candidates: Sequence[Plan], out_dir: str | os.PathLike,
 
 def write_analysis_dir(out_dir: str | os.PathLike, profile: ModelProfile, chosen: Plan,
                        candidates: Sequence[Plan], trace_files: Sequence[str] = (),
-                       run_id: str | None = None) -> WrittenAnalysis:
+                       run_id: str | None = None, model_source: str = "") -> WrittenAnalysis:
     """Write plan.json, profile.json, candidates.json, the TensorBoard run (with the XProf
     capture ``trace_files``, if any) and manifest.json under ``out_dir``, replacing the
-    previous set all at once (module docstring)."""
+    previous set all at once (module docstring). ``model_source``: the MODEL argument of
+    ``plan analyze`` (for the re-run advice of a reader that refuses the set)."""
     from tfplan.reports.tensorboard import attach_capture, write_analysis
 
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -107,7 +108,8 @@ def write_analysis_dir(out_dir: str | os.PathLike, profile: ModelProfile, chosen
                 attach_capture(logdir, trace_files)
             write_json(os.path.join(staging, MANIFEST), {
                 "kind": MANIFEST_KIND, "run_id": run_id, "fingerprint": fingerprint,
-                "model_name": profile.model_name, "cluster": chosen.cluster.name,
+                "model_name": profile.model_name, "model_source": model_source,
+                "cluster": chosen.cluster.name,
                 "global_batch": chosen.global_batch,
                 "written_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
@@ -250,9 +252,11 @@ def _candidate_list(doc: Any) -> list:
 
 def _rerun(out_dir: str, manifest: dict | None) -> str:
     if manifest:
-        return (f"Re-run plan analyze MODEL --cluster {manifest.get('cluster', 'C')} "
+        source = manifest.get("model_source") or "MODEL"
+        return (f"Re-run plan analyze {source} --cluster {manifest.get('cluster', 'C')} "
                 f"--global-batch {manifest.get('global_batch', 'B')} --out {out_dir} "
-                f"(MODEL: the model file of {manifest.get('model_name', 'the model')!r}) "
-                "to write the whole set again.")
+                + ("" if source != "MODEL" else
+                   f"(MODEL: the model file of {manifest.get('model_name', 'the model')!r}) ")
+                + "with the options of that run, to write the whole set again.")
     return (f"Re-run plan analyze MODEL --cluster C --global-batch B --out {out_dir} to write "
             "the whole set again.")
