@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
                    help="time limit for each ILP solve (default 10)")
     a.add_argument("--out", default="out", metavar="DIR",
-                   help="where plan.json, profile.json and the TensorBoard run go (default out)")
+                   help="where plan.json, profile.json, candidates.json, manifest.json and the "
+                        "TensorBoard run go, replaced all at once (default out)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_analyze)
 
