@@ -50,7 +50,6 @@ Every training batch must split into ``dp * num_microbatches`` equal parts
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -66,6 +65,7 @@ from tfplan.apply.placement import top_level_devices, variable_devices
 from tfplan.apply.recompute import recomputed_layers
 from tfplan.apply.schedule import schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
+from tfplan.core.atomic import write_json
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.signature import model_signature, output_shapes
@@ -135,7 +135,5 @@ def _compile_like(model: Any, wrapped: Any) -> None:
 
 def _write_logdir(plan: Plan, wrapped: Any, logdir: str | os.PathLike) -> None:
     os.makedirs(logdir, exist_ok=True)
-    save_plan(plan, os.path.join(logdir, "plan.json"))
-    with open(os.path.join(logdir, "placement.json"), "w", encoding="utf-8") as f:
-        json.dump(variable_devices(wrapped), f, indent=2)
-        f.write("\n")
+    save_plan(plan, os.path.join(logdir, "plan.json"))  # both atomic (core.atomic)
+    write_json(os.path.join(logdir, "placement.json"), variable_devices(wrapped))

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
                    help="time limit for each ILP solve (default 10)")
     a.add_argument("--out", default="out", metavar="DIR",
-                   help="where plan.json, profile.json and the TensorBoard run go (default out)")
+                   help="where plan.json, profile.json, candidates.json, manifest.json and the "
+                        "TensorBoard run go, replaced all at once (default out)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_analyze)
 
@@ -141,16 +142,18 @@ def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows,
                                        profile_rows)
 
-    a = load_analysis(args.dir)
     html_path = None
-    if args.html:
-        html_path = os.path.abspath(args.html)
-        with open(html_path, "w", encoding="utf-8") as f:
-            f.write(html_report(a))
+    if args.html:  # before reading anything: an unwritable --html fails first
+        from tfplan.core.atomic import check_writable_file
+        html_path = check_writable_file(args.html, "--html")
+    a = load_analysis(args.dir)
+    if html_path:
+        from tfplan.core.atomic import write_text
+        write_text(html_path, html_report(a))
     if args.json:
         ui.print_json({"plan": a.chosen.to_dict(),
                        "candidates": [c.to_dict() for c in a.candidates],
-                       "summary": summary_lines(a), "html": html_path})
+                       "summary": summary_lines(a), "html": html_path, "run_id": a.run_id})
         return 0
     for line in summary_lines(a):
         ui.note(line)
@@ -312,6 +315,8 @@ def _profile(args: argparse.Namespace, batch_size: int, status, progress):
 
 def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     if args.measure:
+        from tfplan.core.atomic import check_writable_dir
+        check_writable_dir(args.logdir, "--logdir")  # before the slow profile
         # TensorFlow's default CPU allocator keeps no memory counter; its BFC allocator
         # does, and must be chosen before the runtime starts (profiler.peak_memory).
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
@@ -392,10 +397,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
         fix = {**(fix or {}), **knobs}
     cluster = parse_cluster(args.cluster)  # before the slow profile: fail fast on a typo
     _check_before_profiling(args, fix, cluster)
-    out_dir = os.path.abspath(args.out)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise PlannerError(f"--out {args.out!r} exists and is not a directory; pass a "
-                           "directory path.")
+    from tfplan.core.atomic import check_writable_dir
+    out_dir = check_writable_dir(args.out, "--out")  # before the slow profile, too
     measured = _read_measured(args.measured) if args.measured else None
     profile = _profile(args, 1, ui.status, ui.progress)
     if measured is not None:
@@ -405,23 +408,15 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
         result = search(profile, cluster, args.global_batch, fix=fix,
                         time_limit_s=args.time_limit)
 
-    from tfplan.planner.plan import save_plan
-    from tfplan.reports.tensorboard import write_analysis
     _quiet_tensorflow()
+    from tfplan.reports.analysis_dir import write_analysis_dir
 
-    os.makedirs(out_dir, exist_ok=True)
-    plan_path = os.path.join(out_dir, "plan.json")
-    save_plan(result.chosen, plan_path)
-    with open(os.path.join(out_dir, "profile.json"), "w", encoding="utf-8") as f:
-        json.dump(profile.to_dict(), f, indent=2)
-    from tfplan.reports.report import save_candidates
-    save_candidates(result.candidates, out_dir)
-    with ui.status("Writing the TensorBoard run"):
-        logdir = write_analysis(os.path.join(out_dir, "tensorboard"), profile, result.chosen,
-                                result.candidates)
-        if measured is not None:  # its XProf capture, in the same run (Profile tab)
-            from tfplan.reports.tensorboard import attach_capture
-            attach_capture(logdir, measured.trace_files)
+    with ui.status("Writing the analysis and its TensorBoard run"):
+        # all files replaced at once: the previous set or the new one, never a mix
+        written = write_analysis_dir(out_dir, profile, result.chosen, result.candidates,
+                                     trace_files=measured.trace_files if measured else (),
+                                     model_source=args.model)
+    plan_path, logdir = written.plan_path, written.logdir
 
     warnings = [*profile.warnings, *input_warnings(result.chosen, args.global_batch)]
     if args.json:
@@ -431,7 +426,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                                    "fingerprint": profile.fingerprint,
                                    "totals": profile.totals()},
                        "warnings": warnings, "not_counted": list(profile.not_counted),
-                       "files": {"plan": plan_path, "tensorboard": logdir}})
+                       "files": {"plan": plan_path, "tensorboard": logdir},
+                       "run_id": written.run_id})
         return 0
     from tfplan.reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
     t = profile.totals()
@@ -531,6 +527,9 @@ def _layout_note(plan: Any) -> str | None:
 
 
 def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:
+    from tfplan.core.atomic import check_writable_file, write_json
+    if args.out:
+        check_writable_file(args.out, "--out")  # before TensorFlow starts and measures
     _quiet_tensorflow()
     from tfplan.profiler.hardware import devices_from_arg, run_profile_hardware
     from tfplan.profiler.hw_cluster import summary_rows
@@ -539,9 +538,7 @@ def cmd_profile_hardware(args: argparse.Namespace, ui: "UI") -> int:
     with ui.progress("Measuring hardware") as progress:
         hw, cluster = run_profile_hardware(devices, args.quick, progress)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(cluster.to_dict(), f, indent=2)
-            f.write("\n")
+        write_json(args.out, cluster.to_dict())
     if args.json:
         ui.print_json({"hardware": hw.to_dict(), "cluster": cluster.to_dict()})
         return 0

@@ -32,8 +32,10 @@ import os
 from dataclasses import dataclass, field as dc_field, replace
 from typing import Any, Mapping
 
+from tfplan.core.atomic import write_json
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlanMismatchError, SchemaError
+from tfplan.core.fileset import read_bytes
 from tfplan.core.schema import SCHEMA_VERSION, check_version, decode, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
@@ -415,20 +417,36 @@ def _tp_splits_from(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(plan.to_dict(), f, indent=2)
-        f.write("\n")
+def save_plan(plan: Plan, path: str | os.PathLike, run_id: str | None = None) -> None:
+    """Write ``plan`` as plan.json, atomically (``core.atomic``: the file holds the old plan or
+    the new one, never a truncated mix). ``run_id``: the ``plan analyze`` run it belongs to
+    (``reports.analysis_dir`` checks it against the directory's manifest)."""
+    doc = plan.to_dict()
+    if run_id is not None:
+        doc["run_id"] = run_id
+    write_json(path, doc)
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Read a plan.json written by ``plan analyze`` (validated; SchemaError if malformed)."""
+    """Read a plan.json written by ``plan analyze`` (validated; SchemaError naming the file if
+    it is truncated or malformed). A plan.json in an analysis directory is read as that
+    directory's current set has it (``core.fileset``: through an interrupted commit)."""
+    path = os.fspath(path)
+    remake = ("Re-run `plan analyze MODEL --cluster C --global-batch B --out DIR` to write "
+              "it again.")
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        raw = read_bytes(os.path.dirname(path) or ".", os.path.basename(path))
     except FileNotFoundError:
-        raise PlanMismatchError(f"Plan file {os.fspath(path)!r} does not exist. Create one with "
+        raise PlanMismatchError(f"Plan file {path!r} does not exist. Create one with "
                                 "`plan analyze MODEL --cluster C --global-batch B --out DIR`.")
-    except json.JSONDecodeError as e:
-        raise SchemaError(f"Plan file {os.fspath(path)!r} is not valid JSON ({e}).")
-    return decode(Plan.from_dict, doc, f"Plan file {os.fspath(path)!r}")
+    except OSError as e:
+        raise SchemaError(f"Plan file {path!r} cannot be read ({e.strerror or e}).") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SchemaError(f"Plan file {path!r} is truncated or not valid JSON ({e}). "
+                          + remake) from None
+    try:
+        return decode(Plan.from_dict, doc, "the plan")
+    except SchemaError as e:
+        raise SchemaError(f"Plan file {path!r}: {e}") from None

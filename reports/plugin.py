@@ -40,11 +40,12 @@ def analysis_path(run_dir: str) -> str:
 
 def find_runs(logdir: str) -> dict[str, str]:
     """Run name (path relative to the logdir, "." for the logdir itself) -> its analysis
-    file, for every run under ``logdir`` that has one (symlinks are not followed)."""
+    file, for every run under ``logdir`` that has one (symlinks are not followed; the
+    ``.tfplan-*`` directories of an analysis being written, ``core.fileset``, are skipped)."""
     runs = {}
     root = os.path.realpath(logdir)
     for here, dirs, files in os.walk(root):
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".tfplan-"))
         if os.path.basename(here) == PLUGIN_NAME and ANALYSIS_FILE in files:
             run_dir = os.path.dirname(os.path.dirname(here))
             runs[os.path.relpath(run_dir, root)] = os.path.join(here, ANALYSIS_FILE)

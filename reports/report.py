@@ -3,7 +3,8 @@ one self-contained HTML file.
 
 Pipeline position: reads the files ``plan analyze`` wrote -- ``DIR/plan.json`` (the
 chosen plan), ``DIR/profile.json`` (the model profile) and ``DIR/candidates.json``
-(the ranked candidates; older runs without it show the chosen plan alone) -- and
+(the ranked candidates), checked against ``DIR/manifest.json`` to be one run of one
+model (``reports.analysis_dir``) -- and
 renders the same tables the terminal and TensorBoard show (``reports.tables``) and
 the same pictures (``reports.images``, embedded as PNG data URIs, so the HTML file
 needs nothing else: no network, no scripts).
@@ -13,73 +14,19 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import os
-from dataclasses import dataclass
 
-from tfplan.core.errors import PlannerError, SchemaError
-from tfplan.core.schema import decode
-from tfplan.planner.plan import Plan, load_plan
-from tfplan.profiler.model_profile import ModelProfile
+from tfplan.reports.analysis_dir import Analysis, read_analysis_dir, save_candidates  # noqa: F401
 from tfplan.reports.images import plan_images
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_seconds, profile_rows)
 
 
-@dataclass(frozen=True)
-class Analysis:
-    profile: ModelProfile
-    chosen: Plan
-    candidates: tuple[Plan, ...]
-
-
 def load_analysis(out_dir: str | os.PathLike) -> Analysis:
-    """The analysis ``plan analyze --out out_dir`` wrote; PlannerError naming what is
-    missing (and the command that makes it)."""
-    out_dir = os.fspath(out_dir)
-    plan_path, profile_path = (os.path.join(out_dir, n) for n in ("plan.json", "profile.json"))
-    for path in (plan_path, profile_path):
-        if not os.path.isfile(path):
-            raise PlannerError(
-                f"{out_dir!r} holds no {os.path.basename(path)}: it is not an analysis "
-                "directory. Make one with plan analyze MODEL --cluster C --global-batch B "
-                f"--out {out_dir}.")
-    chosen = load_plan(plan_path)
-    profile = decode(ModelProfile.from_dict, _read_json(profile_path, out_dir),
-                     f"Profile {profile_path!r}")
-    candidates: tuple[Plan, ...] = (chosen,)
-    cand_path = os.path.join(out_dir, "candidates.json")
-    if os.path.isfile(cand_path):
-        docs = _read_json(cand_path, out_dir)
-        if not isinstance(docs, list):
-            raise SchemaError(f"{cand_path!r} holds {type(docs).__name__}; expected a list of "
-                              f"plans. {_RERUN.format(out_dir=out_dir)}")
-        candidates = tuple(decode(Plan.from_dict, d, f"Candidate {i} of {cand_path!r}")
-                           for i, d in enumerate(docs))
-    return Analysis(profile, chosen, candidates)
-
-
-_RERUN = ("Re-run plan analyze MODEL --cluster C --global-batch B --out {out_dir} to write "
-          "the analysis again.")
-
-
-def _read_json(path: str, out_dir: str):
-    """The JSON document at ``path``; SchemaError (saying what to re-run) if it is
-    unreadable or not JSON, as a file cut short by an interrupted write is."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SchemaError(f"{path!r} cannot be read as JSON ({e}): it is damaged or cut "
-                          f"short. {_RERUN.format(out_dir=out_dir)}") from e
-
-
-def save_candidates(candidates, out_dir: str | os.PathLike) -> str:
-    """Write the ranked candidates as ``out_dir/candidates.json``; return the path."""
-    path = os.path.join(os.fspath(out_dir), "candidates.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump([c.to_dict() for c in candidates], f, indent=1)
-    return path
+    """The analysis ``plan analyze --out out_dir`` wrote, checked to be one complete run
+    of one model (``reports.analysis_dir``); PlannerError naming what is missing, and
+    IncompleteAnalysisError naming a truncated or mixed file, with the command to re-run."""
+    return read_analysis_dir(out_dir)
 
 
 def summary_lines(a: Analysis) -> list[str]:

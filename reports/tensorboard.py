@@ -12,11 +12,10 @@ TensorFlow is imported here only to write summaries.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import Sequence
 
+from tfplan.core.atomic import copy_file, write_json
 from tfplan.planner import cost_model as cm
 from tfplan.planner.plan import Plan
 from tfplan.profiler.model_profile import ModelProfile
@@ -43,8 +42,9 @@ def plan_markdown(plan: Plan) -> str:
 
 
 def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Plan,
-                   candidates: Sequence[Plan]) -> str:
-    """Write one TensorBoard run under ``logdir``; return the logdir."""
+                   candidates: Sequence[Plan], run_id: str | None = None) -> str:
+    """Write one TensorBoard run under ``logdir``; return the logdir. ``run_id``: the
+    ``plan analyze`` run it belongs to, recorded in its analysis.json."""
     import tensorflow as tf
 
     logdir = os.fspath(logdir)
@@ -70,7 +70,7 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
                               description=cand.name)
     writer.flush()
     writer.close()
-    write_plugin_analysis(logdir, profile, chosen, candidates)
+    write_plugin_analysis(logdir, profile, chosen, candidates, run_id=run_id)
     return logdir
 
 
@@ -104,13 +104,17 @@ def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Pl
 
 
 def write_plugin_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Plan,
-                          candidates: Sequence[Plan]) -> str:
-    """Write ``plugin_analysis`` where the plugin finds it (``reports.plugin``)."""
+                          candidates: Sequence[Plan], run_id: str | None = None) -> str:
+    """Write ``plugin_analysis`` where the plugin finds it (``reports.plugin``), atomically,
+    with the model fingerprint and the ``plan analyze`` run id (when given)."""
     from tfplan.reports.plugin import analysis_path
     path = analysis_path(os.fspath(logdir))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(plugin_analysis(profile, chosen, candidates), f)
+    doc = plugin_analysis(profile, chosen, candidates)
+    doc["fingerprint"] = profile.fingerprint
+    if run_id is not None:
+        doc["run_id"] = run_id
+    write_json(path, doc, indent=None)
     return path
 
 
@@ -127,6 +131,6 @@ def attach_capture(logdir: str | os.PathLike, trace_files: Sequence[str]) -> lis
         dest_dir = os.path.join(os.fspath(logdir), "plugins", "profile", run)
         os.makedirs(dest_dir, exist_ok=True)
         dest = os.path.join(dest_dir, os.path.basename(path))
-        shutil.copyfile(path, dest)
+        copy_file(path, dest)
         out.append(dest)
     return out

@@ -39,3 +39,23 @@ class PlanMismatchError(PlannerError):
 
 class SchemaError(PlannerError):
     """A JSON document (profile, cluster, plan) is malformed or has the wrong schema_version."""
+
+
+class OutputPathError(PlannerError):
+    """An output location (``--out``, ``--html``, ``--logdir``) cannot be written; checked
+    before any slow work. ``path`` is the location, ``reason`` the operating system's."""
+
+    def __init__(self, message: str, path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class IncompleteAnalysisError(SchemaError):
+    """An analysis directory (``plan analyze --out DIR``) holds a truncated file, a file of
+    another run or model, or was written by a version without run ids. ``path`` names the
+    file that is wrong."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path

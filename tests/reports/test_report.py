@@ -2,14 +2,12 @@
 exports one self-contained HTML page."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tfplan.core.errors import PlannerError
-from tfplan.planner.plan import save_plan
+from tfplan.core.errors import IncompleteAnalysisError, PlannerError
 from tfplan.planner.search import search
-from tfplan.reports.report import html_report, load_analysis, save_candidates, summary_lines
+from tfplan.reports.analysis_dir import write_analysis_dir
+from tfplan.reports.report import html_report, load_analysis, summary_lines
 from tests.planner.test_search import chain_profile, make_cluster
 
 
@@ -17,9 +15,7 @@ from tests.planner.test_search import chain_profile, make_cluster
 def analysis_dir(tmp_path):
     profile = chain_profile()
     result = search(profile, make_cluster(memory_bytes=10**12), 32)
-    save_plan(result.chosen, tmp_path / "plan.json")
-    (tmp_path / "profile.json").write_text(json.dumps(profile.to_dict()))
-    save_candidates(result.candidates, tmp_path)
+    write_analysis_dir(tmp_path, profile, result.chosen, result.candidates)
     return tmp_path, result
 
 
@@ -49,7 +45,11 @@ def test_a_directory_without_an_analysis_names_the_command(tmp_path):
         load_analysis(tmp_path)
 
 
-def test_older_analyses_without_candidates_show_the_chosen_plan(analysis_dir):
+def test_an_analysis_without_its_candidates_is_refused(analysis_dir):
+    # Until run ids, a directory without candidates.json (older runs) showed the chosen
+    # plan alone; now every file of the set must be there, from one run (issue 13).
     path, result = analysis_dir
     (path / "candidates.json").unlink()
-    assert load_analysis(path).candidates == (result.chosen,)
+    with pytest.raises(IncompleteAnalysisError, match="candidates.json' is missing") as e:
+        load_analysis(path)
+    assert e.value.path == str(path / "candidates.json") and "Re-run plan analyze" in str(e.value)
