@@ -112,13 +112,7 @@ def check_writable_dir(path: str | os.PathLike, option: str) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise OutputPathError(f"{option} {path!r} exists and is not a directory; pass a "
                               "directory path.", path, "not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise OutputPathError(
-            f"{option} {path!r}: cannot create the directory: {os_reason(e)}. Pass a "
-            "directory you can write to.", path, os_reason(e)) from None
-    _probe(path, option, path)
+    _make_and_probe(path, option, path, "the directory", "a directory you can write to")
     return path
 
 
@@ -134,14 +128,20 @@ def check_writable_file(path: str | os.PathLike, option: str) -> str:
         raise OutputPathError(f"{option} {path!r}: {directory!r} is a file, not a directory. "
                               "Pass a path in a directory you can write to.", path,
                               "not a directory")
+    _make_and_probe(directory, option, path, f"its directory {directory!r}",
+                    "a path in a directory you can write to")
+    return path
+
+
+def _make_and_probe(directory: str, option: str, path: str, what: str, expected: str) -> None:
+    """Create ``directory`` (parents too) and write a probe file in it; OutputPathError
+    naming ``option``, ``path`` and the OS reason if either fails."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise OutputPathError(
-            f"{option} {path!r}: cannot create its directory {directory!r}: {os_reason(e)}. "
-            "Pass a path in a directory you can write to.", path, os_reason(e)) from None
+        raise OutputPathError(f"{option} {path!r}: cannot create {what}: {os_reason(e)}. "
+                              f"Pass {expected}.", path, os_reason(e)) from None
     _probe(directory, option, path)
-    return path
 
 
 def _probe(directory: str, option: str, path: str) -> None:
