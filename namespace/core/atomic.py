@@ -14,12 +14,13 @@ system's reason (a path under a file, a read-only file system, no permission).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from tfplan.core.errors import OutputPathError
 
@@ -28,16 +29,25 @@ TMP_PREFIX = ".tfplan-tmp-"
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (temp file, fsync, rename, fsync dir)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
-    # O_EXCL: never reuse someone else's file; mode 0o666 less the umask, like open(path, "w").
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
+    with _replacing(path) as tmp:
+        # O_EXCL: never reuse someone else's file; mode 0o666 less the umask, like open(path, "w").
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                     0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _replacing(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary path beside ``path`` for the caller to fill and fsync; then rename
+    it over ``path`` and fsync the directory (or remove it if the caller raised)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+    try:
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -60,20 +70,9 @@ def write_json(path: str | os.PathLike, doc: Any, indent: int | None = 2) -> Non
 
 def copy_file(src: str | os.PathLike, dest: str | os.PathLike) -> None:
     """Copy ``src`` to ``dest`` atomically (``dest`` is never seen half-copied)."""
-    dest = os.fspath(dest)
-    directory = os.path.dirname(os.path.abspath(dest))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(dest)}-{uuid.uuid4().hex[:12]}")
-    try:
+    with _replacing(dest) as tmp:
         shutil.copyfile(src, tmp)
         fsync_file(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(directory)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
