@@ -61,7 +61,7 @@ PROFILE_BATCH_SIZE = 1  # as `plan analyze`: the cost model scales per sample
 
 def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str | None = None,
          logdir: str | os.PathLike | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-         cluster: ClusterSpec | str | None = None) -> Any:
+         cluster: ClusterSpec | str | None = None, batch_norm: str = "global") -> Any:
     """Plan ``model`` for this process's devices and return it wrapped (see the module doc).
 
     ``global_batch``: samples per training step (every batch given to ``fit``
@@ -72,7 +72,9 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
     passed to ``apply.wrap`` (writes plan.json and placement.json there).
     ``time_limit_s``: the search's ILP budget. ``cluster``: plan for this
     ClusterSpec or ``parse_cluster`` text instead of the devices found
-    (``local_cluster()``); the plan's devices must still exist here.
+    (``local_cluster()``); the plan's devices must still exist here. ``batch_norm``:
+    BatchNormalization statistics, "global" (equal to one device) or "local" (per
+    replica and micro-batch; ``planner.batch_stats``).
     """
     _check_global_batch_value(global_batch)
     plan_file = os.environ.get(PLAN_FILE_ENV)
@@ -90,7 +92,8 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
         elif isinstance(cluster, str):
             cluster = parse_cluster(cluster)
         plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
-                        precision=precision, time_limit_s=time_limit_s)
+                        precision=precision, time_limit_s=time_limit_s,
+                        batch_norm=batch_norm)
         if len(workers) > 1:
             check_same_plan(plan)
     check_global_batch(plan, global_batch)
@@ -132,7 +135,8 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
 
 
 def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: Any = None,
-             precision: str | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
+             precision: str | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+             batch_norm: str = "global") -> Plan:
     """Profile ``model``, search ``cluster`` and return the plan ``apply.wrap`` will run.
 
     Prints the choice and its reason to stderr.
@@ -144,7 +148,8 @@ def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: 
         optimizer = getattr(model, "optimizer", None)
     profile = profile_model(model, PROFILE_BATCH_SIZE, precision=precision,
                             optimizer=optimizer)
-    result = search(profile, cluster, global_batch, time_limit_s=time_limit_s)
+    result = search(profile, cluster, global_batch, time_limit_s=time_limit_s,
+                    batch_norm=batch_norm)
     chosen = result.chosen
     where = f"{cluster.name} ({cluster.num_devices} device(s)), global batch {global_batch}"
     if runnable(chosen):

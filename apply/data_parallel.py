@@ -75,12 +75,12 @@ class DataParallelModel(PlannedModel):
             return super()._run_through_graph(inputs, operation_fn=operation_fn,
                                               call_fn=call_fn)
 
-        def recomputed(op: Any) -> Any:
-            fn = operation_fn(op)
-            return recompute_call(fn) if getattr(op, "name", None) in self.recompute_layers \
-                else fn
+        return super()._run_through_graph(
+            inputs, operation_fn=lambda op: self.wrap_operation(op, operation_fn(op)))
 
-        return super()._run_through_graph(inputs, operation_fn=recomputed)
+    def wrap_operation(self, operation: Any, fn: Any) -> Any:
+        return recompute_call(fn) if getattr(operation, "name", None) in self.recompute_layers \
+            else fn
 
     def _compile_scope(self) -> Any:
         return self.distribute_strategy.scope()

@@ -81,30 +81,36 @@ class PlacedModel(PlannedModel):
         if call_fn is not None:  # clone_model(wrapped, call_function=...): not a forward pass
             return super()._run_through_graph(inputs, operation_fn=operation_fn,
                                               call_fn=call_fn)
-        devices = self._op_device
         trace = active_trace() if self._op_stage else None  # a 1F1B/interleaved train step
+        return super()._run_through_graph(
+            inputs, operation_fn=lambda op: self._placed(op, operation_fn(op), trace))
 
-        def placed(op: Any) -> Any:
-            fn = operation_fn(op)
-            if getattr(op, "name", None) in self.recompute_layers:
-                fn = recompute_call(fn)
-            device = devices.get(id(op))
-            if device is None:
-                return fn
-            stage = self._op_stage.get(id(op))
+    def wrap_operation(self, operation: Any, fn: Any) -> Any:
+        return self._placed(operation, fn, None)
 
-            def run(*args: Any, **kwargs: Any) -> Any:
-                with tf.device(device):
-                    if trace is None or stage is None:
-                        return fn(*args, **kwargs)
-                    with tf.control_dependencies(trace.control_inputs(stage)):
-                        out = fn(*args, **kwargs)
-                    trace.record_forward(stage, op, keras.tree.flatten((args, kwargs)),
-                                         keras.tree.flatten(out))
-                    return out
-            return run
+    def operation_device(self, operation: Any) -> str | None:
+        return self._op_device.get(id(operation))
 
-        return super()._run_through_graph(inputs, operation_fn=placed)
+    def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
+        """``fn`` (a call of ``op``) on ``op``'s device, recomputed if the plan says so,
+        after the backward passes ``trace`` (1F1B/interleaved) makes it wait for."""
+        if getattr(op, "name", None) in self.recompute_layers:
+            fn = recompute_call(fn)
+        device = self._op_device.get(id(op))
+        if device is None:
+            return fn
+        stage = self._op_stage.get(id(op))
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with tf.device(device):
+                if trace is None or stage is None:
+                    return fn(*args, **kwargs)
+                with tf.control_dependencies(trace.control_inputs(stage)):
+                    out = fn(*args, **kwargs)
+                trace.record_forward(stage, op, keras.tree.flatten((args, kwargs)),
+                                     keras.tree.flatten(out))
+                return out
+        return run
 
     # --- compile --------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -158,6 +164,13 @@ class PlacedModel(PlannedModel):
         if trace is not None:
             trace.record_backward(variables, grads[:n], grads[n:])
         return y_pred, loss, grads[:n]
+
+    def _gradients(self, tape: Any, target: Any, variables: list[Any]) -> list[Any]:
+        if tf.executing_eagerly():
+            return super()._gradients(tape, target, variables)
+        # tf.gradients colocates each gradient op with its forward op (module docstring)
+        return tf.gradients(target, [v.value for v in variables],
+                            unconnected_gradients=tf.UnconnectedGradients.NONE)
 
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         build_optimizer_on_devices(self.optimizer, variables)  # no-op once built

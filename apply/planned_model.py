@@ -39,8 +39,10 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.batch_stats import GLOBAL, install, stepping
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
                                   nearest_multiples, split_microbatches)
+from tfplan.apply.joint_forward import joint_forward
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import tf_variable
 from tfplan.core.errors import PlanMismatchError
@@ -56,6 +58,9 @@ class PlannedModel(compat.functional_class()):
         self.plan_name = plan_name
         self.num_microbatches = int(num_microbatches)
         self.num_replicas = int(num_replicas)
+        # how BatchNormalization's statistics are computed (apply.batch_stats); None: the
+        # model has no BatchNormalization layer (or the plan was not applied to it)
+        self.batch_norm: str | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
@@ -87,7 +92,33 @@ class PlannedModel(compat.functional_class()):
         self.optimizer.apply_gradients(zip(gradients, variables))
 
     def _uses_microbatch_step(self) -> bool:
-        return self.num_microbatches > 1
+        return self.num_microbatches > 1 or self.batch_norm is not None
+
+    def replica_models(self) -> tuple[Any, ...]:
+        """This model and its other data-parallel copies that this process trains in one
+        step (``apply.tensor_parallel``); the same layers, by name, in each."""
+        return (self,)
+
+    def wrap_operation(self, operation: Any, fn: Any) -> Any:
+        """``fn`` (a call of ``operation``, one of this model's layers) as this model's
+        forward pass runs it: on its device, recomputed, ... (subclasses)."""
+        return fn
+
+    def operation_device(self, operation: Any) -> str | None:
+        """The device ``operation`` runs on; None where tf.distribute places it."""
+        return None
+
+    def set_batch_norm(self, mode: str) -> int:
+        """Make the BatchNormalization layers of this model and its copies follow ``mode``
+        (``apply.batch_stats``); returns how many layers each copy has."""
+        counts = {install(model, mode) for model in self.replica_models()}
+        count = counts.pop()
+        self.batch_norm = mode if count else None
+        return count
+
+    def _gradients(self, tape: Any, target: Any, variables: list[Any]) -> list[Any]:
+        """Gradients of ``target`` with respect to ``variables`` (recorded on ``tape``)."""
+        return tape.gradient(target, variables)
 
     def _step_schedule(self) -> Any:
         """Context around one train step's micro-batches; yields None, or a function called
@@ -230,6 +261,56 @@ class PlannedModel(compat.functional_class()):
     def train_step(self, data: Any) -> Any:
         if not self._uses_microbatch_step():
             return super().train_step(data)
+        with stepping(self.batch_norm) as stats:  # apply.batch_stats
+            if stats is not None and stats.mode == GLOBAL:
+                logs = self._joint_train_step(data, stats)
+            else:
+                logs = self._microbatch_train_step(data)
+            if stats is not None:
+                stats.update_moving()
+        return logs
+
+    def _joint_train_step(self, data: Any, stats: Any) -> Any:
+        """One step with global batch statistics: every micro-batch of every copy runs
+        layer by layer (``apply.joint_forward``), the mean of the micro-batches' losses is
+        differentiated once (the statistics join them), one update."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        m = self.num_microbatches
+        models = self.replica_models()
+        variables = list(self.trainable_variables)
+        parts = split_microbatches((x, y, sample_weight), m, self._batch_error)
+        pieces = []  # (copy, its piece of micro-batch i), micro-batch-major
+        for xi, _, _ in parts:
+            if len(models) == 1:
+                pieces.append((0, xi))
+            else:
+                split = split_microbatches((xi, None, None), len(models), self._batch_error)
+                pieces += [(r, xr) for r, (xr, _, _) in enumerate(split)]
+        with tf.GradientTape() as tape:
+            outputs = joint_forward(models, pieces, stats)
+            k = len(models)
+            predictions, scaled_total = [], None
+            for i, (xi, yi, swi) in enumerate(parts):
+                mine = outputs[i * k:(i + 1) * k]
+                y_pred = mine[0] if k == 1 else keras.tree.map_structure(
+                    lambda *t: tf.concat(t, axis=0), *mine)
+                loss = compat.compute_loss(self, x=xi, y=yi, y_pred=y_pred,
+                                           sample_weight=swi, training=True)
+                compat.loss_tracker(self).update_state(
+                    compat.unscale_loss_for_distribution(loss),
+                    sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
+                scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None \
+                    else loss
+                scaled_total = scaled if scaled_total is None else scaled_total + scaled
+                predictions.append(y_pred)
+            if m > 1:
+                scaled_total = scaled_total / m  # the micro-batches' mean: the batch's loss
+        if variables:
+            self._apply_gradients(self._gradients(tape, scaled_total, variables), variables)
+        y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _microbatch_train_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         m = self.num_microbatches
         variables = list(self.trainable_variables)

@@ -84,6 +84,9 @@ class TensorParallelModel(PlacedModel):
         self.stage_devices = tuple(dict.fromkeys(
             [*self.stage_devices, *(d for r in replicas for d in r.stage_devices)]))
 
+    def replica_models(self) -> tuple[Any, ...]:
+        return (self, *self._others.models)
+
     @property
     def trainable_variables(self) -> list[Any]:
         """Replica 0's trainable variables, then each other replica's, in the same order

@@ -63,7 +63,7 @@ from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.placement import top_level_devices, variable_devices
 from tfplan.apply.recompute import recomputed_layers
-from tfplan.apply.schedule import schedule_of
+from tfplan.apply.schedule import SCHEDULED, schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 from tfplan.core.atomic import write_json
 from tfplan.planner.plan import Plan, load_plan, save_plan
@@ -114,6 +114,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
                               num_microbatches=m, recompute_layers=recompute,
                               schedule=schedule_of(plan))  # 1F1B/interleaved order
     wrapped.plan = plan
+    _apply_batch_norm(plan, wrapped)
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)
     if logdir is not None:
@@ -121,6 +122,29 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         # fit() then writes predicted vs measured step times there (apply.monitor)
         wrapped.plan_logdir = os.fspath(logdir)
     return wrapped
+
+
+def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:
+    """The plan's rule for BatchNormalization statistics (``apply.batch_stats``), and a
+    warning where it is not one device's or the plan's schedule cannot hold."""
+    s = plan.strategy
+    if not wrapped.set_batch_norm(s.batch_norm):
+        return
+    parts = s.dp * s.num_microbatches
+    if s.batch_norm == "local" and parts > 1:
+        warnings.warn(
+            f"Plan {plan.name!r} computes BatchNormalization statistics per replica and "
+            f"micro-batch (batch_norm 'local': {s.dp} x {s.num_microbatches} parts of "
+            f"{plan.global_batch // parts} samples), so the losses differ from one device's; "
+            "the moving statistics get one update per step, the mean over the parts. "
+            "plan analyze --batch-norm global makes them equal to one device.", stacklevel=3)
+    if s.batch_norm == "global" and s.num_microbatches > 1 and s.schedule in SCHEDULED:
+        warnings.warn(
+            f"Plan {plan.name!r} has a {s.schedule} schedule, but global batch statistics "
+            "need every micro-batch at each BatchNormalization layer before any continues, "
+            "so the micro-batches run in GPipe order (all forwards, then all backwards). "
+            "Make the plan with --schedule gpipe, or with --batch-norm local to keep "
+            f"{s.schedule}.", stacklevel=3)
 
 
 def _compile_like(model: Any, wrapped: Any) -> None:

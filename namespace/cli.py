@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tp-dp-pp (Megatron-LM's: pipeline stages across nodes) or tp-pp-dp "
                         "(dp outermost, 'dp-outer': each replica's stages inside one node, "
                         "the all-reduce across nodes) (default: searched)")
+    a.add_argument("--batch-norm", choices=("global", "local"), default="global",
+                   help="BatchNormalization statistics: global (default: over every replica "
+                        "and micro-batch of the step, equal to one device; costs small "
+                        "all-reduces, and a barrier in pipelines) or local (per replica and "
+                        "micro-batch, as GPipe: free, differs from one device)")
     a.add_argument("--optimizer-sharding", action="store_true", default=None,
                    help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
     a.add_argument("--measured", metavar="FILE",
@@ -406,7 +411,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
         profile = with_measured_times(profile, measured)
     with ui.status(f"Planning for {cluster.name} ({cluster.num_devices} devices)"):
         result = search(profile, cluster, args.global_batch, fix=fix,
-                        time_limit_s=args.time_limit)
+                        time_limit_s=args.time_limit, batch_norm=args.batch_norm)
 
     _quiet_tensorflow()
     from tfplan.reports.analysis_dir import write_analysis_dir
@@ -419,6 +424,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     plan_path, logdir = written.plan_path, written.logdir
 
     warnings = [*profile.warnings, *input_warnings(result.chosen, args.global_batch)]
+    from tfplan.planner.batch_stats import describe
+    batch_statistics = describe(result.chosen, profile)
     if args.json:
         ui.print_json({"plan": result.chosen.to_dict(),
                        "candidates": [c.to_dict() for c in result.candidates],
@@ -426,6 +433,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                                    "fingerprint": profile.fingerprint,
                                    "totals": profile.totals()},
                        "warnings": warnings, "not_counted": list(profile.not_counted),
+                       "batch_statistics": batch_statistics,
                        "files": {"plan": plan_path, "tensorboard": logdir},
                        "run_id": written.run_id})
         return 0
@@ -441,6 +449,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     layout = _layout_note(result.chosen)
     if layout:
         ui.note(layout)
+    if batch_statistics is not None:
+        ui.note(batch_statistics["text"][0].upper() + batch_statistics["text"][1:] + ".")
     for line in warning_lines(warnings, profile.not_counted):
         ui.note(line)
     ui.note(f"Wrote {plan_path}")

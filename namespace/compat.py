@@ -222,6 +222,45 @@ layers. Checked on Keras 3.15.1. If Keras stopped calling it, the overrides woul
 never run: every op on the default device, no recomputation, and no error."""
 
 
+def run_graph(model: Any, inputs: list[Any], operation_fn: Callable[[Any], Any]) -> Any:
+    """Keras' own ``Function._run_through_graph`` on ``model`` (not a subclass's
+    override): walks the Functional graph once, calling ``operation_fn(op)(*args,
+    **kwargs)`` at each node, with ``inputs`` flat in ``model.inputs`` order.
+
+    ``apply.joint_forward`` runs a step's micro-batches and replica copies layer by
+    layer with it (global batch statistics); its values are not tensors, so the
+    subclasses' per-tensor wrappers must not see them. Checked on Keras 3.15.1.
+    Without it the layer-by-layer step would have to re-implement Keras' graph walk."""
+    return _method(functional_class(), RUN_THROUGH_GRAPH, "walking a Functional graph")(
+        model, inputs, operation_fn=operation_fn)
+
+
+def standardize_functional_inputs(model: Any, inputs: Any) -> list[Any]:
+    """``Functional._standardize_inputs``: a call's inputs (array, list, dict by input
+    name) as the flat list, in ``model.inputs`` order and dtypes, that
+    ``Functional.call`` hands to its graph. ``apply.joint_forward`` uses it so a
+    layer-by-layer step accepts the inputs ``model(x)`` accepts. Checked on Keras
+    3.15.1. Without it dict inputs would reach the graph in the wrong order."""
+    return list(_method(model, "_standardize_inputs", "a Functional call's inputs")(inputs))
+
+
+def functional_operation(operation: Any, **call_context: Any) -> Callable[..., Any]:
+    """``keras.src.models.functional.operation_fn``: ``operation``'s call with the
+    call-context arguments (``training``) that ``Functional.call`` passes to every
+    layer that takes them. Checked on Keras 3.15.1. Without it a layer-by-layer step
+    would call Dropout and BatchNormalization in inference mode."""
+    fn = _private("keras.src.models.functional", "operation_fn",
+                  "a layer's call with the training flag")
+    return fn(operation, **call_context)
+
+
+def unpack_singleton(outputs: Any) -> Any:
+    """``keras.src.models.functional.unpack_singleton``: a one-element list as its
+    element, as ``Functional.call`` returns outputs. Checked on Keras 3.15.1."""
+    return _private("keras.src.models.functional", "unpack_singleton",
+                    "a Functional call's outputs")(outputs)
+
+
 T = TypeVar("T", bound=type)
 
 

@@ -126,6 +126,8 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
             schedules = ("none",) if pp == 1 else ("1f1b", "gpipe", "interleaved")
             if "schedule" in knobs and pp > 1:
                 schedules = (knobs["schedule"],)
+            elif ctx.batch_barrier and pp > 1 and m > 1:  # planner.batch_stats
+                schedules = ("gpipe",)
             for schedule, v in with_virtual_stages(schedules, knobs, pp, m, layers):
                 for rc in ((knobs["recompute"],) if "recompute" in knobs
                            else ("none", "selective", "full") if has_attention

@@ -16,8 +16,10 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlannerError
 from tfplan.planner import cost_model as cm
 from tfplan.planner.graph import input_edges, layer_graph, topological_layers
-from tfplan.planner.plan import Breakdown, Plan, Prediction, Stage, Strategy
+from tfplan.planner.plan import BATCH_NORM, Breakdown, Plan, Prediction, Stage, Strategy
 from tfplan.profiler.model_profile import ModelProfile
+
+BATCH_NORM_TYPES = ("BatchNormalization",)  # layers whose statistics batch_norm governs
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class SearchContext:
     names: tuple[str, ...]  # topological layer order
     input_bytes: tuple[float, ...]  # per layer: model-input bytes charged to it (profile batch)
     tensors: tuple[tuple[int, tuple[int, ...], int], ...]  # (producer, readers, bytes)
+    # Strategy.batch_norm of every candidate (planner.batch_stats); True below when
+    # "global" statistics join a pipeline's micro-batches: GPipe order only
+    batch_norm: str = "global"
+    batch_barrier: bool = False
 
     def layer_times_s(self, samples: float) -> tuple[float, ...]:
         p = self.profile
@@ -67,8 +73,8 @@ class SearchContext:
             solver=solver)
 
 
-def search_context(profile: ModelProfile, cluster: ClusterSpec, global_batch: int
-                   ) -> SearchContext:
+def search_context(profile: ModelProfile, cluster: ClusterSpec, global_batch: int,
+                   batch_norm: str = "global") -> SearchContext:
     """The ``SearchContext`` of a search; PlannerError for a batch that is not a whole
     number >= 1 or a profile without layers."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -92,4 +98,8 @@ def search_context(profile: ModelProfile, cluster: ClusterSpec, global_batch: in
         if readers:
             nbytes = max(graph.edges[u, v]["bytes"] for v in graph.successors(u))
             tensors.append((index[u], tuple(readers), nbytes))
-    return SearchContext(profile, cluster, global_batch, names, tuple(inputs), tuple(tensors))
+    if batch_norm not in BATCH_NORM:
+        raise PlannerError(f"batch_norm is {batch_norm!r}; expected one of {BATCH_NORM}.")
+    barrier = batch_norm == "global" and any(l.type in BATCH_NORM_TYPES for l in profile.layers)
+    return SearchContext(profile, cluster, global_batch, names, tuple(inputs), tuple(tensors),
+                         batch_norm, barrier)

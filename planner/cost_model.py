@@ -241,6 +241,15 @@ def pipeline_bubble_s(num_stages: int, stage_time_s: float, virtual_stages: int 
     return (num_stages - 1) / virtual_stages * stage_time_s
 
 
+def batch_barrier_bubble_s(num_stages: int, stage_time_s: float, num_microbatches: int) -> float:
+    """The bubble of a GPipe pipeline whose micro-batches meet at every BatchNormalization
+    layer (global batch statistics, ``planner.batch_stats``): a stage cannot pass any
+    micro-batch on before it has all of them, forward and backward, so the stages never
+    overlap: step = pp x m x t_stage, the bubble m x (pp - 1) x t_stage (m times GPipe's,
+    Huang et al., 2019)."""
+    return num_microbatches * (num_stages - 1) * stage_time_s
+
+
 def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int,
                            virtual_stages: int = 1) -> float:
     """Micro-batches whose activations the first stage holds at its peak.

@@ -40,6 +40,9 @@ from tfplan.core.schema import SCHEMA_VERSION, check_version, decode, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+# Strategy.batch_norm: BatchNormalization statistics over the whole step ("global", equal
+# to one device) or per replica and micro-batch ("local", GPipe's rule): apply.batch_stats
+BATCH_NORM = ("global", "local")
 LAYOUTS = ("tp-dp-pp", "tp-pp-dp")  # Strategy.layout: innermost to outermost
 DEFAULT_LAYOUT = "tp-dp-pp"
 Shape = tuple  # a layer's output shape per sample: ints, None for a dynamic dimension
@@ -74,6 +77,10 @@ class Strategy:
     virtual_stages: int = 1
     # device order of the dp x tp x pp grid, innermost first (LAYOUTS, module docstring)
     layout: str = DEFAULT_LAYOUT
+    # how BatchNormalization statistics are computed (BATCH_NORM; apply.batch_stats):
+    # "global" over the whole step's batch, as one device; "local" per replica and
+    # micro-batch (GPipe). Plan files without it are "global".
+    batch_norm: str = "global"
 
     @property
     def num_devices(self) -> int:
@@ -84,7 +91,8 @@ class Strategy:
                 "microbatch_size": self.microbatch_size,
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule,
                 "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding,
-                "virtual_stages": self.virtual_stages, "layout": self.layout}
+                "virtual_stages": self.virtual_stages, "layout": self.layout,
+                "batch_norm": self.batch_norm}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
@@ -97,7 +105,11 @@ class Strategy:
                                      default=False),
             virtual_stages=field(d, "virtual_stages", k, int, where=w, optional=True, default=1,
                                  minimum=1),
-            layout=field(d, "layout", k, str, where=w, optional=True, default=DEFAULT_LAYOUT))
+            layout=field(d, "layout", k, str, where=w, optional=True, default=DEFAULT_LAYOUT),
+            batch_norm=field(d, "batch_norm", k, str, where=w, optional=True, default="global"))
+        if s.batch_norm not in BATCH_NORM:
+            raise SchemaError(f"Plan.strategy.batch_norm is {s.batch_norm!r}; expected one of "
+                              f"{BATCH_NORM} (plan files without it are 'global').")
         if s.layout not in LAYOUTS:
             raise SchemaError(f"Plan.strategy.layout is {s.layout!r}; expected one of {LAYOUTS} "
                               f"(plan files without it are {DEFAULT_LAYOUT!r}).")

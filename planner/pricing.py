@@ -299,7 +299,9 @@ class Pricer:
         dp_s = float(np.max(np.maximum(0.0, self.dp_allreduce_s(d["grad"], c) - d["overlap"])))
         breakdown = Breakdown(compute_s=m * float(compute[slow]),
                               communication_s=m * float(comm[slow]) + dp_s,
-                              bubble_s=cm.pipeline_bubble_s(pp, t_stage, v),
+                              bubble_s=cm.batch_barrier_bubble_s(pp, t_stage, m)
+                              if ctx.batch_barrier and pp > 1 else
+                              cm.pipeline_bubble_s(pp, t_stage, v),
                               recompute_s=m * float(d["recompute"][slow]),
                               optimizer_s=float(np.max(opt_s)))
         if ctx.cluster.devices_per_compute_pool > 1:  # else with_shared_cores changes nothing

@@ -46,6 +46,7 @@ from tfplan.core.errors import InfeasiblePlanError, PlannerError, SolverError
 from tfplan.core.units import fmt_bytes, fmt_seconds
 from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
+from tfplan.planner.batch_stats import with_batch_norm
 from tfplan.planner.candidates import divisors, hybrid_choices
 from tfplan.planner.context import SearchContext, search_context
 from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
@@ -77,16 +78,26 @@ class SearchResult:
 
 
 def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
-           fix: Mapping[str, int] | None = None, time_limit_s: float = 10.0) -> SearchResult:
+           fix: Mapping[str, int] | None = None, time_limit_s: float = 10.0,
+           batch_norm: str = "global") -> SearchResult:
     """Rank the candidate strategies for training ``profile`` on ``cluster``.
 
     ``fix`` (e.g. ``{"dp": 4}`` or ``{"pp": 2, "num_microbatches": 4}``) prices only
     that strategy and returns it even when it does not fit. ``time_limit_s`` is the
     ILP budget for the whole search, shared evenly among the pipeline splits.
-    Same input, same output. Raises InfeasiblePlanError when nothing fits.
+    ``batch_norm``: every plan's rule for BatchNormalization statistics, priced
+    (``planner.batch_stats``). Same input, same output. Raises InfeasiblePlanError when
+    nothing fits.
     """
-    ctx = search_context(profile, cluster, global_batch)
+    ctx = search_context(profile, cluster, global_batch, batch_norm)
     knobs = _check_fix(fix) if fix is not None else {}
+    if ctx.batch_barrier and knobs.get("schedule") in ("1f1b", "interleaved") and \
+            knobs.get("num_microbatches", 2) > 1:
+        raise PlannerError(
+            f"--schedule {knobs['schedule']} cannot run with global batch statistics: model "
+            f"{profile.model_name!r} has BatchNormalization layers, and each needs every "
+            "micro-batch before any continues, which 1F1B's order would wait on forever. Use "
+            "--schedule gpipe, or --batch-norm local (per micro-batch statistics, as GPipe).")
     if any(k in knobs for k in SHAPE_KEYS):
         return _fixed(ctx, knobs, time_limit_s)
     if "microbatch_size" in knobs:
@@ -112,6 +123,7 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
                  if c.tp == 1 or any(pricer.splits_for(c.tp))]
     evaluated += len(estimates)
     plans += [pricer.to_plan(e) for e in best_per_shape(estimates, cluster.device.memory_bytes)]
+    plans = [with_batch_norm(plan, profile, batch_norm) for plan in plans]
     for plan in plans:
         validate_plan(plan, profile, error_type=SolverError)
     ranked = sorted(plans, key=_rank_key)
@@ -242,7 +254,8 @@ def _pipeline_with(ctx: SearchContext, pp: int, m: int, capacity: float | None, 
         sum(l.optimizer_bytes for l in p.layers[c.start:c.stop]), device)
         for c in split.stages)
     breakdown = Breakdown(compute_s=m * slow.compute_s, communication_s=m * slow.send_s,
-                          bubble_s=(pp - 1) * slow.time_s, recompute_s=0.0,
+                          bubble_s=cm.batch_barrier_bubble_s(pp, slow.time_s, m)
+                          if ctx.batch_barrier else (pp - 1) * slow.time_s, recompute_s=0.0,
                           optimizer_s=optimizer_s)
     breakdown = cm.with_shared_cores(
         breakdown, [m * c.compute_s + optimizer_s for c in split.stages], ctx.cluster)
@@ -360,6 +373,7 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
         best = min(estimates, key=lambda e: (not e.fits(cap), e.step_time_s, e.choice.name))
         plan = pricer.to_plan(best)
         evaluated = len(estimates)
+    plan = with_batch_norm(plan, ctx.profile, ctx.batch_norm)
     validate_plan(plan, ctx.profile, error_type=SolverError)
     pred = plan.predicted
     reason = (f"{plan.name} was fixed by the request ({dict(fix)}); it is predicted to take "

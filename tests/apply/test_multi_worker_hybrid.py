@@ -16,7 +16,8 @@ processes); the MLP's dp2xpp2 also runs ``fit``, ``evaluate``, ``predict`` and
 ``save_weights``/``load_weights``; ``+clip``: the MLP's dp2 and dp4 with an SGD that
 clips by ``global_clipnorm`` every step (``apply.clipping``); ``+zero1``: ZeRO-1 over
 the whole job (``apply.zero_workers``) for the MLP's dp2 and dp4 and the transformer's
-dp2 x tp2.
+dp2 x tp2; the tiny ResNet's BatchNormalization layers with global statistics in dp2,
+dp4 and dp2xpp2 (equal to one device: ``apply.batch_stats``).
 """
 from __future__ import annotations
 
@@ -50,8 +51,13 @@ CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_mlp", "dp2xtp2"), ("tiny_mlp", "dp4"),
          ("tiny_transformer", "dp2"), ("tiny_cnn", "dp2xpp2"), ("tiny_cnn", "dp2xtp2"),
          ("tiny_cnn", "dp2"), ("tiny_mlp", "dp2+clip"), ("tiny_mlp", "dp4+clip"),
          ("tiny_mlp", "dp2+zero1"), ("tiny_mlp", "dp4+zero1"),
-         ("tiny_transformer", "dp2xtp2+zero1")]
-SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b"}
+         ("tiny_transformer", "dp2xtp2+zero1"),
+         # BatchNormalization, global statistics (apply.batch_stats): all-reduced between the
+         # workers' MirroredStrategy replicas (dp2), also over each worker's two copies (dp4),
+         # and over each worker's two micro-batches of a pipeline (dp2xpp2)
+         ("tiny_resnet_bn", "dp2"), ("tiny_resnet_bn", "dp4"), ("tiny_resnet_bn", "dp2xpp2")]
+SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
+            "tiny_resnet_bn": "gpipe"}
 MODE = {"dp2": "MultiWorkerModel", "dp2+clip": "MultiWorkerModel"}  # apply.multi_worker
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
 
@@ -104,6 +110,10 @@ def scenario(model, module, weights_path: str | None) -> dict:
     import numpy as np
 
     result = {"losses": step_losses(model, batches_of(module, STEPS, GLOBAL_BATCH))}
+    if any("BatchNormalization" in type(l).__name__ for l in model.layers):
+        # inference uses the moving statistics: this worker's copy equals one device's
+        xi, _ = module.sample_batch(8)
+        result["inference"] = np.asarray(model(xi, training=False)).tolist()
     if weights_path is None:
         return result
     x, y = module.sample_batch(3 * GLOBAL_BATCH)

@@ -292,3 +292,23 @@ def test_report_on_a_directory_without_an_analysis_says_how_to_make_one(tmp_path
     r = run_plan("report", str(tmp_path))
     assert r.returncode == 2
     assert "plan analyze MODEL" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_analyze_says_how_batch_statistics_are_computed(tmp_path):
+    """A model with BatchNormalization: plan.json records the rule, --json and the text
+    say what it costs and whether it equals one device (planner.batch_stats)."""
+    model = os.path.join(ROOT, "tests", "apply", "tiny_resnet_bn.py")
+    r = run_plan("analyze", model, "--cluster", "cpu:4", "--global-batch", "32", "--fix",
+                 "dp=4", "--out", str(tmp_path / "g"), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    said = doc["batch_statistics"]
+    assert (said["mode"], said["layers"], said["parts"]) == ("global", 4, 4)
+    assert said["equal_to_one_device"] and said["sync_s"] > 0
+    assert doc["plan"]["strategy"]["batch_norm"] == "global"
+    with open(tmp_path / "g" / "plan.json", encoding="utf-8") as f:
+        assert json.load(f)["strategy"]["batch_norm"] == "global"
+    r = run_plan("analyze", model, "--cluster", "cpu:4", "--global-batch", "32", "--fix",
+                 "dp=4", "--batch-norm", "local", "--out", str(tmp_path / "l"))
+    assert r.returncode == 0, r.stderr
+    assert "Batch statistics: local" in r.stdout and "differ from one device" in r.stdout

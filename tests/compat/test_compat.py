@@ -210,6 +210,42 @@ def test_run_through_graph_override_runs_on_every_forward_pass():
     assert calls and calls == ["a", "b"] * (len(calls) // 2)
 
 
+def test_run_graph_walks_keras_graph_with_any_values_and_the_training_flag():
+    """compat.run_graph (Keras' own walk, past a subclass's override) with
+    compat.functional_operation (the training flag) and
+    compat.standardize_functional_inputs / unpack_singleton, as apply.joint_forward uses
+    them: values that are not tensors pass through, each layer sees training=True."""
+    inputs = keras.Input((4,), name="x")
+    dropped = keras.layers.Dropout(0.5, name="drop", seed=1)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="b")(dropped))
+    seen, outputs = [], {}
+
+    class Box:  # not a tensor, not a sequence: a leaf the walk hands on as it is
+        def __init__(self, value):
+            self.value = value
+
+    def operation_fn(op):
+        call = compat.functional_operation(op, training=True)
+
+        def run(box, **kwargs):
+            seen.append((op.name, type(box).__name__))
+            result = call(box.value, **kwargs)
+            outputs[op.name] = result
+            return Box(result)
+        return run
+
+    x = np.ones((3, 4), "float32")
+    flat = compat.standardize_functional_inputs(model, x)
+    assert len(flat) == 1 and tuple(flat[0].shape) == (3, 4)
+    out = compat.unpack_singleton(compat.run_graph(model, [Box(flat[0])], operation_fn))
+    assert seen == [("drop", "Box"), ("b", "Box")]
+    # training=True reached Dropout: it zeroed some of the ones and scaled the rest by 2
+    dropped_out = np.asarray(outputs["drop"])
+    assert set(np.unique(dropped_out)) == {0.0, 2.0}
+    assert isinstance(out, Box) and tuple(out.value.shape) == (3, 2)
+    assert compat.unpack_singleton([5]) == 5
+
+
 def test_overrides_run_through_graph_refuses_a_class_that_does_not_override_it():
     with pytest.raises(TypeError, match="does not define it"):
         compat.overrides_run_through_graph(type("Plain", (compat.functional_class(),), {}))
