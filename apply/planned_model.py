@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import keras
@@ -41,6 +42,8 @@ import tensorflow as tf
 from tfplan import compat
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
                                   nearest_multiples, split_microbatches)
+from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
+                                     save_atomically)
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import tf_variable
 from tfplan.core.errors import PlanMismatchError
@@ -106,6 +109,37 @@ class PlannedModel(compat.functional_class()):
         with self._compile_scope():
             config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
+
+    # --- files: the optimizer's state in one device's layout (apply.checkpoint) ----------
+    def _checkpoint_layout(self) -> list[CanonicalWeight]:
+        """Where each trainable weight of the user's model lives here (its copies and
+        shards), in the user's order; ``apply.tensor_parallel`` overrides it."""
+        return plain_layout(self.trainable_variables)
+
+    def save_weights(self, filepath: Any, overwrite: bool = True,
+                     max_shard_size: Any = None) -> None:
+        """Keras' ``save_weights``, the optimizer's state in one device's layout (so any
+        plan of this model, or the plain model, loads it), written to a temporary file
+        renamed over ``filepath`` (never seen half-written)."""
+        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+            if (not overwrite and os.path.exists(os.fspath(filepath))) or max_shard_size:
+                super().save_weights(filepath, overwrite=overwrite,
+                                     max_shard_size=max_shard_size)
+                return
+            save_atomically(lambda path: super(PlannedModel, self).save_weights(
+                path, overwrite=True), filepath)
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> Any:
+        """Keras' ``load_weights`` of a file from any plan of this model (or the plain
+        model): the optimizer's state is split and assigned to every copy and shard."""
+        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
+             **kwargs: Any) -> None:
+        """Keras' ``save``, the optimizer's state in one device's layout."""
+        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+            super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     # --- batch checks -------------------------------------------------------------------
     @property
