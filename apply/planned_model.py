@@ -121,7 +121,7 @@ class PlannedModel(compat.functional_class()):
         """Keras' ``save_weights``, the optimizer's state in one device's layout (so any
         plan of this model, or the plain model, loads it), written to a temporary file
         renamed over ``filepath`` (never seen half-written)."""
-        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
             if (not overwrite and os.path.exists(os.fspath(filepath))) or max_shard_size:
                 super().save_weights(filepath, overwrite=overwrite,
                                      max_shard_size=max_shard_size)
@@ -132,13 +132,13 @@ class PlannedModel(compat.functional_class()):
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> Any:
         """Keras' ``load_weights`` of a file from any plan of this model (or the plain
         model): the optimizer's state is split and assigned to every copy and shard."""
-        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
             return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
 
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
              **kwargs: Any) -> None:
         """Keras' ``save``, the optimizer's state in one device's layout."""
-        with canonical_optimizer_io(self.optimizer, self._checkpoint_layout):
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
             super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     # --- batch checks -------------------------------------------------------------------
