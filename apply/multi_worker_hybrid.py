@@ -194,6 +194,18 @@ class MultiWorkerHybridModel(TensorParallelModel):
         barrier()
 
 
+    # --- BackupAndRestore across workers (apply.backup) ----------------------------------
+    def _sync_workers(self) -> None:
+        barrier()
+
+    def _any_worker(self, flag: bool) -> bool:
+        strategy = get_strategy()
+        value = 1.0 if flag else 0.0
+        flags = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(value))
+        return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None).numpy() > 0)
+
+
 def barrier() -> None:
     """Wait until every worker reaches this point (a collective sum of ones)."""
     strategy = get_strategy()

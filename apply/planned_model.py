@@ -40,6 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
                                   nearest_multiples, split_microbatches)
 from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
@@ -141,6 +142,34 @@ class PlannedModel(compat.functional_class()):
         with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
             super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
+    # --- BackupAndRestore's hooks (apply.backup); the multi-worker models override them --
+    def _sync_workers(self) -> None:
+        """Wait for every worker of the job (one process: nothing to wait for)."""
+
+    def _any_worker(self, flag: bool) -> bool:
+        """True on every worker when ``flag`` is True on any (one process: ``flag``)."""
+        return bool(flag)
+
+    def _skip_first_batches(self, n: int) -> None:
+        """The next ``n`` calls of ``fit``'s train function take their batch and do not
+        train on it (a backup made ``n`` batches into the epoch resumes after them)."""
+        function = self.train_function
+        left = [int(n) // max(1, int(self.steps_per_execution))]
+
+        def skipping(iterator: Any) -> Any:
+            if left[0] <= 0:
+                self.train_function = function
+                return function(iterator)
+            left[0] -= 1
+            for _ in range(max(1, int(self.steps_per_execution))):
+                if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                    iterator.get_next()
+                else:
+                    next(iterator)
+            return {}
+
+        self.train_function = skipping
+
     # --- batch checks -------------------------------------------------------------------
     @property
     def batch_multiple(self) -> int:
@@ -169,6 +198,8 @@ class PlannedModel(compat.functional_class()):
         if monitor_dir is not None and getattr(self, "plan", None) is not None and not args:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
                                    PlanMonitor(self.plan, monitor_dir)]
+        if "callbacks" in kwargs:  # BackupAndRestore for any plan and worker (apply.backup)
+            kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
         try:
             return super().fit(x, y, batch_size, *args, **kwargs)
         except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)
@@ -180,6 +211,8 @@ class PlannedModel(compat.functional_class()):
                 f"applied for it. Plan {self.plan_name!r} needs batch sizes that are a "
                 f"multiple of {self.batch_multiple}. TensorFlow said: "
                 f"{str(e).splitlines()[0][:300]}") from None
+        finally:
+            release(kwargs.get("callbacks"))
 
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:

@@ -184,6 +184,11 @@ def _add_launch_parser(sub: Any) -> None:
                     help="number of worker processes (the plan's workers)")
     lp.add_argument("--plan", metavar="PLAN",
                     help="plan.json; each worker gets PLAN_FILE=<its absolute path>")
+    lp.add_argument("--restarts", type=_restart_count, default=0, metavar="N",
+                    help="start the whole job again when a worker is killed by a signal "
+                         "(not when it exits with an error), at most N times; the script's "
+                         "keras.callbacks.BackupAndRestore resumes from its last backup "
+                         "(default 0)")
     lp.add_argument("--emit", choices=("tf-config", "tfjob"),
                     help="print the per-host TF_CONFIG JSON or a TFJob YAML; start nothing")
     lp.add_argument("--hosts", metavar="H1,H2",
@@ -219,7 +224,8 @@ def cmd_launch(args: argparse.Namespace, ui: "UI") -> int:
                                          plan=args.plan)
         sys.stdout.write(yaml.safe_dump(manifest, sort_keys=False))
         return 0
-    return launch.launch_local(args.script, args.script_args, args.workers, plan=args.plan)
+    return launch.launch_local(args.script, args.script_args, args.workers, plan=args.plan,
+                               restarts=args.restarts)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -252,6 +258,17 @@ def _worker_count(text: str) -> int:
     if value > MAX_WORKERS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, received "
                                          f"{text!r}")
+    return value
+
+
+def _restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, received "
+                                         f"{text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more restarts, received {text!r}")
     return value
 
 
