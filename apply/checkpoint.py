@@ -133,7 +133,24 @@ def slot_references(optimizer: Any, shapes: Sequence[tuple[tuple[int, ...], str,
     return references
 
 
-def _shape_key(v: Any) -> tuple[tuple[int, ...], str, bool]:
+def slot_variables(optimizer: Any) -> dict[tuple[int, int], Any]:
+    """{(id(variable), k): the k-th slot ``optimizer`` keeps for that variable}."""
+    built = compat.optimizer_built_variables(optimizer)
+    refs = slot_references(optimizer, [shape_key(v) for v in built])
+    return {(id(built[ref]), k): v for v, (ref, k) in zip(optimizer.variables, refs)
+            if ref is not None}
+
+
+def slots_per_variable(optimizer: Any, variables: Sequence[Any]) -> list[int]:
+    """How many slots an optimizer like ``optimizer`` keeps for each of ``variables``."""
+    counts = [0] * len(variables)
+    for ref, _ in slot_references(optimizer, [shape_key(v) for v in variables]):
+        if ref is not None:
+            counts[ref] += 1
+    return counts
+
+
+def shape_key(v: Any) -> tuple[tuple[int, ...], str, bool]:
     return (tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name,
             bool(getattr(v, "overwrite_with_gradient", False)))
 
@@ -156,9 +173,9 @@ class _Mapping:
                 "weights of the wrapped model; compile the wrapped model with a new optimizer "
                 "(or its name) before saving or loading weights.")
         self.actual = [(None if ref is None else self.where[id(built[ref])], k)
-                       for ref, k in slot_references(optimizer, [_shape_key(v) for v in built])]
+                       for ref, k in slot_references(optimizer, [shape_key(v) for v in built])]
         canonical = slot_references(optimizer, [
-            (w.shape, w.dtype, _shape_key(w.copies[0][0])[2]) for w in self.layout])
+            (w.shape, w.dtype, shape_key(w.copies[0][0])[2]) for w in self.layout])
         self.canonical_index: dict[tuple[int, int], int] = {}
         self.globals: list[int] = []
         for j, (ref, k) in enumerate(canonical):
@@ -173,31 +190,37 @@ class _Mapping:
                 "number of variables that belong to no weight than one built on one device; "
                 "its state cannot be written in the one-device layout.")
 
-    def values(self) -> list[np.ndarray]:
-        """The optimizer's state as one device's optimizer would hold it."""
+    def values(self, extra: dict[tuple[int, int], np.ndarray] | None = None
+               ) -> list[np.ndarray]:
+        """The optimizer's state as one device's optimizer would hold it. ``extra``:
+        {(id(variable), k): its k-th slot's value} for slots this process does not hold
+        (ZeRO-1 across workers gathers them: ``apply.zero_workers.gather_slots``)."""
         variables = self.optimizer.variables
-        pieces: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}
+        pieces: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (weight, k): {shard: }
         globals_ = []
         for v, (where, k) in zip(variables, self.actual):
             if where is None:
                 globals_.append(np.asarray(v.numpy()))
                 continue
-            c, r, s = where
-            pieces.setdefault((c, k, r), {})[s] = np.asarray(v.numpy())
+            c, _, s = where  # the copies are equal: the first one found serves
+            pieces.setdefault((c, k), {}).setdefault(s, np.asarray(v.numpy()))
+        for (key, k), value in (extra or {}).items():
+            if key in self.where:
+                c, _, s = self.where[key]
+                pieces.setdefault((c, k), {}).setdefault(s, np.asarray(value))
         out: list[np.ndarray | None] = [None] * self.size
         for j, value in zip(self.globals, globals_):
             out[j] = value
         for (c, k), j in self.canonical_index.items():
             w = self.layout[c]
             n = len(w.copies[0])
-            whole = [pieces[(c, k, r)] for r in range(len(w.copies))
-                     if len(pieces.get((c, k, r), {})) == n]
-            if not whole:
+            found = pieces.get((c, k), {})
+            if len(found) != n:
                 raise PlannerError(
-                    f"No copy in this process holds the whole optimizer state of weight "
-                    f"{w.copies[0][0].path!r} (slot {k}); a ZeRO-1 job across workers keeps "
-                    "it on another worker.")
-            parts = [whole[0][s] for s in range(n)]
+                    f"This process holds no optimizer state for weight "
+                    f"{w.copies[0][0].path!r} (slot {k}) in any copy; every copy's state "
+                    "is kept on another process.")
+            parts = [found[s] for s in range(n)]
             value = parts[0] if w.axis is None else np.concatenate(parts, axis=w.axis)
             if tuple(value.shape) != w.shape and w.axis is not None:
                 raise PlannerError(
@@ -229,8 +252,10 @@ class _CanonicalOptimizerIO:
     """``save_own_variables``/``load_own_variables`` for one optimizer, in the one-device
     layout (installed on the optimizer instance while a file is written or read)."""
 
-    def __init__(self, optimizer: Any, layout: Callable[[], Sequence[CanonicalWeight]]) -> None:
-        self.optimizer, self.layout = optimizer, layout
+    def __init__(self, optimizer: Any, layout: Callable[[], Sequence[CanonicalWeight]],
+                 extra: Callable[[], dict[tuple[int, int], np.ndarray]] | None = None
+                 ) -> None:
+        self.optimizer, self.layout, self.extra = optimizer, layout, extra
         self.original_save = optimizer.save_own_variables
         self.original_load = optimizer.load_own_variables
 
@@ -244,7 +269,8 @@ class _CanonicalOptimizerIO:
         if mapping is None:
             self.original_save(store)
             return
-        for i, value in enumerate(mapping.values()):
+        extra = self.extra() if self.extra is not None else None
+        for i, value in enumerate(mapping.values(extra)):
             store[str(i)] = value
 
     def load(self, store: Any) -> None:
@@ -256,15 +282,16 @@ class _CanonicalOptimizerIO:
 
 
 @contextlib.contextmanager
-def canonical_optimizer_io(optimizer: Any,
-                           layout: Callable[[], Sequence[CanonicalWeight]]) -> Iterator[None]:
+def canonical_optimizer_io(optimizer: Any, layout: Callable[[], Sequence[CanonicalWeight]],
+                           extra: Callable[[], dict[tuple[int, int], np.ndarray]] | None = None
+                           ) -> Iterator[None]:
     """While it is open, Keras writes and reads ``optimizer``'s state in one device's
-    layout (``layout()``: the model's ``CanonicalWeight`` list). No-op without an
-    optimizer."""
+    layout (``layout()``: the model's ``CanonicalWeight`` list; ``extra()``: slots kept
+    by other processes, see ``_Mapping.values``). No-op without an optimizer."""
     if optimizer is None:
         yield
         return
-    io = _CanonicalOptimizerIO(optimizer, layout)
+    io = _CanonicalOptimizerIO(optimizer, layout, extra)
     optimizer.save_own_variables = io.save
     optimizer.load_own_variables = io.load
     try:

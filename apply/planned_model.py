@@ -117,12 +117,17 @@ class PlannedModel(compat.functional_class()):
         shards), in the user's order; ``apply.tensor_parallel`` overrides it."""
         return plain_layout(self.trainable_variables)
 
+    def _checkpoint_extra_slots(self) -> dict[tuple[int, int], Any]:
+        """Optimizer slots other processes keep ({(id(variable), k): value}); none here."""
+        return {}
+
     def save_weights(self, filepath: Any, overwrite: bool = True,
                      max_shard_size: Any = None) -> None:
         """Keras' ``save_weights``, the optimizer's state in one device's layout (so any
         plan of this model, or the plain model, loads it), written to a temporary file
         renamed over ``filepath`` (never seen half-written)."""
-        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout,
+                                    self._checkpoint_extra_slots):
             if (not overwrite and os.path.exists(os.fspath(filepath))) or max_shard_size:
                 super().save_weights(filepath, overwrite=overwrite,
                                      max_shard_size=max_shard_size)
@@ -139,7 +144,8 @@ class PlannedModel(compat.functional_class()):
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
              **kwargs: Any) -> None:
         """Keras' ``save``, the optimizer's state in one device's layout."""
-        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout,
+                                    self._checkpoint_extra_slots):
             super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     # --- BackupAndRestore's hooks (apply.backup); the multi-worker models override them --

@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -84,6 +86,9 @@ def _reference_weights():
 
 
 def _launch(plan_path, out_dir, fault: str, workers: int, *extra: str):
+    for p in os.listdir(out_dir):
+        if p.startswith("result-"):
+            os.unlink(os.path.join(out_dir, p))
     return subprocess.run(
         [sys.executable, "-m", "tfplan.cli", "launch", "--workers", str(workers), *extra,
          "--plan", str(plan_path), os.path.abspath(__file__), str(out_dir), fault],
@@ -105,33 +110,42 @@ def _assert_results(out_dir, workers: int, epochs_run: int, mode: str) -> None:
     assert not os.path.exists(os.path.join(out_dir, "backup"))  # deleted at the end
 
 
-def _two_worker_plan(tmp_path):
+MODES = {"dp2": "MultiWorkerModel", "dp2xtp2": "MultiWorkerHybridModel",
+         "dp4+zero1": "MultiWorkerHybridModel"}
+
+
+def _two_worker_plan(tmp_path, kind: str):
+    """A plan for 2 workers x 2 CPUs (tests/apply/test_multi_worker_hybrid.py): ``dp2``
+    data parallel (one CPU each), ``dp2xtp2`` the MLP's Megatron splits in each worker,
+    ``dp4+zero1`` two replicas per worker with ZeRO-1 over the job."""
     from tfplan.planner.plan import save_plan
-    from tests.apply.test_multi_worker import worker_plan
+    from tests.apply.test_multi_worker_hybrid import worker_plan
 
     _, model = base_model("tiny_mlp")
-    path = tmp_path / "plan.json"
-    save_plan(worker_plan(model), str(path))
+    path = tmp_path / f"{kind}.json"
+    save_plan(worker_plan(model, "tiny_mlp", kind), str(path))
     return path
 
 
-def test_a_killed_worker_restarts_the_job_from_the_last_backup(tmp_path):
-    """Two workers (dp=2, MultiWorkerMirroredStrategy); worker 1 is SIGKILLed in epoch 3;
-    ``plan launch --restarts 1`` starts both again and they resume from epoch 3."""
-    plan = _two_worker_plan(tmp_path)
+@pytest.mark.parametrize("kind", ["dp2", "dp4+zero1"])
+def test_a_killed_worker_restarts_the_job_from_the_last_backup(kind, tmp_path):
+    """Two workers; worker 1 is SIGKILLed in epoch 3; ``plan launch --restarts 1`` starts
+    both again and they resume from the backup of epoch 2 (ZeRO-1: the chief's file holds
+    the slots of both workers)."""
+    plan = _two_worker_plan(tmp_path, kind)
     r = _launch(plan, tmp_path, "sigkill", 2, "--restarts", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "worker 1 was killed (exit code 137)" in r.stderr
     assert "(restart 1 of 1)" in r.stderr
-    _assert_results(tmp_path, 2, EPOCHS - FAULT_EPOCH, "MultiWorkerModel")
+    _assert_results(tmp_path, 2, EPOCHS - FAULT_EPOCH, MODES[kind])
 
 
 def test_sigterm_saves_a_backup_on_every_worker_and_exits_0(tmp_path):
-    """SIGTERM to worker 1 mid-epoch: both workers stop at the same step, the chief saves
-    the backup (3 batches into epoch 3), both exit 0; the next launch skips those 3
-    batches and ends where an uninterrupted run does."""
-    plan = _two_worker_plan(tmp_path)
-    r = _launch(plan, tmp_path, "sigterm", 2)
+    """SIGTERM to worker 1 mid-epoch under dp2 x tp2: both workers stop at the same step,
+    the chief saves the backup (3 batches into epoch 3), both exit 0; the next launch,
+    under another plan (dp2, one CPU per worker), skips those 3 batches and ends where an
+    uninterrupted run does."""
+    r = _launch(_two_worker_plan(tmp_path, "dp2xtp2"), tmp_path, "sigterm", 2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert not any(p.name.startswith("result-") for p in tmp_path.iterdir())
     with open(tmp_path / "backup" / "training_metadata.json") as f:
@@ -139,7 +153,7 @@ def test_sigterm_saves_a_backup_on_every_worker_and_exits_0(tmp_path):
     done = FAULT_BATCH + 2  # the flag is seen at the end of the batch after the signal
     assert meta == {"epoch": FAULT_EPOCH, "batch": done - 1, "batches_done": done,
                     "iterations": FAULT_EPOCH * SAMPLES // BATCH + done}
-    r = _launch(plan, tmp_path, "none", 2)
+    r = _launch(_two_worker_plan(tmp_path, "dp2"), tmp_path, "none", 2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     _assert_results(tmp_path, 2, EPOCHS - FAULT_EPOCH, "MultiWorkerModel")
 
