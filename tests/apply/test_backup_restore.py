@@ -11,6 +11,7 @@ the optimizer's step counters restored.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from tfplan import apply
+from tfplan.core.errors import PlannerError
 from tests.apply.helpers import base_model, cpus, make_plan
 
 EPOCHS, BATCH, SAMPLES = 4, 16, 64
@@ -221,3 +223,55 @@ def test_a_backup_is_replaced_whole(tmp_path):
     del w.layers[-1].save_own_variables
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["b.weights.h5"]
+
+
+class FailAtBatch(keras.callbacks.Callback):
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError(f"failing at batch {batch} of epoch {self.epoch}")
+
+
+def test_a_mid_epoch_backup_resumes_after_the_batches_it_trained(tmp_path):
+    """save_freq=3 batches: the last backup before a failure at batch 3 of epoch 3 is one
+    batch into it (after 9 batches in all); the resumed fit (another plan) skips that
+    batch instead of training it twice, as Keras' own callback would."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    module, w = wrapped("dp4")
+    with pytest.raises(RuntimeError, match="failing at batch 3"):
+        _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=3),
+                                 FailAtBatch(FAIL_AT, 3)])
+    assert signal.getsignal(signal.SIGTERM) is before  # fit gave SIGTERM back
+    with open(tmp_path / "training_metadata.json") as f:
+        meta = json.load(f)
+    assert meta == {"epoch": 2, "batch": 0, "batches_done": 1, "iterations": 9}
+    module, w = wrapped("tp2")
+    history = _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(tmp_path),
+                                                                        save_freq=3)])
+    assert len(history.history["loss"]) == EPOCHS - FAIL_AT
+    assert int(w.optimizer.iterations.numpy()) == EPOCHS * STEPS_PER_EPOCH
+    assert_weights_close(w, reference())
+
+
+def test_weights_and_metadata_that_disagree_are_refused(tmp_path):
+    """A process killed between writing the weights and the metadata leaves them a save
+    apart: the resume refuses them (a PlannerError) instead of training on wrong."""
+    interrupted("zero-dp2", tmp_path)
+    path = tmp_path / "training_metadata.json"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(meta, epoch=1, iterations=4)))
+    module, w = wrapped("single")
+    with pytest.raises(PlannerError, match="step 4, the weights' optimizer step 8"):
+        _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(tmp_path))])
+    path.unlink()
+    module, w = wrapped("single")
+    with pytest.raises(PlannerError, match="no training_metadata.json"):
+        _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(tmp_path))])
