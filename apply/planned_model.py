@@ -206,6 +206,7 @@ class PlannedModel(compat.functional_class()):
                                    PlanMonitor(self.plan, monitor_dir)]
         if "callbacks" in kwargs:  # BackupAndRestore for any plan and worker (apply.backup)
             kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
+        self._initial_epoch = None  # Keras keeps a restored epoch after fit; this fit's own
         try:
             return super().fit(x, y, batch_size, *args, **kwargs)
         except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)

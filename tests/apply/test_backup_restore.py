@@ -275,3 +275,22 @@ def test_weights_and_metadata_that_disagree_are_refused(tmp_path):
     module, w = wrapped("single")
     with pytest.raises(PlannerError, match="no training_metadata.json"):
         _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(tmp_path))])
+
+
+def test_a_saved_wrapped_model_loads_with_the_one_device_optimizer_state(tmp_path):
+    """model.save of a dp2 x tp2 model: keras.models.load_model gives the plain model, its
+    optimizer holding the state of one device's 2 epochs; a second fit of the resumed
+    model starts at its own initial epoch, not at the restored one."""
+    module, w = wrapped("dp2xtp2")
+    _fit(w, module, FAIL_AT, [])
+    w.save(str(tmp_path / "m.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+    ref = reference(epochs=FAIL_AT)
+    assert_weights_close(loaded, ref)
+    got, want = loaded.optimizer.variables, ref.optimizer.variables
+    assert len(got) == len(want)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), atol=1e-5, rtol=1e-3)
+    interrupted("single", tmp_path / "backup")
+    w = resumed("pp2", tmp_path / "backup")
+    assert len(_fit(w, module, 1, []).history["loss"]) == 1
