@@ -23,6 +23,10 @@ order as the user's model, so weight files load either way) that adds:
   registered with Keras under the package name ``tfplan``; files saved by 0.1,
   under ``apply``, fail with a message that says how to convert them:
   ``apply.legacy_names``);
+* weight files (``save_weights``, ``save``) whose optimizer state has one device's
+  layout, so any plan of the model, or the plain model, loads them
+  (``apply.checkpoint``), and ``fit`` that makes ``keras.callbacks.BackupAndRestore``
+  safe across workers, exact mid-epoch and on SIGTERM (``apply.backup``);
 * ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
   strategy scope, place optimizer slots), so calling ``compile()`` on the
   wrapped model after ``wrap`` works as usual;

@@ -171,7 +171,9 @@ def _add_launch_parser(sub: Any) -> None:
         "launch", help="run a training script on N local worker processes (multi-worker)",
         description="Start N local worker processes of SCRIPT ARGS... on 127.0.0.1, each "
                     "with its TF_CONFIG (and PLAN_FILE with --plan); their output is "
-                    "prefixed [worker i]; the first worker to fail stops the others. A "
+                    "prefixed [worker i]; the first worker to fail stops the others (with "
+                    "--restarts N, a worker killed by a signal restarts the whole job, "
+                    "which resumes from its BackupAndRestore backup). A "
                     "--plan must be made for N workers (its devices /job:worker/task:0.."
                     "N-1, e.g. --cluster Nxcpu:K); with N > 1 a one-host plan is refused. With "
                     "--emit, print the TF_CONFIG of each host (tf-config) or a Kubeflow "
