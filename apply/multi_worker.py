@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.batches import KERAS_DEFAULT_BATCH_SIZE, leading_dim
 from tfplan.apply.cloning import clone_graph, copy_weights
 from tfplan.apply.data_parallel import DataParallelModel
@@ -151,23 +152,40 @@ class MultiWorkerModel(DataParallelModel):
         self._check_fit_input(x, batch_size, 0.0, steps_per_epoch)
         verbose = 1 if verbose == "auto" else verbose
         steps = _num_batches(x, batch_size) if steps_per_epoch is None else steps_per_epoch
+        callbacks = planned_callbacks(callbacks)  # BackupAndRestore across workers
+        try:
+            return self._fit_loop(x, y, sample_weight, batch_size, epochs, verbose, callbacks,
+                                  validation_data, shuffle, initial_epoch, steps_per_epoch,
+                                  steps)
+        finally:
+            release(callbacks)
+
+    def _fit_loop(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None,
+                  epochs: int, verbose: Any, callbacks: Any, validation_data: Any,
+                  shuffle: bool, initial_epoch: int, steps_per_epoch: int | None,
+                  steps: int | None) -> Any:
         callback_list = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=bool(verbose) and self.is_chief,
             verbose=verbose, epochs=epochs, steps=steps, model=self)
         self.make_train_function()
         self.stop_training = False
-        callback_list.on_train_begin()
+        self._initial_epoch, self._resume_skip = None, 0
+        callback_list.on_train_begin()  # a BackupAndRestore sets the epoch (and skip) here
+        initial_epoch = self._initial_epoch or initial_epoch
         logs: dict[str, Any] = {}
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
             callback_list.on_epoch_begin(epoch)
             order = epoch if shuffle else None
+            skip, self._resume_skip = self._resume_skip, 0
             for step, data in enumerate(_batches(x, y, sample_weight, batch_size, order)):
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 self._check_batch(leading_dim(data), "A training batch")
                 callback_list.on_train_batch_begin(step)
-                logs = compat.pythonify_logs(self.train_function([self._per_replica(data)]))
+                if step >= skip:  # trained before the backup it resumed from
+                    logs = compat.pythonify_logs(
+                        self.train_function([self._per_replica(data)]))
                 callback_list.on_train_batch_end(step, logs)
                 if self.stop_training:
                     break
@@ -226,6 +244,20 @@ class MultiWorkerModel(DataParallelModel):
         if self.is_chief:
             super().save_weights(filepath, *args, **kwargs)
         self._barrier()
+
+    # --- BackupAndRestore across workers (apply.backup) ----------------------------------
+    def _sync_workers(self) -> None:
+        self._barrier()
+
+    def _any_worker(self, flag: bool) -> bool:
+        strategy = self.distribute_strategy
+        value = 1.0 if flag else 0.0
+        flags = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(value))
+        return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None).numpy() > 0)
+
+    def _skip_first_batches(self, n: int) -> None:
+        self._resume_skip = int(n)  # fit's own loop skips them
 
     def _barrier(self) -> None:
         strategy = self.distribute_strategy

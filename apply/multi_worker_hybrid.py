@@ -62,7 +62,8 @@ from tfplan.apply.mode import ExecutionMode
 from tfplan.apply.placement import build_optimizer_on_devices, tf_variable, top_level_devices
 from tfplan.apply.tensor_parallel import TensorParallelModel, wrap_tensor_parallel
 from tfplan.apply.workers import get_strategy, read_tf_config
-from tfplan.apply.zero_workers import JobWeight, apply_job_sharded, job_weights, owned_copies
+from tfplan.apply.zero_workers import (JobWeight, apply_job_sharded, gather_slots, job_weights,
+                                       owned_copies)
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan, Stage
 
@@ -104,6 +105,7 @@ class MultiWorkerHybridModel(TensorParallelModel):
     # object.__setattr__: Keras' attribute tracking would count a list of variables
     # stored on the model as more model variables (trainable_variables grew by them)
     _pending: Any = None
+    _gathered_slots: Any = None  # other workers' ZeRO-1 slots while saving (save_weights)
 
     def _job_weights(self) -> list[JobWeight]:
         return job_weights(self.trainable_variables, 1 + len(self._others.models),
@@ -188,10 +190,36 @@ class MultiWorkerHybridModel(TensorParallelModel):
 
     # --- files --------------------------------------------------------------------------
     def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        """The chief (worker 0) writes the file; every worker returns once it is written."""
-        if self.is_chief:
-            super().save_weights(filepath, *args, **kwargs)
+        """The chief (worker 0) writes the file; every worker returns once it is written.
+        ZeRO-1 across workers: first every worker's optimizer slots are gathered (the file
+        holds the whole optimizer state, ``apply.checkpoint``)."""
+        gathered = None
+        optimizer = getattr(self, "optimizer", None)
+        if self.zero_across_workers and optimizer is not None and optimizer.built:
+            gathered = gather_slots(optimizer, self._job_weights(), self.task,
+                                    self.num_workers, get_strategy())
+        object.__setattr__(self, "_gathered_slots", gathered)
+        try:
+            if self.is_chief:
+                super().save_weights(filepath, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_gathered_slots", None)
         barrier()
+
+    def _checkpoint_extra_slots(self) -> dict[tuple[int, int], Any]:
+        return self._gathered_slots or {}
+
+
+    # --- BackupAndRestore across workers (apply.backup) ----------------------------------
+    def _sync_workers(self) -> None:
+        barrier()
+
+    def _any_worker(self, flag: bool) -> bool:
+        strategy = get_strategy()
+        value = 1.0 if flag else 0.0
+        flags = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(value))
+        return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None).numpy() > 0)
 
 
 def barrier() -> None:

@@ -23,6 +23,10 @@ order as the user's model, so weight files load either way) that adds:
   registered with Keras under the package name ``tfplan``; files saved by 0.1,
   under ``apply``, fail with a message that says how to convert them:
   ``apply.legacy_names``);
+* weight files (``save_weights``, ``save``) whose optimizer state has one device's
+  layout, so any plan of the model, or the plain model, loads them
+  (``apply.checkpoint``), and ``fit`` that makes ``keras.callbacks.BackupAndRestore``
+  safe across workers, exact mid-epoch and on SIGTERM (``apply.backup``);
 * ``compile``/``compile_from_config`` that run the subclass's hooks (enter a
   strategy scope, place optimizer slots), so calling ``compile()`` on the
   wrapped model after ``wrap`` works as usual;
@@ -33,15 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.batch_stats import GLOBAL, install, stepping
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
                                   nearest_multiples, split_microbatches)
+from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
+                                     save_atomically)
 from tfplan.apply.joint_forward import joint_forward
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import tf_variable
@@ -138,6 +146,71 @@ class PlannedModel(compat.functional_class()):
             config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
 
+    # --- files: the optimizer's state in one device's layout (apply.checkpoint) ----------
+    def _checkpoint_layout(self) -> list[CanonicalWeight]:
+        """Where each trainable weight of the user's model lives here (its copies and
+        shards), in the user's order; ``apply.tensor_parallel`` overrides it."""
+        return plain_layout(self.trainable_variables)
+
+    def _checkpoint_extra_slots(self) -> dict[tuple[int, int], Any]:
+        """Optimizer slots other processes keep ({(id(variable), k): value}); none here."""
+        return {}
+
+    def save_weights(self, filepath: Any, overwrite: bool = True,
+                     max_shard_size: Any = None) -> None:
+        """Keras' ``save_weights``, the optimizer's state in one device's layout (so any
+        plan of this model, or the plain model, loads it), written to a temporary file
+        renamed over ``filepath`` (never seen half-written)."""
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout,
+                                    self._checkpoint_extra_slots):
+            if (not overwrite and os.path.exists(os.fspath(filepath))) or max_shard_size:
+                super().save_weights(filepath, overwrite=overwrite,
+                                     max_shard_size=max_shard_size)
+                return
+            save_atomically(lambda path: super(PlannedModel, self).save_weights(
+                path, overwrite=True), filepath)
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> Any:
+        """Keras' ``load_weights`` of a file from any plan of this model (or the plain
+        model): the optimizer's state is split and assigned to every copy and shard."""
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout):
+            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None,
+             **kwargs: Any) -> None:
+        """Keras' ``save``, the optimizer's state in one device's layout."""
+        with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout,
+                                    self._checkpoint_extra_slots):
+            super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    # --- BackupAndRestore's hooks (apply.backup); the multi-worker models override them --
+    def _sync_workers(self) -> None:
+        """Wait for every worker of the job (one process: nothing to wait for)."""
+
+    def _any_worker(self, flag: bool) -> bool:
+        """True on every worker when ``flag`` is True on any (one process: ``flag``)."""
+        return bool(flag)
+
+    def _skip_first_batches(self, n: int) -> None:
+        """The next ``n`` calls of ``fit``'s train function take their batch and do not
+        train on it (a backup made ``n`` batches into the epoch resumes after them)."""
+        function = self.train_function
+        left = [int(n) // max(1, int(self.steps_per_execution))]
+
+        def skipping(iterator: Any) -> Any:
+            if left[0] <= 0:
+                self.train_function = function
+                return function(iterator)
+            left[0] -= 1
+            for _ in range(max(1, int(self.steps_per_execution))):
+                if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                    iterator.get_next()
+                else:
+                    next(iterator)
+            return {}
+
+        self.train_function = skipping
+
     # --- batch checks -------------------------------------------------------------------
     @property
     def batch_multiple(self) -> int:
@@ -166,6 +239,9 @@ class PlannedModel(compat.functional_class()):
         if monitor_dir is not None and getattr(self, "plan", None) is not None and not args:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
                                    PlanMonitor(self.plan, monitor_dir)]
+        if "callbacks" in kwargs:  # BackupAndRestore for any plan and worker (apply.backup)
+            kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
+        self._initial_epoch = None  # Keras keeps a restored epoch after fit; this fit's own
         try:
             return super().fit(x, y, batch_size, *args, **kwargs)
         except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)
@@ -177,6 +253,8 @@ class PlannedModel(compat.functional_class()):
                 f"applied for it. Plan {self.plan_name!r} needs batch sizes that are a "
                 f"multiple of {self.batch_multiple}. TensorFlow said: "
                 f"{str(e).splitlines()[0][:300]}") from None
+        finally:
+            release(kwargs.get("callbacks"))
 
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:

@@ -161,6 +161,12 @@ class _Sharded:
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         raise NotImplementedError
 
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        """Each unsplit weight (``full_weights``' order) as (its shard variables, the axis
+        they are concatenated along, or None for one unsplit variable): how
+        ``apply.checkpoint`` joins and splits their optimizer slots."""
+        raise NotImplementedError
+
     def get_weights(self) -> list[np.ndarray]:
         return self.full_weights()
 
@@ -227,6 +233,14 @@ class ShardedDense(_Sharded, keras.layers.Dense):
         if self.biases:
             out.append(_concat(self.biases, 0) if self.tp_split == "column"
                        else self.biases[0].numpy())
+        return out
+
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        column = self.tp_split == "column"
+        out: list[tuple[tuple[Any, ...], int | None]] = [(tuple(self.kernels),
+                                                          1 if column else 0)]
+        if self.biases:
+            out.append((tuple(self.biases), 0) if column else ((self.biases[0],), None))
         return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
@@ -325,6 +339,14 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
             out.append(_concat(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
         return out
 
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        out: list[tuple[tuple[Any, ...], int | None]] = [
+            (tuple(self.kernels), self.kernel_axis % len(self.kernels[0].shape))]
+        if self.biases:
+            out.append((tuple(self.biases), len(self.biases[0].shape) - 1)
+                       if self.bias_sharded else ((self.biases[0],), None))
+        return out
+
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         _assign_pieces(self.kernels, weights[0], self.kernel_axis)
         if self.biases:
@@ -399,6 +421,14 @@ class _ShardedConv(_Sharded):
             out.append(_concat(self.biases, 0) if column else self.biases[0].numpy())
         return out
 
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        column = self.tp_split == "column"
+        out: list[tuple[tuple[Any, ...], int | None]] = [
+            (tuple(self.kernels), self.rank + (1 if column else 0))]
+        if self.biases:
+            out.append((tuple(self.biases), 0) if column else ((self.biases[0],), None))
+        return out
+
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         column = self.tp_split == "column"
         _assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
@@ -458,6 +488,9 @@ class ShardedEmbedding(_Sharded, keras.layers.Embedding):
 
     def full_weights(self) -> list[np.ndarray]:
         return [_concat(self.tables, 0)]
+
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        return [(tuple(self.tables), 0)]
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         _assign_pieces(self.tables, weights[0], 0)
@@ -556,6 +589,17 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
 
     def full_weights(self) -> list[np.ndarray]:
         return [w for part in ("query", "key", "value", "output") for w in self._projection(part)]
+
+    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
+        s, out = self.shards, []
+        for part in ("query", "key", "value"):
+            out.append((tuple(s[part]), 1))
+            if self.use_bias:
+                out.append((tuple(s[part + "_bias"]), 0))
+        out.append((tuple(s["output"]), 0))
+        if self.use_bias:
+            out.append(((self.output_bias,), None))
+        return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         n = 2 if self.use_bias else 1

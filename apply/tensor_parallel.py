@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from tfplan import compat
 from tfplan.apply.batches import split_microbatches
+from tfplan.apply.checkpoint import CanonicalWeight, merged_copies, plain_layout
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
 from tfplan.apply.gradients import sum_gradients
@@ -158,11 +159,28 @@ class TensorParallelModel(PlacedModel):
         self._sync_replicas()
         return out
 
+    def _checkpoint_layout(self) -> list[CanonicalWeight]:
+        """Each weight of the user's model: its shards (a split layer's ``full_pieces``)
+        in every data-parallel copy (``apply.checkpoint``)."""
+        return merged_copies([_replica_layout(m) for m in (self, *self._others.models)])
+
     def _sync_replicas(self) -> None:
         """Copy replica 0's weights to the others (after set_weights / load_weights)."""
         for replica in self._others.models:
             for mine, theirs in zip(self.weights, replica.weights):
                 theirs.assign(mine)
+
+
+def _replica_layout(model: Any) -> list[CanonicalWeight]:
+    out: list[CanonicalWeight] = []
+    for layer in model.layers:
+        if hasattr(layer, "full_pieces"):  # apply.sharded_layers
+            if layer.trainable:
+                out += [CanonicalWeight((tuple(shards),), axis)
+                        for shards, axis in layer.full_pieces()]
+        else:
+            out += plain_layout(layer.trainable_weights)
+    return out
 
 
 class _Replicas:

@@ -30,8 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
+from tfplan.apply.checkpoint import slot_variables, slots_per_variable
 from tfplan.apply.device_names import short_name
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.zero import assign_copies
@@ -115,6 +117,50 @@ def apply_job_sharded(apply: Callable[[list[Any], list[Any]], None], optimizer: 
                 value = tf.reshape(gathered[dtype][start:start + w.count], w.shape)
                 _assign_copies(w, value, skip=None)
                 start += w.count
+
+
+def gather_slots(optimizer: Any, weights: Sequence[JobWeight], task: int, num_workers: int,
+                 strategy: Any) -> dict[tuple[int, int], np.ndarray]:
+    """Every worker's optimizer slots, on every worker (a collective: call it on all):
+    {(id(owner copy), k): the k-th slot's value} for the weights other workers own, so
+    the chief can write the whole optimizer state (``apply.checkpoint``). One
+    ``all_gather`` per dtype, each worker's slots flattened and padded as in the update."""
+    if num_workers == 1 or not weights:
+        return {}
+    counts = slots_per_variable(optimizer, [w.owner_copy for w in weights])
+    mine = slot_variables(optimizer)
+    shares: dict[str, list[list[tuple[JobWeight, int]]]] = {}
+    for w, n in zip(weights, counts):
+        for k in range(n):
+            shares.setdefault(w.dtype, [[] for _ in range(num_workers)])[w.owner_worker].append(
+                (w, k))
+    shares = dict(sorted(shares.items()))
+    longest = {dtype: max(sum(w.count for w, _ in ws) for ws in per_worker)
+               for dtype, per_worker in shares.items()}
+
+    def local() -> dict[str, Any]:
+        ctx = tf.distribute.get_replica_context()
+        out = {}
+        for dtype, per_worker in shares.items():
+            parts = [tf.reshape(_read(mine[(id(w.owner_copy), k)]), [-1])
+                     for w, k in per_worker[task]]
+            flat = tf.concat(parts, 0) if parts else tf.zeros([0], dtype)
+            size = sum(w.count for w, _ in per_worker[task])
+            out[dtype] = ctx.all_gather(tf.pad(flat, [[0, longest[dtype] - size]]), axis=0)
+        return out
+
+    gathered = strategy.experimental_local_results(strategy.run(tf.function(local)))[0]
+    found: dict[tuple[int, int], np.ndarray] = {}
+    for dtype, per_worker in shares.items():
+        values = np.asarray(gathered[dtype])
+        for worker, ws in enumerate(per_worker):
+            start = worker * longest[dtype]
+            for w, k in ws:
+                if worker != task:
+                    found[(id(w.owner_copy), k)] = values[start:start + w.count].reshape(
+                        w.shape)
+                start += w.count
+    return found
 
 
 def _shares(weights: Sequence[JobWeight], num_workers: int

@@ -176,7 +176,9 @@ def _add_launch_parser(sub: Any) -> None:
         "launch", help="run a training script on N local worker processes (multi-worker)",
         description="Start N local worker processes of SCRIPT ARGS... on 127.0.0.1, each "
                     "with its TF_CONFIG (and PLAN_FILE with --plan); their output is "
-                    "prefixed [worker i]; the first worker to fail stops the others. A "
+                    "prefixed [worker i]; the first worker to fail stops the others (with "
+                    "--restarts N, a worker killed by a signal restarts the whole job, "
+                    "which resumes from its BackupAndRestore backup). A "
                     "--plan must be made for N workers (its devices /job:worker/task:0.."
                     "N-1, e.g. --cluster Nxcpu:K); with N > 1 a one-host plan is refused. With "
                     "--emit, print the TF_CONFIG of each host (tf-config) or a Kubeflow "
@@ -189,6 +191,11 @@ def _add_launch_parser(sub: Any) -> None:
                     help="number of worker processes (the plan's workers)")
     lp.add_argument("--plan", metavar="PLAN",
                     help="plan.json; each worker gets PLAN_FILE=<its absolute path>")
+    lp.add_argument("--restarts", type=_restart_count, default=0, metavar="N",
+                    help="start the whole job again when a worker is killed by a signal "
+                         "(not when it exits with an error), at most N times; the script's "
+                         "keras.callbacks.BackupAndRestore resumes from its last backup "
+                         "(default 0)")
     lp.add_argument("--emit", choices=("tf-config", "tfjob"),
                     help="print the per-host TF_CONFIG JSON or a TFJob YAML; start nothing")
     lp.add_argument("--hosts", metavar="H1,H2",
@@ -224,7 +231,8 @@ def cmd_launch(args: argparse.Namespace, ui: "UI") -> int:
                                          plan=args.plan)
         sys.stdout.write(yaml.safe_dump(manifest, sort_keys=False))
         return 0
-    return launch.launch_local(args.script, args.script_args, args.workers, plan=args.plan)
+    return launch.launch_local(args.script, args.script_args, args.workers, plan=args.plan,
+                               restarts=args.restarts)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -257,6 +265,17 @@ def _worker_count(text: str) -> int:
     if value > MAX_WORKERS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, received "
                                          f"{text!r}")
+    return value
+
+
+def _restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, received "
+                                         f"{text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more restarts, received {text!r}")
     return value
 
 

@@ -311,6 +311,23 @@ def global_norm(values: list[Any]) -> Any:
                     "the global gradient norm")(values)
 
 
+def optimizer_built_variables(optimizer: Any) -> list[Any]:
+    """``BaseOptimizer._trainable_variables``: the variables an optimizer was built on, in
+    the order its slots were made. Looks through a LossScaleOptimizer.
+
+    ``apply.checkpoint`` maps each slot to its weight with it (weight files in one
+    device's layout whatever the plan). Checked on Keras 3.15.1. Without it a slot's
+    weight would have to be guessed from the slot's name, which repeats across copies.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    try:
+        return list(inner._trainable_variables)
+    except AttributeError as e:
+        raise KerasInternalsError(_moved(
+            f"{type(inner).__name__}._trainable_variables (an optimizer's variables)", e)
+        ) from e
+
+
 ALL_REDUCE_SUM_GRADIENTS = "_all_reduce_sum_gradients"
 """The name of ``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)``, which the TF
 backend's ``_backend_update_step`` calls in a replica context to sum the gradients

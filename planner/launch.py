@@ -12,6 +12,15 @@ configured from ``TF_CONFIG``). Imports nothing heavy: no TensorFlow here.
   with a ``[worker i]`` prefix, and fails fast: as soon as one worker exits
   non-zero, the others (and their children) are stopped and that exit code is
   returned. 0 when every worker succeeds. Ctrl-C or SIGTERM stops every worker.
+  ``restarts=N`` (``--restarts N``): when the first worker to fail was *killed* by a
+  signal (SIGKILL, the OOM killer, a lost machine), the others are stopped and the
+  whole job starts again, same command, new ports, up to N times; the training
+  script's ``keras.callbacks.BackupAndRestore`` resumes from its last backup
+  (``apply.backup``), as tf.distribute's fault-tolerance guide describes for
+  MultiWorkerMirroredStrategy. A worker that exits with an error code is not
+  restarted: its traceback is the answer. Each worker gets ``PLAN_LAUNCH_ATTEMPT``
+  (0, then 1, ...). SIGTERM to a worker during ``fit`` with a BackupAndRestore makes
+  every worker save a backup at the same step and exit 0 (``apply.backup``).
 * ``check_plan_workers(plan, workers)``: before anything starts, a plan's devices
   must span exactly the requested workers (``/job:worker/task:0 .. W-1``, as
   ``plan analyze --cluster Wxcpu:N`` writes them); a one-host plan under
@@ -131,9 +140,13 @@ def worker_command(script: str, args: Sequence[str], python: str = sys.executabl
 
 def launch_local(script: str, args: Sequence[str], workers: int, *, plan: str | None = None,
                  python: str = sys.executable, stdout: IO[str] | None = None,
-                 stderr: IO[str] | None = None) -> int:
-    """Run ``script`` on ``workers`` local processes (see the module docstring)."""
+                 stderr: IO[str] | None = None, restarts: int = 0) -> int:
+    """Run ``script`` on ``workers`` local processes (see the module docstring); when a
+    worker is killed by a signal, start the whole job again, at most ``restarts`` times."""
     check_workers(workers)
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise PlannerError(f"--restarts is {restarts!r}; expected a whole number >= 0 (e.g. "
+                           "--restarts 1).")
     command = worker_command(script, args, python)
     plan_file = None
     if plan is not None:
@@ -144,16 +157,32 @@ def launch_local(script: str, args: Sequence[str], workers: int, *, plan: str | 
         check_plan_workers(load_plan(plan_file), workers, f"--plan {plan}")
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
+    attempt = 0
+    while True:
+        code, killed = _run_job(command, workers, plan_file, stdout, stderr, attempt)
+        if killed is None or attempt >= restarts:
+            return code
+        attempt += 1
+        stderr.write(f"plan launch: worker {killed} was killed (exit code {code}); starting "
+                     f"all {workers} worker(s) again (restart {attempt} of {restarts}); a "
+                     "BackupAndRestore callback resumes from its last backup\n")
+        stderr.flush()
+
+
+def _run_job(command: list[str], workers: int, plan_file: str | None, stdout: IO[str],
+             stderr: IO[str], attempt: int) -> tuple[int, int | None]:
+    """One run of the job: (exit code, the worker killed by a signal or None)."""
     addresses = [f"{LOCALHOST}:{p}" for p in free_ports(workers)]
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
     lock = threading.Lock()
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    killed = None
     try:
         for i in range(workers):
             env = dict(os.environ, TF_CONFIG=json.dumps(tf_config(addresses, i)),
-                       PYTHONUNBUFFERED="1")
+                       PYTHONUNBUFFERED="1", PLAN_LAUNCH_ATTEMPT=str(attempt))
             if plan_file is not None:
                 env["PLAN_FILE"] = plan_file
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -165,16 +194,16 @@ def launch_local(script: str, args: Sequence[str], workers: int, *, plan: str | 
                                      daemon=True)
                 t.start()
                 readers.append(t)
-        code = _wait_fail_fast(procs, stderr, lock)
+        code, killed = _wait_fail_fast(procs, stderr, lock)
     except KeyboardInterrupt:
-        code = 130
+        code, killed = 130, None
     finally:
         _stop(procs)
         for t in readers:
             t.join(timeout=2.0)
         if main:
             signal.signal(signal.SIGTERM, previous)
-    return code
+    return code, killed
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -191,7 +220,9 @@ def _pump(pipe: IO[str], out: IO[str], prefix: str, lock: threading.Lock) -> Non
 
 
 def _wait_fail_fast(procs: list[subprocess.Popen], stderr: IO[str],
-                    lock: threading.Lock) -> int:
+                    lock: threading.Lock) -> tuple[int, int | None]:
+    """(exit code, the worker that was killed by a signal, or None) of the first worker
+    to fail; (0, None) when every worker succeeds."""
     while True:
         running = 0
         for i, proc in enumerate(procs):
@@ -204,9 +235,11 @@ def _wait_fail_fast(procs: list[subprocess.Popen], stderr: IO[str],
                     stderr.write(f"plan launch: worker {i} exited with code {rc}"
                                  + (f"; stopping worker(s) {others}" if others else "") + "\n")
                     stderr.flush()
-                return rc if rc > 0 else 128 - rc  # killed by signal n: 128 + n
+                if rc > 0:
+                    return rc, None
+                return 128 - rc, i  # killed by signal n: 128 + n
         if not running:
-            return 0
+            return 0, None
         time.sleep(POLL_S)
 
 

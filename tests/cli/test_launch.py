@@ -178,3 +178,56 @@ def test_a_plan_for_other_workers_is_refused(tmp_path):
     assert r.returncode == 2 and "--workers is 3" in r.stderr
     r = run_plan("launch", "--workers", "2", "--emit", "tfjob", "--plan", two, str(script))
     assert r.returncode == 0, r.stderr
+
+
+KILLED_ONCE = """\
+import json, os, signal, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+attempt = int(os.environ["PLAN_LAUNCH_ATTEMPT"])
+with open(os.path.join(sys.argv[1], f"started-{index}-{attempt}"), "w") as f:
+    f.write(os.environ["TF_CONFIG"])
+if index == 1 and attempt < int(sys.argv[2]):
+    os.kill(os.getpid(), signal.SIGKILL)  # killed, as by the OOM killer or a lost machine
+if index == 1 and sys.argv[3] == "error":
+    sys.exit(5)
+time.sleep(0.5 if index == 1 else 0.2)
+print("done", index, attempt, flush=True)
+"""
+
+
+def _started(tmp_path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("started-"))
+
+
+def test_restarts_start_the_job_again_after_a_worker_is_killed(tmp_path):
+    script = tmp_path / "killed_once.py"
+    script.write_text(KILLED_ONCE)
+    r = run_plan("launch", "--workers", "2", "--restarts", "1", str(script), str(tmp_path),
+                 "1", "ok", timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert _started(tmp_path) == ["started-0-0", "started-0-1", "started-1-0", "started-1-1"]
+    assert "worker 1 was killed (exit code 137); starting all 2 worker(s) again (restart 1 " \
+           "of 1)" in r.stderr
+    assert "[worker 0] done 0 1" in r.stdout and "[worker 1] done 1 1" in r.stdout
+    # the second run is a new cluster: new ports
+    first, second = ((tmp_path / f"started-0-{a}").read_text() for a in (0, 1))
+    assert json.loads(first)["cluster"] != json.loads(second)["cluster"]
+
+
+def test_restarts_run_out_and_errors_are_not_restarted(tmp_path):
+    script = tmp_path / "killed_once.py"
+    script.write_text(KILLED_ONCE)
+    r = run_plan("launch", "--workers", "2", "--restarts", "1", str(script), str(tmp_path),
+                 "2", "ok", timeout=60)  # killed in both runs: one restart, then its code
+    assert r.returncode == 137, (r.stdout, r.stderr)
+    assert _started(tmp_path) == ["started-0-0", "started-0-1", "started-1-0", "started-1-1"]
+    for p in tmp_path.iterdir():
+        if p.name.startswith("started-"):
+            p.unlink()
+    r = run_plan("launch", "--workers", "2", "--restarts", "3", str(script), str(tmp_path),
+                 "0", "error", timeout=60)  # an error exit: reported, never restarted
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    assert _started(tmp_path) == ["started-0-0", "started-1-0"]
+    assert "worker 1 exited with code 5" in r.stderr and "restart" not in r.stderr
+    r = run_plan("launch", "--workers", "2", "--restarts", "-1", str(script))
+    assert r.returncode == 2 and "0 or more restarts" in r.stderr
