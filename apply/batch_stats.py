@@ -165,8 +165,9 @@ class StepStats:
                 with tf.device(_device(layer.moving_mean)):
                     for var, value in ((layer.moving_mean, mean),
                                        (layer.moving_variance, variance)):
-                        m = tf.cast(layer.momentum, var.dtype)
-                        var.assign(var * m + tf.cast(value, var.dtype) * (1 - m))
+                        # Python floats, as Keras: a float32 0.99 is 1e-8 off in float64
+                        var.assign(var * layer.momentum
+                                   + tf.cast(value, var.dtype) * (1.0 - layer.momentum))
 
 
 def _device(variable: Any) -> str:

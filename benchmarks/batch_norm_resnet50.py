@@ -13,8 +13,16 @@ decided and visible" is about, as figures from one run. ResNet50 (``weights=None
 * dp=4, ``batch_norm: local``: the same differences (per-replica statistics: expected
   far from the reference).
 
-Prints one line per run and a JSON line at the end. Usage:
+In float32 a ResNet50 at random weights is chaotic: run twice on one device it is
+bitwise repeatable, but the one-device model with only its moments computed as sums
+(the same formula, other round-off: a one-device plan) already differs by 4e-5 in the
+second loss and 15% in some BatchNormalization betas after two steps; under dp=4 the
+convolutions also run on 4-sample pieces (other kernels, other round-off) and the
+betas differ by 6% after one step. In float64 (the default here) the same runs agree
+to 1e-11, which is what shows the rule is exact. Prints one line per run and a JSON
+line at the end. Usage:
     python benchmarks/batch_norm_resnet50.py [--size 32] [--batch 16] [--steps 3]
+        [--dtype float64|float32] [--lr 1e-3] [--modes global,local]
 """
 from __future__ import annotations
 
@@ -34,6 +42,15 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32, help="image side (default 32)")
     parser.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="SGD learning rate (default 1e-3; at 1e-2 this ResNet50 diverges "
+                             "from random weights and amplifies round-off between runs)")
+    parser.add_argument("--dtype", default="float64", choices=("float64", "float32"),
+                        help="floatx (default float64: exact arithmetic up to 1e-15 shows "
+                             "the rule; in float32 this 50-layer net at random weights "
+                             "amplifies round-off, see the module docstring)")
+    parser.add_argument("--modes", default="global,local",
+                        help="batch_norm rules to run under dp=4 (default global,local)")
     args = parser.parse_args()
 
     import tensorflow as tf
@@ -42,6 +59,7 @@ def main() -> None:
     import keras
     import numpy as np
 
+    keras.config.set_floatx(args.dtype)
     from tfplan import apply
     from tests.apply.helpers import cpus, make_plan
 
@@ -50,15 +68,15 @@ def main() -> None:
                                        classes=10)
     weights = base.get_weights()
     rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(args.batch, args.size, args.size, 3)).astype("float32") + i,
+    batches = [(rng.normal(size=(args.batch, args.size, args.size, 3)).astype(args.dtype) + i,
                 rng.integers(0, 10, size=(args.batch,))) for i in range(args.steps)]
 
     def run(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
         model.train_on_batch(*batches[0])  # compile; then reset the weights
         model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
         started = time.perf_counter()
         losses = [float(model.train_on_batch(x, y, return_dict=True)["loss"])
@@ -75,7 +93,7 @@ def main() -> None:
     out = {"one_device": {"losses": ref_losses, "step_s": ref_s}}
     plan = make_plan(base, [cpus(0, 1, 2, 3)], global_batch=args.batch)
     bn = sum(isinstance(l, keras.layers.BatchNormalization) for l in base.layers)
-    for mode in ("global", "local"):
+    for mode in args.modes.split(","):
         p = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                    batch_norm=mode))
         import warnings
@@ -91,7 +109,7 @@ def main() -> None:
         out[f"dp4_{mode}"] = {"losses": losses, "max_rel_loss_diff": max(rel),
                               "max_weight_diff": wdiff, "step_s": step_s}
     print(json.dumps({"model": "ResNet50", "batch_norm_layers": bn, "size": args.size,
-                      "batch": args.batch, **out}))
+                      "batch": args.batch, "lr": args.lr, **out}))
 
 
 if __name__ == "__main__":
