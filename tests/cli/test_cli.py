@@ -261,7 +261,8 @@ def test_what_if_hybrid_that_does_not_fit_is_reported(tmp_path):
     assert plan["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "microbatch_size": 4,
                                 "num_microbatches": 8, "schedule": "1f1b",
                                 "recompute": "full", "optimizer_sharding": True,
-                                "virtual_stages": 1, "layout": "tp-dp-pp"}
+                                "virtual_stages": 1, "layout": "tp-dp-pp",
+                                "batch_norm": "global"}
     predicted = plan["predicted"]
     assert predicted["fits"] is True
     assert predicted["hardware_tflops_per_device"] > predicted["model_tflops_per_device"] > 0
