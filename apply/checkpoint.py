@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,7 +41,7 @@ import tensorflow as tf
 
 from tfplan import compat
 from tfplan.apply.placement import inner_optimizer
-from tfplan.core.atomic import TMP_PREFIX, fsync_dir, fsync_file
+from tfplan.core.atomic import fsync_file, replacing
 from tfplan.core.errors import PlannerError
 
 WEIGHTS_SUFFIX = ".weights.h5"
@@ -309,16 +308,7 @@ def save_atomically(save: Callable[[str], None], filepath: Any) -> None:
     if path is None or not path.endswith(WEIGHTS_SUFFIX) or "://" in path:
         save(filepath)
         return
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-"
-                                  f"{os.path.basename(path)}")
-    try:
+    with replacing(path) as tmp:  # tfplan.core.atomic: rename over it, or remove it
         save(tmp)
         fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
 

@@ -29,7 +29,7 @@ TMP_PREFIX = ".tfplan-tmp-"
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (temp file, fsync, rename, fsync dir)."""
-    with _replacing(path) as tmp:
+    with replacing(path) as tmp:
         # O_EXCL: never reuse someone else's file; mode 0o666 less the umask, like open(path, "w").
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                      0o666)
@@ -40,12 +40,14 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _replacing(path: str | os.PathLike) -> Iterator[str]:
+def replacing(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside ``path`` for the caller to fill and fsync; then rename
-    it over ``path`` and fsync the directory (or remove it if the caller raised)."""
+    it over ``path`` and fsync the directory (or remove it if the caller raised). The
+    temporary name ends with ``path``'s own name, so writers that check a suffix (Keras'
+    ``.weights.h5``) accept it."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{os.path.basename(path)}")
     try:
         yield tmp
         os.replace(tmp, path)
@@ -70,7 +72,7 @@ def write_json(path: str | os.PathLike, doc: Any, indent: int | None = 2) -> Non
 
 def copy_file(src: str | os.PathLike, dest: str | os.PathLike) -> None:
     """Copy ``src`` to ``dest`` atomically (``dest`` is never seen half-copied)."""
-    with _replacing(dest) as tmp:
+    with replacing(dest) as tmp:
         shutil.copyfile(src, tmp)
         fsync_file(tmp)
 
