@@ -41,6 +41,7 @@ from typing import Any, Iterator, Sequence
 import keras
 import tensorflow as tf
 
+from tfplan.apply.placement import on_variable_device
 from tfplan.core.errors import PlannerError
 
 GLOBAL, LOCAL = "global", "local"
@@ -150,7 +151,7 @@ class StepStats:
         sync = ctx is not None and ctx.num_replicas_in_sync > 1 and self.mode == LOCAL
         for name, records in self._records.items():
             layers = list({id(l): l for l, _, _ in records}.values())
-            with tf.device(_device(layers[0].moving_mean)):
+            with on_variable_device(layers[0].moving_mean):
                 if self.mode == GLOBAL:  # every copy was given the same moments
                     mean, variance = records[0][1], records[0][2]
                 else:
@@ -162,19 +163,12 @@ class StepStats:
                                                     [mean, variance])
                 mean, variance = tf.stop_gradient(mean), tf.stop_gradient(variance)
             for layer in layers:
-                with tf.device(_device(layer.moving_mean)):
+                with on_variable_device(layer.moving_mean):
                     for var, value in ((layer.moving_mean, mean),
                                        (layer.moving_variance, variance)):
                         # Python floats, as Keras: a float32 0.99 is 1e-8 off in float64
                         var.assign(var * layer.momentum
                                    + tf.cast(value, var.dtype) * (1.0 - layer.momentum))
-
-
-def _device(variable: Any) -> str:
-    value = getattr(variable, "value", variable)
-    if isinstance(value, tf.distribute.DistributedValues):
-        return ""  # tf.distribute places each replica's component
-    return getattr(value, "device", "") or ""
 
 
 def normalized(layer: Any, x: Any, mean: Any, variance: Any) -> Any:

@@ -57,6 +57,11 @@ def split_microbatches(data: tuple[Any, Any, Any], m: int,
     return [tuple(column[i] for column in columns) for i in range(m)]
 
 
+def concat_batches(parts: list[Any]) -> Any:
+    """The inverse of a split: equal structures of tensors joined along the batch axis."""
+    return keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *parts)
+
+
 def _split_structure(part: Any, m: int) -> list[Any]:
     if part is None:
         return [None] * m

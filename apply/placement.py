@@ -81,6 +81,18 @@ def _device(variable: Any) -> str:
     return tf_variable(variable).device
 
 
+def on_variable_device(variable: Any) -> Any:
+    """``tf.device`` of ``variable``'s device, for work that belongs with it (its gradient
+    sums, its moving-statistics update); no scope for a distributed variable, whose
+    components tf.distribute places per replica."""
+    import tensorflow as tf
+
+    value = tf_variable(variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return contextlib.nullcontext()
+    return tf.device(value.device)
+
+
 def build_optimizer_on_devices(optimizer: Any, variables: list[Any]) -> None:
     """Build ``optimizer`` for ``variables`` now, each slot on its variable's device.
 

@@ -46,13 +46,14 @@ import tensorflow as tf
 from tfplan import compat
 from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.batch_stats import GLOBAL, install, stepping
-from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK, leading_dim,
-                                  nearest_multiples, split_microbatches)
+from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK,
+                                  concat_batches, leading_dim, nearest_multiples,
+                                  split_microbatches)
 from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
                                      save_atomically)
 from tfplan.apply.joint_forward import joint_forward
 from tfplan.apply.monitor import PlanMonitor
-from tfplan.apply.placement import tf_variable
+from tfplan.apply.placement import on_variable_device
 from tfplan.core.errors import PlanMismatchError
 
 
@@ -333,8 +334,17 @@ class PlannedModel(compat.functional_class()):
         y_pred = self(x, training=True) if compat.call_has_training_arg(self) else self(x)
         loss = compat.compute_loss(self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                    training=True)
-        scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
-        return y_pred, loss, scaled
+        return y_pred, loss, self._scale_loss(loss)
+
+    def _scale_loss(self, loss: Any) -> Any:
+        """``loss`` as the optimizer differentiates it (its loss scaling, if any)."""
+        return self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+
+    def _track_loss(self, loss: Any, x: Any) -> None:
+        """Add one (micro-)batch's mean loss to the loss log, weighted by its samples."""
+        compat.loss_tracker(self).update_state(
+            compat.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
 
     def train_step(self, data: Any) -> Any:
         if not self._uses_microbatch_step():
@@ -370,22 +380,18 @@ class PlannedModel(compat.functional_class()):
             predictions, scaled_total = [], None
             for i, (xi, yi, swi) in enumerate(parts):
                 mine = outputs[i * k:(i + 1) * k]
-                y_pred = mine[0] if k == 1 else keras.tree.map_structure(
-                    lambda *t: tf.concat(t, axis=0), *mine)
+                y_pred = mine[0] if k == 1 else concat_batches(mine)
                 loss = compat.compute_loss(self, x=xi, y=yi, y_pred=y_pred,
                                            sample_weight=swi, training=True)
-                compat.loss_tracker(self).update_state(
-                    compat.unscale_loss_for_distribution(loss),
-                    sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
-                scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None \
-                    else loss
+                self._track_loss(loss, xi)
+                scaled = self._scale_loss(loss)
                 scaled_total = scaled if scaled_total is None else scaled_total + scaled
                 predictions.append(y_pred)
             if m > 1:
                 scaled_total = scaled_total / m  # the micro-batches' mean: the batch's loss
         if variables:
             self._apply_gradients(self._gradients(tape, scaled_total, variables), variables)
-        y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+        y_pred = concat_batches(predictions)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _microbatch_train_step(self, data: Any) -> Any:
@@ -400,9 +406,7 @@ class PlannedModel(compat.functional_class()):
                 if start_microbatch is not None:
                     start_microbatch(i)
                 y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
-                compat.loss_tracker(self).update_state(
-                    compat.unscale_loss_for_distribution(loss),
-                    sample_weight=tf.shape(keras.tree.flatten(xi)[0])[0])
+                self._track_loss(loss, xi)
                 total = grads if total is None else [
                     _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
                 predictions.append(y_pred)
@@ -410,7 +414,7 @@ class PlannedModel(compat.functional_class()):
             averaged = total if m == 1 else [_scale(g, 1.0 / m, v)
                                              for g, v in zip(total, variables)]
             self._apply_gradients(averaged, variables)
-        y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+        y_pred = concat_batches(predictions)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -422,17 +426,10 @@ class _OneBatchFunction:
         self.key, self.function = key, function
 
 
-def _device_scope(variable: Any) -> Any:
-    value = tf_variable(variable)
-    if isinstance(value, tf.distribute.DistributedValues):
-        return contextlib.nullcontext()  # tf.distribute places per replica
-    return tf.device(value.device)
-
-
 def _accumulate(a: Any, g: Any, variable: Any) -> Any:
     if a is None or g is None:
         return g if a is None else a
-    with _device_scope(variable):
+    with on_variable_device(variable):
         if isinstance(a, tf.IndexedSlices) and isinstance(g, tf.IndexedSlices):
             indices = tf.concat([a.indices, tf.cast(g.indices, a.indices.dtype)], 0)
             return tf.IndexedSlices(tf.concat([a.values, g.values], 0), indices, a.dense_shape)
@@ -442,7 +439,7 @@ def _accumulate(a: Any, g: Any, variable: Any) -> Any:
 def _scale(g: Any, factor: float, variable: Any) -> Any:
     if g is None:
         return None
-    with _device_scope(variable):
+    with on_variable_device(variable):
         if isinstance(g, tf.IndexedSlices):
             return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
                                     g.dense_shape)

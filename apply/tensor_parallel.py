@@ -47,7 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.batches import split_microbatches
+from tfplan.apply.batches import concat_batches, split_microbatches
 from tfplan.apply.checkpoint import CanonicalWeight, merged_copies, plain_layout
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
@@ -104,10 +104,10 @@ class TensorParallelModel(PlacedModel):
         for model, (xr, _, _) in zip(replicas, parts):
             predictions.append(model(xr, training=True))
         with tf.device(self.output_device):  # the loss of the whole (micro-)batch
-            y_pred = keras.tree.map_structure(lambda *t: tf.concat(t, axis=0), *predictions)
+            y_pred = concat_batches(predictions)
             loss = compat.compute_loss(self, x=x, y=y, y_pred=y_pred,
                                        sample_weight=sample_weight, training=True)
-            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+            scaled = self._scale_loss(loss)
         return y_pred, loss, scaled
 
     def _after_compile(self) -> None:
