@@ -1,6 +1,7 @@
 """Hand-made plans and training loops for the apply tests (no planner search involved)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from typing import Any, Sequence
@@ -53,6 +54,21 @@ def make_plan(model: Any, stage_devices: Sequence[Sequence[str]], *, global_batc
                 global_batch=global_batch, precision="float32", optimizer="adam",
                 strategy=strategy, stages=stages, predicted=predicted, reason="hand-made",
                 solver="test")
+
+
+def tp_plan(model: Any, stage_devices: Sequence[Sequence[str]], splits: Sequence[Any] = (), *,
+            dp: int = 1, zero: bool = False, num_microbatches: int = 1,
+            global_batch: int = 16, cluster_size: int = 8, name: str | None = None) -> Plan:
+    """``make_plan`` with tensor parallelism: stage s lists dp x tp devices (tensor rank
+    innermost), ``splits`` the plan's ``tp_splits``; ``zero``: ZeRO-1 over the dp replicas."""
+    plan = make_plan(model, stage_devices, num_microbatches=num_microbatches,
+                     global_batch=global_batch, cluster_size=cluster_size)
+    tp = len(stage_devices[0]) // dp
+    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=zero,
+                                   microbatch_size=global_batch // (dp * num_microbatches))
+    return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
+                               name=name or f"test dp={dp} tp={tp} pp={len(stage_devices)}"
+                               + (" zero1" if zero else ""))
 
 
 def cpus(*indices: int) -> list[str]:

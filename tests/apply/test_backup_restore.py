@@ -10,7 +10,6 @@ the optimizer's step counters restored.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import pytest
 
 from tfplan import apply
 from tfplan.core.errors import PlannerError
-from tests.apply.helpers import base_model, cpus, make_plan
+from tests.apply.helpers import base_model, cpus, make_plan, tp_plan
 
 EPOCHS, BATCH, SAMPLES = 4, 16, 64
 STEPS_PER_EPOCH = SAMPLES // BATCH
@@ -32,12 +31,8 @@ TRANSFORMER_SPLITS = (("embed", "vocab"), ("attention", "heads"), ("mlp_up", "co
 
 
 def _tp(model, stage_devices, splits, *, dp=1, zero=False, num_microbatches=1):
-    plan = make_plan(model, stage_devices, num_microbatches=num_microbatches)
-    tp = len(stage_devices[0]) // dp
-    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=zero,
-                                   microbatch_size=BATCH // (dp * num_microbatches))
-    return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
-                               name=f"dp={dp} tp={tp} zero={zero}")
+    return tp_plan(model, stage_devices, splits, dp=dp, zero=zero,
+                   num_microbatches=num_microbatches, global_batch=BATCH)
 
 
 # every one-host mode (apply.mode): single device, data parallel, pipeline, tensor

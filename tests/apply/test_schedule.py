@@ -302,7 +302,8 @@ def test_interleaved_graph_has_the_waits_of_the_order():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_1f1b_with_dp_or_tp_trains_like_one_device_in_order(tp):
-    from tests.apply.test_tensor_parallel import SPLITS, tp_plan
+    from tests.apply.helpers import tp_plan
+    from tests.apply.test_tensor_parallel import SPLITS
 
     module, model = base_model("tiny_mlp")
     if tp == 1:  # dp = 2 replicas of a 2-stage pipeline

@@ -26,7 +26,8 @@ from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, assert_losses_match, base_model,
-                                 batches_of, cpus, fresh_optimizer, make_plan, step_losses)
+                                 batches_of, cpus, fresh_optimizer, make_plan, step_losses,
+                                 tp_plan)
 
 STEPS_TP = 10
 
@@ -47,18 +48,6 @@ CASES = {
     "mlp-dp2-tp2-m2": ("tiny_mlp", [cpus(0, 1, 2, 3)], 2, 2),
     "transformer-dp2-tp2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 1, 2),
 }
-
-
-def tp_plan(model, stage_devices, splits, *, num_microbatches=1, global_batch=GLOBAL_BATCH,
-            name=None, cluster_size=8, dp=1) -> Plan:
-    """A hand-made plan with tp = devices per stage / dp and ``splits``."""
-    plan = make_plan(model, stage_devices, num_microbatches=num_microbatches,
-                     global_batch=global_batch, cluster_size=cluster_size)
-    tp = len(stage_devices[0]) // dp
-    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp,
-                                   microbatch_size=global_batch // (dp * num_microbatches))
-    return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
-                               name=name or f"test dp={dp} tp={tp} pp={len(stage_devices)}")
 
 
 def reference_losses(name: str) -> list[float]:

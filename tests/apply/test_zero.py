@@ -7,7 +7,6 @@ micro-batches) and dp = 2 x tp = 2.
 """
 from __future__ import annotations
 
-import dataclasses
 import collections
 from collections import defaultdict
 
@@ -24,7 +23,7 @@ from tfplan.apply.zero import weight_groups
 from tfplan.planner.zero import owners_by_device_group
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
-                                 cpus, fresh_optimizer, make_plan, step_losses)
+                                 cpus, fresh_optimizer, step_losses, tp_plan)
 
 STEPS = 10
 MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
@@ -41,13 +40,11 @@ CASES = {
 
 
 def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=()):
-    """A hand-made plan (tests/apply/helpers.make_plan) with optimizer_sharding on."""
-    plan = make_plan(model, stage_devices, num_microbatches=num_microbatches)
-    tp = len(stage_devices[0]) // dp
-    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=True,
-                                   microbatch_size=GLOBAL_BATCH // (dp * num_microbatches))
-    return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
-                               name=f"zero dp={dp} tp={tp} pp={len(stage_devices)}")
+    """A hand-made plan (tests/apply/helpers.tp_plan) with optimizer_sharding on."""
+    return tp_plan(model, stage_devices, splits, dp=dp, zero=True,
+                   num_microbatches=num_microbatches, global_batch=GLOBAL_BATCH,
+                   name=f"zero dp={dp} tp={len(stage_devices[0]) // dp} "
+                        f"pp={len(stage_devices)}")
 
 
 def reference_losses(name: str) -> list[float]:
