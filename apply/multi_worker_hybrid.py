@@ -245,7 +245,7 @@ def wrap_multi_worker_hybrid(view: Any, plan: Plan, mode: ExecutionMode, *,
     zero = plan.strategy.optimizer_sharding  # over the whole job, not per worker
     mine = local_plan(plan, mode, task)
     mine = dataclasses.replace(mine, strategy=dataclasses.replace(
-        mine.strategy, optimizer_sharding=False))
+        mine.strategy, zero_stage=0))
     model = wrap_tensor_parallel(view, mine, top_level_devices(mine),
                                  recompute_layers=recompute_layers)
     model.__class__ = MultiWorkerHybridModel  # replica 0 of this worker drives the step

@@ -60,6 +60,7 @@ from tfplan.apply.batch_stats import batch_norm_layers
 from tfplan.apply.cloning import to_functional
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
+from tfplan.apply.dimensions import check_applicable
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
 from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
@@ -91,6 +92,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     # (placement, tp_splits, stages, recompute, ZeRO) then finds the model's layers
     plan = plan.for_model(signature, output_shapes(view))
     mode = execution_mode(plan)  # how it runs, decided once (apply.mode)
+    check_applicable(plan, mode)  # every strategy dimension has an engine here
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan, mode=mode)
     m = plan.strategy.num_microbatches

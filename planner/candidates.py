@@ -45,21 +45,38 @@ class Choice:
     num_microbatches: int
     schedule: str = "none"  # "none" (pp == 1), "gpipe", "1f1b", "interleaved"
     recompute: str = "none"  # "none", "selective", "full"
-    optimizer_sharding: bool = False
+    zero_stage: int = 0  # planner.plan.ZERO_STAGES
     virtual_stages: int = 1  # model chunks per pipeline device ("interleaved": > 1)
     layout: str = DEFAULT_LAYOUT  # planner.plan.LAYOUTS; "tp-pp-dp" shows as "dp-outer"
+    sequence_parallel: bool = False  # tp > 1 only
+    cp: int = 1  # context-parallel degree
+    offload: str = "none"  # planner.plan.OFFLOAD
+
+    @property
+    def optimizer_sharding(self) -> bool:
+        return self.zero_stage >= 1
+
+    @property
+    def replicas(self) -> int:
+        """dp x cp: the ranks holding the same weights (planner.plan.Strategy.replicas)."""
+        return self.dp * self.cp
 
     @property
     def name(self) -> str:
-        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}", f"mbs={self.microbatch_size}",
+        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}"
+                 + (f" cp={self.cp}" if self.cp > 1 else ""), f"mbs={self.microbatch_size}",
                  f"m={self.num_microbatches}"]
         if self.pp > 1:
             parts.append(self.schedule + (f" v={self.virtual_stages}"
                                           if self.virtual_stages > 1 else ""))
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
-        if self.optimizer_sharding:
-            parts.append("zero1")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         if self.layout == "tp-pp-dp":
             parts.append("dp-outer")
         return "hybrid " + " ".join(parts)
@@ -132,13 +149,13 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
                 for rc in ((knobs["recompute"],) if "recompute" in knobs
                            else ("none", "selective", "full") if has_attention
                            else ("none", "full")):
-                    for zero in ((knobs["optimizer_sharding"],) if "optimizer_sharding" in knobs
-                                 else ((False, True) if dp > 1 else (False,))):
+                    for zero in ((knobs["zero_stage"],) if "zero_stage" in knobs
+                                 else ((0, 1) if dp > 1 else (0,))):
                         classic = tp == 1 and rc == "none" and not zero and (
                             (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
                         if skip_classic and classic:
                             continue
-                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, bool(zero), v, layout)
+                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, int(zero), v, layout)
                                 for layout in layouts]
     return out
 

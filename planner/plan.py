@@ -24,6 +24,11 @@ node-major) a hybrid's stage s, replica r, tensor rank t sits on:
 
 Either way ``stages[s].devices`` keeps the order above (replica-major, tensor rank
 innermost); only which devices they are differs. ``stage_devices`` computes them.
+
+Context parallelism (``Strategy.cp`` > 1) splits every sample's sequence over cp ranks
+that hold the same weights; they sit between tp and dp (Megatron-LM's tp-cp-dp-pp order):
+everything above reads with ``dp * cp`` for dp, rank c of replica r being "replica"
+``r * cp + c`` (``Strategy.replicas``), so ``devices[(r * cp + c) * tp + t]``.
 """
 from __future__ import annotations
 
@@ -39,7 +44,17 @@ from tfplan.core.fileset import read_bytes
 from tfplan.core.schema import SCHEMA_VERSION, check_version, decode, field
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
+# Strategy.recompute: "selective" is Megatron-LM's selective recomputation of the attention
+# core (softmax, its dropout and the two batched matmuls; Korthikanti et al., 2022, Sec. 5),
+# "full" recomputes every layer's forward from the stage's inputs
 RECOMPUTE = ("none", "selective", "full")
+# Strategy.zero_stage (Rajbhandari et al., SC'20, Sec. 5): 0 plain data parallel; 1 optimizer
+# state sharded over the data-parallel ranks (P_os); 2 gradients too (P_os+g); 3 weights too
+# (P_os+g+p, PyTorch's FSDP), gathered layer by layer for the forward and the backward
+ZERO_STAGES = (0, 1, 2, 3)
+# Strategy.offload (ZeRO-Offload, Ren et al., USENIX ATC'21): optimizer state (and its
+# update) in host memory, optionally the weights too (ZeRO-Infinity, Rajbhandari et al., SC'21)
+OFFLOAD = ("none", "optimizer", "optimizer+weights")
 # Strategy.batch_norm: BatchNormalization statistics over the whole step ("global", equal
 # to one device) or per replica and micro-batch ("local", GPipe's rule): apply.batch_stats
 BATCH_NORM = ("global", "local")
@@ -71,7 +86,17 @@ class Strategy:
     num_microbatches: int
     schedule: str = "none"  # "none" when pp == 1
     recompute: str = "none"
-    optimizer_sharding: bool = False
+    # ZERO_STAGES: what the data-parallel ranks (dp x cp) shard; 1 is the optimizer sharding
+    # plan files before stages 2-3 wrote as "optimizer_sharding": true
+    zero_stage: int = 0
+    # sequence parallelism (Korthikanti et al., 2022, Sec. 4.2.2): the layers a tensor-parallel
+    # group replicates (norms, dropout, residual adds) run on 1/tp of the sequence each; the
+    # f/g all-reduces become all-gather + reduce-scatter pairs. Needs tp > 1.
+    sequence_parallel: bool = False
+    # context-parallel degree: every sample's sequence split over cp ranks, attention
+    # exchanging keys and values (module docstring for the device order)
+    cp: int = 1
+    offload: str = "none"  # OFFLOAD
     # model chunks per pipeline device under the "interleaved" schedule (1 otherwise):
     # the plan then has pp * virtual_stages stages, stage k on the devices of stage k % pp
     virtual_stages: int = 1
@@ -84,29 +109,62 @@ class Strategy:
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same weights of a stage's tensor rank: dp x cp (module
+        docstring); the data-parallel group that all-reduces (or ZeRO-shards) them."""
+        return self.dp * self.cp
+
+    @property
+    def optimizer_sharding(self) -> bool:
+        """ZeRO stage 1 or above: the optimizer state is sharded (``planner.zero``)."""
+        return self.zero_stage >= 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
                 "microbatch_size": self.microbatch_size,
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule,
-                "recompute": self.recompute, "optimizer_sharding": self.optimizer_sharding,
+                "recompute": self.recompute, "zero_stage": self.zero_stage,
+                "optimizer_sharding": self.optimizer_sharding,
+                "sequence_parallel": self.sequence_parallel, "offload": self.offload,
                 "virtual_stages": self.virtual_stages, "layout": self.layout,
                 "batch_norm": self.batch_norm}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
         k, w = "Plan", "strategy"
+        sharded = field(d, "optimizer_sharding", k, bool, where=w, optional=True, default=None)
+        zero = field(d, "zero_stage", k, int, where=w, optional=True,
+                     default=1 if sharded else 0, minimum=0)
+        if zero not in ZERO_STAGES:
+            raise SchemaError(f"Plan.strategy.zero_stage is {zero}; expected one of "
+                              f"{ZERO_STAGES}.")
+        if sharded is not None and sharded != (zero >= 1):
+            raise SchemaError(f"Plan.strategy says zero_stage={zero} but optimizer_sharding="
+                              f"{str(sharded).lower()}; stage 1 and above shard the optimizer "
+                              "state. Remove optimizer_sharding or make it agree.")
         s = cls(**{n: field(d, n, k, int, where=w, minimum=1) for n in (
             "dp", "tp", "pp", "microbatch_size", "num_microbatches")},
             schedule=field(d, "schedule", k, str, where=w, optional=True, default="none"),
             recompute=field(d, "recompute", k, str, where=w, optional=True, default="none"),
-            optimizer_sharding=field(d, "optimizer_sharding", k, bool, where=w, optional=True,
-                                     default=False),
+            zero_stage=zero,
+            sequence_parallel=field(d, "sequence_parallel", k, bool, where=w, optional=True,
+                                    default=False),
+            cp=field(d, "cp", k, int, where=w, optional=True, default=1, minimum=1),
+            offload=field(d, "offload", k, str, where=w, optional=True, default="none"),
             virtual_stages=field(d, "virtual_stages", k, int, where=w, optional=True, default=1,
                                  minimum=1),
             layout=field(d, "layout", k, str, where=w, optional=True, default=DEFAULT_LAYOUT),
             batch_norm=field(d, "batch_norm", k, str, where=w, optional=True, default="global"))
+        if s.offload not in OFFLOAD:
+            raise SchemaError(f"Plan.strategy.offload is {s.offload!r}; expected one of "
+                              f"{OFFLOAD}.")
+        if s.sequence_parallel and s.tp == 1:
+            raise SchemaError("Plan.strategy.sequence_parallel is true with tp=1; sequence "
+                              "parallelism splits what a tensor-parallel group replicates, so "
+                              "it needs tp > 1.")
         if s.batch_norm not in BATCH_NORM:
             raise SchemaError(f"Plan.strategy.batch_norm is {s.batch_norm!r}; expected one of "
                               f"{BATCH_NORM} (plan files without it are 'global').")

@@ -369,7 +369,8 @@ class Pricer:
             strategy=Strategy(dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size,
                               num_microbatches=c.num_microbatches, schedule=c.schedule,
                               recompute=c.recompute,
-                              optimizer_sharding=c.optimizer_sharding,
+                              zero_stage=c.zero_stage, sequence_parallel=c.sequence_parallel,
+                              cp=c.cp, offload=c.offload,
                               virtual_stages=c.virtual_stages, layout=c.layout),
             stages=stages,
             predicted=Prediction(

@@ -52,7 +52,7 @@ from tfplan.planner.context import SearchContext, search_context
 from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                          min_max_stage_memory, min_stages_to_fit)
 from tfplan.planner.placement_search import placement_plans
-from tfplan.planner.plan import LAYOUTS, RECOMPUTE, Breakdown, Plan, Stage, Strategy
+from tfplan.planner.plan import LAYOUTS, RECOMPUTE, ZERO_STAGES, Breakdown, Plan, Stage, Strategy
 from tfplan.planner.pricing import Estimate, Pricer, best_per_shape
 from tfplan.planner.topology import link_between
 from tfplan.planner.validate import validate_plan
@@ -61,7 +61,7 @@ from tfplan.profiler.model_profile import ModelProfile
 MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
 SHAPE_KEYS = ("dp", "tp", "pp", "num_microbatches")
-KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "optimizer_sharding",
+KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "zero_stage", "optimizer_sharding",
              "virtual_stages", "layout")
 FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
 MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
@@ -319,9 +319,19 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
         elif key == "optimizer_sharding":
             if not isinstance(value, bool):
                 raise PlannerError(f"fix optimizer_sharding={value!r}; expected true or false.")
+        elif key == "zero_stage":
+            if value not in ZERO_STAGES or isinstance(value, bool):
+                raise PlannerError(f"fix zero_stage={value!r}; expected one of {ZERO_STAGES}.")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlannerError(f"fix {key}={value!r}; expected a whole number >= 1.")
-    return dict(fix)
+    out = dict(fix)
+    if "optimizer_sharding" in out:  # the ZeRO-1 switch, an alias of zero_stage 0 / 1
+        sharded = out.pop("optimizer_sharding")
+        if "zero_stage" in out and (out["zero_stage"] >= 1) != sharded:
+            raise PlannerError(f"fix has optimizer_sharding={sharded} and zero_stage="
+                               f"{out['zero_stage']}, which disagree; give zero_stage only.")
+        out.setdefault("zero_stage", int(sharded))
+    return out
 
 
 def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:

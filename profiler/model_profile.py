@@ -83,6 +83,15 @@ class LayerProfile:
     # output shape per sample (batch dimension dropped, None for a dynamic one); None:
     # unknown (``profiler.signature.output_shape``). Part of the structure a plan matches.
     output_shape: tuple[int | None, ...] | None = None
+    # attention layers only (0 elsewhere and in profiles written before these existed):
+    # the attention core (scores QK^T, softmax, its dropout, scores x V), for the profile
+    # batch -- its forward FLOPs (what Megatron's selective recomputation re-runs), the
+    # saved bytes it alone holds (softmax output, dropout mask and output: what selective
+    # recomputation frees; Korthikanti et al., 2022, Sec. 4.1: 5 a s^2 b), and the bytes of
+    # the keys and values it reads (what context parallelism exchanges between ranks)
+    attention_core_flops_fwd: int = 0
+    attention_core_saved_bytes: int = 0
+    attention_kv_bytes: int = 0
 
     @property
     def has_op_classes(self) -> bool:
@@ -121,6 +130,9 @@ class LayerProfile:
             "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
             "groups": self.groups, "measured_fwd_s": self.measured_fwd_s,
             "measured_bwd_s": self.measured_bwd_s,
+            "attention_core_flops_fwd": self.attention_core_flops_fwd,
+            "attention_core_saved_bytes": self.attention_core_saved_bytes,
+            "attention_kv_bytes": self.attention_kv_bytes,
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
         }
 
@@ -134,7 +146,8 @@ class LayerProfile:
                            ("compute_weight_bytes", 0), ("activation_saved_bytes", 0),
                            ("input_bytes", 0), ("calls", 1), ("matmul_flops_fwd", 0),
                            ("matmul_flops_bwd", 0), ("memory_traffic_bytes_fwd", 0),
-                           ("memory_traffic_bytes_bwd", 0)):
+                           ("memory_traffic_bytes_bwd", 0), ("attention_core_flops_fwd", 0),
+                           ("attention_core_saved_bytes", 0), ("attention_kv_bytes", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
         ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,

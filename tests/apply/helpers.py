@@ -64,7 +64,7 @@ def tp_plan(model: Any, stage_devices: Sequence[Sequence[str]], splits: Sequence
     plan = make_plan(model, stage_devices, num_microbatches=num_microbatches,
                      global_batch=global_batch, cluster_size=cluster_size)
     tp = len(stage_devices[0]) // dp
-    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=zero,
+    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=int(zero),
                                    microbatch_size=global_batch // (dp * num_microbatches))
     return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
                                name=name or f"test dp={dp} tp={tp} pp={len(stage_devices)}"

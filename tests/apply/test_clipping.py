@@ -76,7 +76,7 @@ def test_global_clipnorm_matches_one_device(case):
     module, model = base_model("tiny_mlp")
     plan = make_plan(model, stage_devices, num_microbatches=m)
     tp = len(stage_devices[0]) // dp
-    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, optimizer_sharding=zero,
+    strategy = dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=int(zero),
                                    microbatch_size=GLOBAL_BATCH // (dp * m))
     plan = dataclasses.replace(plan, strategy=strategy, tp_splits=splits,
                                name=f"clip {case}")

@@ -169,8 +169,11 @@ def test_recompute_reruns_each_layer_forward_on_every_replica_with_the_same_loss
     # the last bits in about 1 run of 4 (probably how Grappler rewrote them), which
     # Adam's normalised steps grew to ~2e-4 over 10 steps; under plain SGD such
     # differences stay at the last bits (8 of 8 runs), so the losses are compared there.
+    # At SGD(0.1) one CI run of dp4-m2 still differed by 0.7% at steps 9-10 (a last-bit
+    # difference flipping a ReLU, whose effect on the weights scales with the learning
+    # rate); at 0.01 such a flip stays below the tolerance.
     for wrapped in (plain, full):
-        wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=module.loss)
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss=module.loss)
     np.testing.assert_allclose(step_losses(full, batches), step_losses(plain, batches),
                                rtol=1e-5)
 

@@ -54,7 +54,7 @@ def test_plans_over_workers():
     dp4 = execution_mode(plan([[dev(w, i) for w in range(2) for i in range(2)]], workers=2))
     assert (dp4.mode, dp4.processes) == (Mode.MULTI_WORKER_HYBRID, Processes.PER_WORKER)
     assert dp4.replica_tasks == (0, 0, 1, 1)
-    zero = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, optimizer_sharding=True))
+    zero = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, zero_stage=1))
     assert zero.mode is Mode.MULTI_WORKER_HYBRID and zero.replica_tasks == (0, 1)
     # a replica across workers: worker 0 drives both (apply.remote), the one-host mode
     pp = plan([[dev(0, 0)], [dev(1, 0)]], workers=2)

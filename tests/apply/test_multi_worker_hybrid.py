@@ -100,7 +100,7 @@ def worker_plan(model, name: str, kind: str):
     cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
                                   devices_per_node=CPUS, inter_node_link=one.intra_node_link)
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(
-        plan.strategy, optimizer_sharding=zero))
+        plan.strategy, zero_stage=int(zero)))
     return dataclasses.replace(plan, cluster=cluster, name=f"{name} {kind}{'+zero1' * zero} "
                                "over 2 workers")
 

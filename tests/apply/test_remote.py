@@ -57,7 +57,7 @@ def remote_plan(model, name: str, kind: str):
         plan = make_plan(model, [[dev(s, 0), dev(s, 1)] for s in range(WORKERS)],  # on CPU r
                          num_microbatches=2, global_batch=GLOBAL_BATCH)
         plan = dataclasses.replace(plan, strategy=dataclasses.replace(
-            plan.strategy, schedule="1f1b", optimizer_sharding=kind.endswith("zero1")))
+            plan.strategy, schedule="1f1b", zero_stage=int(kind.endswith("zero1"))))
     else:  # a general placement, one branch per worker
         plan = make_plan(model, [[d] for d in BRANCHY], global_batch=GLOBAL_BATCH,
                          stage_layers=list(BRANCHY.values()))

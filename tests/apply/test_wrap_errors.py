@@ -163,7 +163,7 @@ def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
     _, mlp = base_model("tiny_mlp")
     plan = make_plan(mlp, [cpus(0, 1)])
     saver = dataclasses.replace(plan, strategy=dataclasses.replace(
-        plan.strategy, recompute="full", optimizer_sharding=True, schedule="1f1b"))
+        plan.strategy, recompute="full", zero_stage=1, schedule="1f1b"))
     # ZeRO-1 runs on the replicated machinery
     assert execution_mode(saver).mode == "tensor_parallel"
     assert not [w for w in recwarn if "does not apply" in str(w.message)]
@@ -171,7 +171,7 @@ def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
         make_plan(mlp, [[f"/job:worker/task:{w}/device:CPU:0" for w in range(2)]]),
         cluster=parse_cluster("2xcpu:1"))
     workers = dataclasses.replace(workers, strategy=dataclasses.replace(
-        workers.strategy, optimizer_sharding=True))
+        workers.strategy, zero_stage=1))
     # ZeRO-1 across workers: the hybrid machinery (apply.zero_workers), no warning
     assert execution_mode(workers).mode == "multi_worker_hybrid"
     assert not [w for w in recwarn if "does not apply" in str(w.message)]

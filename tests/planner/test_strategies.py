@@ -67,7 +67,7 @@ def test_savers_trade_memory_for_time():
     from tfplan.core.presets import parse_cluster
     cluster = parse_cluster("8xA100-80GB")
     base = dict(dp=2, tp=1, pp=2, microbatch_size=1)  # unnamed knobs would be searched
-    no_zero = dict(optimizer_sharding=False)
+    no_zero = dict(zero_stage=0)
     gpipe = _fixed(profile, cluster, 32, **base, schedule="gpipe", recompute="none", **no_zero)
     f1b = _fixed(profile, cluster, 32, **base, schedule="1f1b", recompute="none", **no_zero)
     # all 16 micro-batches in flight (GPipe): what recomputation saves shows most
@@ -75,7 +75,7 @@ def test_savers_trade_memory_for_time():
     sel = _fixed(profile, cluster, 32, **base, schedule="gpipe", recompute="selective",
                  **no_zero)
     zero = _fixed(profile, cluster, 32, **base, schedule="1f1b", recompute="none",
-                  optimizer_sharding=True)
+                  zero_stage=1)
     assert f1b.predicted.step_time_s == pytest.approx(gpipe.predicted.step_time_s)
     assert f1b.predicted.max_memory_bytes < gpipe.predicted.max_memory_bytes
     assert full.predicted.max_memory_bytes < sel.predicted.max_memory_bytes \

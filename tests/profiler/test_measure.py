@@ -6,7 +6,8 @@ forward + backward time plus the time of ops outside any layer (loss, optimizer
 update, gradient sums) is within 15% of the measured step time. By
 construction it can never exceed it on the CPU; what is missing is idle time
 (Python and tf.function dispatch, scheduling, the sync), a fixed ~2 ms here,
-so the examples run at batch sizes where a step is tens of milliseconds.
+so the examples run at batch sizes where a step is tens of milliseconds (the CNN at
+batch 256, a 12 ms step, read 84% under CI load; at 512 the fixed idle is half the share).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ OP_FRACTION_MIN = 0.85  # the acceptance bound: within 15% of the step time
 
 
 # --- the examples, end to end ----------------------------------------------------------------
-@pytest.fixture(scope="module", params=[("mlp.py", 32768), ("cnn.py", 256)],
+@pytest.fixture(scope="module", params=[("mlp.py", 32768), ("cnn.py", 512)],
                 ids=["mlp", "cnn"])
 def measured(request, tmp_path_factory):
     filename, batch = request.param
