@@ -46,6 +46,7 @@ from typing import Any
 from tfplan.apply.batches import nearest_multiples
 from tfplan.apply.device_names import logical_cpus, short_name
 from tfplan.apply.devices import ensure_devices
+from tfplan.apply.dimensions import unapplied, unapplied_dimensions
 from tfplan.apply.mode import execution_mode
 from tfplan.apply.workers import ensure_strategy, get_strategy, local_devices
 from tfplan.apply.wrap import wrap
@@ -149,7 +150,8 @@ def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: 
     profile = profile_model(model, PROFILE_BATCH_SIZE, precision=precision,
                             optimizer=optimizer)
     result = search(profile, cluster, global_batch, time_limit_s=time_limit_s,
-                    batch_norm=batch_norm)
+                    batch_norm=batch_norm,  # only strategies apply.wrap has engines for
+                    admissible=lambda c: not unapplied_dimensions(c))
     chosen = result.chosen
     where = f"{cluster.name} ({cluster.num_devices} device(s)), global batch {global_batch}"
     if runnable(chosen):
@@ -204,6 +206,9 @@ def not_runnable_reason(plan: Plan) -> str | None:
             mode = execution_mode(plan)
         except PlannerError as e:
             return _first_clause(str(e), plan)
+    missing = unapplied(plan, mode)  # a strategy dimension without an engine here
+    if missing:
+        return missing[0]
     if mode.remote:  # apply.remote: must be set up before TensorFlow starts
         return ("its replicas span worker processes, which apply.wrap runs only from a "
                 f"saved plan ({PLAN_FILE_ENV}: worker 0 then drives every worker's devices, "

@@ -19,7 +19,14 @@ from tfplan.planner.plan import Plan
 def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     """Each dimension of ``plan.strategy`` that ``apply`` cannot run (in ``mode``, an
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
-    s = plan.strategy
+    return unapplied_dimensions(plan.strategy)
+
+
+def unapplied_dimensions(s: Any) -> list[str]:
+    """``unapplied`` for a strategy alone (a ``planner.plan.Strategy`` or a
+    ``planner.candidates.Choice``: anything with ``zero_stage``, ``sequence_parallel``,
+    ``cp`` and ``offload``); ``apply.auto`` hands ``not unapplied_dimensions(s)`` to the
+    search as its ``admissible`` filter."""
     out = []
     if s.zero_stage >= 2:
         out.append(f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}"

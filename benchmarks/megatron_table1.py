@@ -92,7 +92,8 @@ def published_strategy(row: dict[str, float]) -> dict:
     tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["gpus"])
     fix = {"dp": gpus // (tp * pp), "tp": tp, "pp": pp,
            "microbatch_size": int(row["micro_batch_size"]), "recompute": "full",
-           "optimizer_sharding": False, "layout": "tp-dp-pp"}
+           "zero_stage": 0, "sequence_parallel": False, "offload": "none",
+           "layout": "tp-dp-pp"}  # 2021: no ZeRO, no sequence parallelism
     if pp > 1:
         chunks = int(row["chunks"])
         fix.update(schedule="interleaved", virtual_stages=chunks) if chunks > 1 \

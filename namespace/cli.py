@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--global-batch", type=_global_batch, required=True,
                    help="samples per training step, over all devices")
     _add_model_options(a)
-    a.add_argument("--fix", metavar="dp=D,tp=T,pp=P",
+    a.add_argument("--fix", metavar="dp=D,tp=T,pp=P,cp=C",
                    help="evaluate this one strategy instead of searching (reported even if it "
-                        "does not fit); unnamed degrees are 1")
+                        "does not fit; tp may span nodes); unnamed degrees are 1")
     a.add_argument("--microbatch-size", type=_positive_int, metavar="M",
                    help="what-if: samples per micro-batch (default: searched)")
     a.add_argument("--recompute", choices=("none", "selective", "full"),
@@ -91,8 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "and micro-batch of the step, equal to one device; costs small "
                         "all-reduces, and a barrier in pipelines) or local (per replica and "
                         "micro-batch, as GPipe: free, differs from one device)")
+    a.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), metavar="N",
+                   help="what-if: ZeRO stage over the data-parallel ranks: 0 none, 1 optimizer "
+                        "state sharded, 2 gradients too, 3 weights too (FSDP) (default: "
+                        "searched)")
     a.add_argument("--optimizer-sharding", action="store_true", default=None,
-                   help="what-if: shard optimizer state over the data-parallel group (ZeRO-1)")
+                   help="what-if: shard optimizer state over the data-parallel group (ZeRO-1; "
+                        "the same as --zero-stage 1)")
+    a.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="what-if: split the layers tensor parallelism replicates (norms, "
+                        "dropout, residual adds) along the sequence (needs tp > 1; default: "
+                        "searched)")
+    a.add_argument("--offload", choices=("none", "optimizer", "optimizer+weights"),
+                   help="what-if: keep the optimizer state (and the weights) in host memory "
+                        "(default: searched where nothing else fits)")
     a.add_argument("--measured", metavar="FILE",
                    help="price each layer from its measured time on one device (the output "
                         "of `plan profile MODEL --measure --json`, same model) instead of "
@@ -306,14 +318,15 @@ def parse_fix(text: str | None) -> dict[str, int] | None:
     fixed: dict[str, int] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
-        if not sep or key not in ("dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+        if not sep or key not in ("dp", "tp", "pp", "cp") or not value.isdigit() \
+                or int(value) < 1:
             raise PlannerError(
-                f"--fix {text!r}: each part must be dp=N, tp=N or pp=N with N >= 1 "
+                f"--fix {text!r}: each part must be dp=N, tp=N, pp=N or cp=N with N >= 1 "
                 f"(received {part.strip()!r}); e.g. --fix dp=2,pp=2.")
         if key in fixed:
             raise PlannerError(
                 f"--fix {text!r} gives {key} twice ({key}={fixed[key]} and {key}={value}); "
-                f"give each of dp, tp, pp at most once, e.g. --fix {key}={value}.")
+                f"give each of dp, tp, pp, cp at most once, e.g. --fix {key}={value}.")
         fixed[key] = int(value)
     return fixed
 
@@ -415,6 +428,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     fix = parse_fix(args.fix)
     knobs = {"microbatch_size": args.microbatch_size, "recompute": args.recompute,
              "schedule": args.schedule, "optimizer_sharding": args.optimizer_sharding,
+             "zero_stage": args.zero_stage, "sequence_parallel": args.sequence_parallel,
+             "offload": args.offload,
              "virtual_stages": args.virtual_stages, "layout": args.layout}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     if knobs:  # with --fix: evaluate that strategy; without: search under these settings
@@ -521,11 +536,15 @@ def _check_before_profiling(args: argparse.Namespace, fix: dict[str, Any] | None
     _check_optimizer_arg(args)
     fix = fix or {}
     b = args.global_batch
-    dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
-    if dp * tp * pp > cluster.num_devices:
-        raise InfeasiblePlanError(f"--fix asks for dp*tp*pp = {dp * tp * pp} devices; cluster "
-                                  f"{cluster.name!r} has {cluster.num_devices}. Use a bigger "
-                                  "cluster or smaller degrees.")
+    dp, tp, pp, cp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1), fix.get("cp", 1)
+    if dp * cp * tp * pp > cluster.num_devices:
+        raise InfeasiblePlanError(f"--fix asks for dp*cp*tp*pp = {dp * cp * tp * pp} devices; "
+                                  f"cluster {cluster.name!r} has {cluster.num_devices}. Use a "
+                                  "bigger cluster or smaller degrees.")
+    if fix.get("zero_stage") is not None and fix.get("optimizer_sharding") is not None and \
+            (fix["zero_stage"] >= 1) != fix["optimizer_sharding"]:
+        raise PlannerError(f"--optimizer-sharding is ZeRO stage 1, but --zero-stage "
+                           f"{fix['zero_stage']} was given too; give one of them.")
     if b % dp:
         raise PlannerError(f"--fix dp={dp} does not divide the global batch {b}; choose a dp "
                            "that divides it (or change --global-batch).")

@@ -23,9 +23,9 @@ from typing import Any, Mapping
 from tfplan.core.cluster import ClusterSpec
 from tfplan.planner.context import SearchContext
 from tfplan.planner.plan import DEFAULT_LAYOUT
+from tfplan.planner.sequence import SEQUENCE_LOCAL_TYPES, has_sequence, sequence_length
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES
 
-MAX_MICROBATCH_SIZE = 16  # micro-batch sizes tried: powers of two up to this
 INTERLEAVE_CHOICES = (2, 3, 4)  # model chunks per device tried for the interleaved schedule
 
 
@@ -102,40 +102,67 @@ def dp_outer_differs(cluster: ClusterSpec, dp: int, tp: int, pp: int) -> bool:
 # --- the hybrid strategy space --------------------------------------------------------------
 
 def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic: bool,
-                    shape: tuple[int, int, int] | None = None) -> list[Choice]:
-    """Every dp x tp x pp factorization of the devices (tp a divisor of devices_per_node,
-    pp <= layers, dp | global batch) x layout x micro-batch size x schedule x recompute x
-    ZeRO-1, restricted by ``knobs``; ``shape`` fixes (dp, tp, pp) (then it need not use
-    every device). ``skip_classic`` leaves out what the classic candidates already price.
+                    shape: tuple[int, ...] | None = None,
+                    offloads: tuple[str, ...] = ("none",), savers_on: bool = False
+                    ) -> list[Choice]:
+    """Every dp x cp x tp x pp factorization of the devices (tp a divisor of
+    devices_per_node, cp a context-parallel degree the model allows: ``cp_degrees``, pp <=
+    layers, dp | global batch) x layout x micro-batch size x schedule x recompute x ZeRO
+    stage x sequence parallelism x offload, restricted by ``knobs``; ``shape`` fixes
+    (dp, tp, pp) or (dp, tp, pp, cp) (then it need not use every device, and tp may span
+    nodes). ``skip_classic`` leaves out what the classic candidates already price.
+    ``offloads``: the offload settings tried (the search adds the offloaded ones for a
+    shape where nothing else fits). ``savers_on``: only the variants with every other
+    memory saver on (full recomputation, the highest ZeRO stage, sequence parallelism)
+    where no knob names them -- what the search prices offloading with.
 
+    Micro-batch sizes: every divisor of the local batch (global batch / dp); with pp = 1
+    the whole local batch is one step and smaller ones are gradient accumulation; with
+    pp > 1 those that give at least pp micro-batches (fewer leave every device idle over
+    half the step: bubble (pp-1)/(m+pp-1)), and the SMALL_MICROBATCH_SIZES.
+    ZeRO stages 2 and 3 only with pp = 1, as DeepSpeed allows (a pipeline's micro-batches
+    would gather the weights once each); a fixed shape may still ask for them.
+    Sequence parallelism only with tp > 1, both with and without.
     Layout: Megatron's tp-dp-pp, and also dp-outer tp-pp-dp where ``dp_outer_differs``.
     ``knobs["layout"]`` fixes it for every shape where the two put devices differently
     (dp > 1 and pp > 1); elsewhere they are the same plan, named tp-dp-pp."""
     cluster, b, layers = ctx.cluster, ctx.global_batch, len(ctx.names)
     n, per_node = cluster.num_devices, cluster.devices_per_node
     if shape is not None:
-        shapes = [shape]
+        shapes = [tuple(shape) + (1,) * (4 - len(shape))]
     else:
-        shapes = [(n // (tp * pp), tp, pp) for tp in divisors(per_node)
-                  for pp in divisors(n // tp) if pp <= layers]
+        shapes = [(n // (tp * pp * cp), tp, pp, cp) for tp in divisors(per_node)
+                  for cp in cp_degrees(ctx, per_node // tp, knobs)
+                  for pp in divisors(n // (tp * cp)) if pp <= layers]
     has_attention = any(l.type in HEAD_SPLIT_TYPES for l in ctx.profile.layers)
+    has_sequence_layers = any(l.type in SEQUENCE_LOCAL_TYPES and has_sequence(l)
+                              for l in ctx.profile.layers)
     out = []
-    for dp, tp, pp in shapes:
+    for dp, tp, pp, cp in shapes:
         if b % dp:
             continue
         local = b // dp
-        # pp == 1: the whole local batch at once, or gradient accumulation over
-        # micro-batches of up to MAX_MICROBATCH_SIZE samples (less activation memory)
-        sizes = sorted({2**k for k in range(MAX_MICROBATCH_SIZE.bit_length())
-                        if 2**k <= MAX_MICROBATCH_SIZE and local % 2**k == 0}
-                       | ({local} if pp == 1 else set()))
+        sizes = divisors(local)
+        if pp > 1:  # fewer micro-batches than stages idle every device over half the step
+            sizes = [s for s in sizes if local // s >= pp or s in SMALL_MICROBATCH_SIZES]
         if "microbatch_size" in knobs:
             sizes = [knobs["microbatch_size"]]
-        if dp > 1 and pp > 1 and "layout" in knobs:
+        if dp * cp > 1 and pp > 1 and "layout" in knobs:
             layouts: tuple[str, ...] = (knobs["layout"],)
         else:
             layouts = (DEFAULT_LAYOUT,) + (("tp-pp-dp",) if "layout" not in knobs and
-                                           dp_outer_differs(cluster, dp, tp, pp) else ())
+                                           dp_outer_differs(cluster, dp * cp, tp, pp) else ())
+        zeros = (knobs["zero_stage"],) if "zero_stage" in knobs else \
+            (0,) if dp * cp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)
+        sps = (knobs["sequence_parallel"],) if "sequence_parallel" in knobs else \
+            (False, True) if tp > 1 and has_sequence_layers else (False,)
+        recomputes = (knobs["recompute"],) if "recompute" in knobs else \
+            ("none", "selective", "full") if has_attention else ("none", "full")
+        offload_options = (knobs["offload"],) if "offload" in knobs else offloads
+        if savers_on:
+            recomputes = recomputes if "recompute" in knobs else ("full",)
+            zeros = zeros if "zero_stage" in knobs else (max(zeros),)
+            sps = sps if "sequence_parallel" in knobs else (max(sps),)
         for mbs in sizes:
             if local % mbs:
                 continue
@@ -146,18 +173,42 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
             elif ctx.batch_barrier and pp > 1 and m > 1:  # planner.batch_stats
                 schedules = ("gpipe",)
             for schedule, v in with_virtual_stages(schedules, knobs, pp, m, layers):
-                for rc in ((knobs["recompute"],) if "recompute" in knobs
-                           else ("none", "selective", "full") if has_attention
-                           else ("none", "full")):
-                    for zero in ((knobs["zero_stage"],) if "zero_stage" in knobs
-                                 else ((0, 1) if dp > 1 else (0,))):
-                        classic = tp == 1 and rc == "none" and not zero and (
+                for rc in recomputes:
+                    for zero in zeros:
+                        classic = tp == 1 and cp == 1 and rc == "none" and not zero and (
                             (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
-                        if skip_classic and classic:
+                        if skip_classic and classic and offload_options == ("none",):
                             continue
-                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, int(zero), v, layout)
-                                for layout in layouts]
+                        out += [Choice(dp, tp, pp, mbs, m, schedule, rc, int(zero), v, layout,
+                                       sp, cp, offload)
+                                for layout in layouts for sp in sps
+                                for offload in offload_options
+                                if not (skip_classic and classic and offload == "none")]
     return out
+
+
+# With pp > 1, micro-batch sizes that leave fewer micro-batches than stages are tried only
+# among these (a small model's per-micro-batch overhead can still make them the fastest)
+SMALL_MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+
+# Below this many tokens per sample context parallelism is not searched (a fixed cp is
+# still priced): our choice -- the activations it divides are then small next to the
+# weights' state, and every attention layer pays a key/value exchange.
+CP_MIN_SEQUENCE = 8192
+MAX_CP = 8  # context-parallel degrees searched: up to one node's worth
+
+
+def cp_degrees(ctx: SearchContext, room: int, knobs: Mapping[str, Any]) -> list[int]:
+    """Context-parallel degrees to search next to tp (``room`` = devices_per_node / tp):
+    1, and for a model with attention over at least CP_MIN_SEQUENCE tokens every divisor
+    of ``room`` up to MAX_CP that splits the sequence into 2 cp equal chunks (Megatron-
+    Core balances the causal mask so)."""
+    if "cp" in knobs:
+        return [knobs["cp"]] if room % knobs["cp"] == 0 else []
+    seq = sequence_length(ctx.profile)
+    if not seq or seq < CP_MIN_SEQUENCE:
+        return [1]
+    return [c for c in divisors(room) if c <= MAX_CP and seq % (2 * c) == 0] or [1]
 
 
 def with_virtual_stages(schedules: tuple[str, ...], knobs: Mapping[str, Any], pp: int,

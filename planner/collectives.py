@@ -133,3 +133,30 @@ def group_allreduce_time_s(nbytes: float, devices: Iterable[int], cluster: Clust
     Sec. 7)."""
     return allreduce_time_s(nbytes, members_per_node(devices, cluster.devices_per_node),
                             cluster.intra_node_link, cluster.inter_node_link)
+
+
+def allgather_time_s(nbytes: float, per_node: Sequence[int], intra: LinkSpec,
+                     inter: LinkSpec | None) -> float:
+    """All-gather of an ``nbytes`` result (each member holds N/n) over a group with
+    ``per_node[j]`` members on node j, and likewise a reduce-scatter of ``nbytes``:
+    half of ``allreduce_time_s`` for the same group. An all-reduce is a reduce-scatter
+    followed by an all-gather of the same N (Patarasuk & Yuan, JPDC 2009), and each of
+    the three forms priced there halves exactly: the ring's 2 (n-1) steps become n-1;
+    the hierarchical RS_intra + AR_inter(N/k) + AG_intra becomes AR_inter(N/k)/2 +
+    AG_intra (RS and AG cost the same); the flat ring over the slowest link halves.
+    ZeRO's collectives (Rajbhandari et al., SC'20, Sec. 7: reduce-scatter of gradients,
+    all-gather of weights), sequence parallelism's (Korthikanti et al., 2022, Sec. 4.2.2)
+    and context parallelism's key/value all-gather are priced with it."""
+    return allreduce_time_s(nbytes, per_node, intra, inter) / 2
+
+
+def tensor_group_allreduce_time_s(nbytes: float, tp: int, cluster: ClusterSpec) -> float:
+    """All-reduce of ``nbytes`` over one tensor-parallel group of ``tp`` consecutive
+    devices (tensor rank innermost in every layout, so the group of replica 0, stage 0
+    is devices 0..tp-1): a ring on the intra-node link when the group fits in a node,
+    else ``allreduce_time_s`` of its members per node over the inter-node link (tp=16
+    on 8-device nodes: hierarchical over 2 nodes). Megatron-LM keeps tp inside a node
+    because of this (Narayanan et al., SC'21, Sec. 3.2); a fixed tp may still span
+    nodes."""
+    return allreduce_time_s(nbytes, members_per_node(range(tp), cluster.devices_per_node),
+                            cluster.intra_node_link, cluster.inter_node_link)

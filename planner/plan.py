@@ -122,6 +122,24 @@ class Strategy:
         """ZeRO stage 1 or above: the optimizer state is sharded (``planner.zero``)."""
         return self.zero_stage >= 1
 
+    def describe(self) -> str:
+        """The strategy in one line: degrees, micro-batches, schedule and every saver on."""
+        parts = [f"dp={self.dp}, tp={self.tp}, pp={self.pp}"
+                 + (f", cp={self.cp}" if self.cp > 1 else ""),
+                 f"{self.num_microbatches} micro-batch(es) of {self.microbatch_size}",
+                 f"schedule {self.schedule}"
+                 + (f" ({self.virtual_stages} chunks per device)" if self.virtual_stages > 1
+                    else ""),
+                 f"recompute {self.recompute}"
+                 + (" (attention core)" if self.recompute == "selective" else "")]
+        if self.zero_stage:
+            parts.append(f"ZeRO-{self.zero_stage}")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload} to host memory")
+        return ", ".join(parts)
+
     def to_dict(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
                 "microbatch_size": self.microbatch_size,

@@ -62,8 +62,10 @@ from tfplan.planner import cost_model as cm
 from tfplan.planner.candidates import Choice
 from tfplan.planner.context import SearchContext
 from tfplan.planner.partition import device_loads, even_partition, min_max_partition
+from tfplan.planner import sharding
 from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, Stage, Strategy,
                                  stage_devices)
+from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
 from tfplan.planner.tp_splits import reference_samples, solve_splits
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
@@ -130,78 +132,106 @@ class Pricer:
                 grad_allreduce_s=lambda nbytes: self.dp_allreduce_s(nbytes, data_parallel))
         return self.split_choices[tp].splits
 
-    def arrays(self, tp: int, mbs: int) -> dict[str, np.ndarray]:
-        key = (tp, mbs)
+    def arrays(self, tp: int, mbs: int, sp: bool = False, cp: int = 1) -> dict[str, np.ndarray]:
+        """Per-layer numbers for one micro-batch of ``mbs`` samples at tensor-parallel
+        degree ``tp`` (the layers ``splits_for(tp)`` splits divided by tp), with sequence
+        parallelism ``sp`` (``planner.sequence``: per-token layers divided by tp too) and
+        context-parallel degree ``cp`` (every layer on 1/cp of the sequence; attention
+        gathering the other ranks' keys and values); cached."""
+        key = (tp, mbs, sp, cp)
         if key in self.cache:
             return self.cache[key]
         ctx, b = self.ctx, self.b
-        device, precision, link = ctx.cluster.device, ctx.profile.precision, \
-            ctx.cluster.intra_node_link
+        cluster = ctx.cluster
+        device, precision = cluster.device, ctx.profile.precision
         f = mbs / b
         splits = self.splits_for(tp)
-        fwd, bwd, tpf, tpb, state, opt, grad, act, inp, layer_in = ([] for _ in range(10))
+        seq_split = sequence_parallel_layers(ctx.profile, splits) if sp and tp > 1 \
+            else (False,) * self.n
+        cp_group = members_per_node(range(0, cp * tp, tp), cluster.devices_per_node)
+        cols: dict[str, list[float]] = {name: [] for name in (
+            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "inp", "layer_in",
+            "param", "cw", "gather", "core_fwd", "core_act", "cpf", "cpb")}
         for i, l in enumerate(self.layers):
             split = splits[i]
             k = tp if split else 1
-            t_fwd, t_bwd = cm.layer_fwd_bwd_time_s(l, mbs, b, device, precision, k,
+            work = k * (tp if seq_split[i] else 1) * cp  # devices sharing the layer's work
+            t_fwd, t_bwd = cm.layer_fwd_bwd_time_s(l, mbs, b, device, precision, work,
                                                    ctx.profile.measured_batch_size)
-            fwd.append(t_fwd)
-            bwd.append(t_bwd)
             s = next((x for x in self.comm[i].tp_splits if x.split == split), None)
-            tpf.append(coll.ring_allreduce_time_s(s.fwd_allreduce_bytes * f, tp, link)
-                       if s and s.fwd_allreduce_bytes else 0.0)
-            tpb.append(coll.ring_allreduce_time_s(s.bwd_allreduce_bytes * f, tp, link)
-                       if s and s.bwd_allreduce_bytes else 0.0)
-            state.append((l.param_bytes + l.compute_weight_bytes + l.grad_bytes) / k)
-            opt.append(l.optimizer_bytes / k)
-            grad.append(l.grad_bytes / k)
-            act.append(cm.saved_activation_bytes(l) * f / k + self.input_bytes[i] * f)
-            layer_in.append((l.input_bytes or (self.layers[i - 1].activation_bytes if i else 0)
-                             or self.input_bytes[i]) * f)
-            # what a stage starting at layer i receives: the previous layer's output
-            inp.append((self.layers[i - 1].activation_bytes if i else
-                        max(self.input_bytes[0], l.input_bytes)) * f)
-        arr = {k: np.array(v, dtype=float) for k, v in dict(
-            fwd=fwd, bwd=bwd, tpf=tpf, tpb=tpb, state=state, opt=opt, grad=grad, act=act,
-            inp=inp, layer_in=layer_in).items()}
-        arr["param"] = np.array([l.param_bytes / (tp if splits[i] else 1)
-                                 for i, l in enumerate(self.layers)], dtype=float)
-        for name in ("fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param"):
+            tpf = coll.tensor_group_allreduce_time_s(s.fwd_allreduce_bytes * f / cp, tp, cluster) \
+                if s and s.fwd_allreduce_bytes else 0.0
+            tpb = coll.tensor_group_allreduce_time_s(s.bwd_allreduce_bytes * f / cp, tp, cluster) \
+                if s and s.bwd_allreduce_bytes else 0.0
+            act = cm.saved_activation_bytes(l) * f / work + self.input_bytes[i] * f / cp
+            inp = (self.layers[i - 1].activation_bytes if i else
+                   max(self.input_bytes[0], l.input_bytes)) * f / cp
+            cpf = cpb = 0.0
+            if cp > 1 and self.attention[i]:
+                kv = kv_bytes(l) * f / k  # the whole sequence's keys and values, per head shard
+                gather_s = coll.allgather_time_s(kv, cp_group, cluster.intra_node_link,
+                                                 cluster.inter_node_link)
+                cpf, cpb = max(0.0, gather_s - t_fwd), max(0.0, gather_s - t_bwd)
+                act += kv * (cp - 1) / cp  # the other ranks' keys and values, kept
+            if self.attention[i] and l.attention_core_flops_fwd and l.flops_fwd:
+                core_fwd = t_fwd * min(1.0, l.attention_core_flops_fwd / l.flops_fwd)
+                core_act = min(act, l.attention_core_saved_bytes * f / (k * cp))
+            elif self.attention[i]:  # no core numbers: the whole layer (an overestimate)
+                core_fwd, core_act = t_fwd + tpf, max(0.0, act - inp)
+            else:
+                core_fwd = core_act = 0.0
+            gather = (l.compute_weight_bytes or l.param_bytes) / k
+            for name, value in (
+                    ("fwd", t_fwd), ("bwd", t_bwd), ("tpf", tpf), ("tpb", tpb),
+                    ("state", (l.param_bytes + l.compute_weight_bytes + l.grad_bytes) / k),
+                    ("opt", l.optimizer_bytes / k), ("grad", l.grad_bytes / k), ("act", act),
+                    ("inp", inp),  # what a stage starting at layer i receives
+                    ("layer_in", (l.input_bytes or (self.layers[i - 1].activation_bytes if i
+                                                    else 0) or self.input_bytes[i]) * f / cp),
+                    ("param", l.param_bytes / k), ("cw", l.compute_weight_bytes / k),
+                    ("gather", gather), ("core_fwd", core_fwd), ("core_act", core_act),
+                    ("cpf", cpf), ("cpb", cpb)):
+                cols[name].append(value)
+        arr = {name: np.array(v, dtype=float) for name, v in cols.items()}
+        for name in ("fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param", "cw",
+                     "core_fwd", "cpf", "cpb"):
             arr["sum_" + name] = np.concatenate([[0.0], np.cumsum(arr[name])])
         self.cache[key] = arr
         return arr
 
-    def recompute_mask(self, recompute: str) -> np.ndarray:
-        if recompute == "full":
-            return np.ones(self.n, dtype=bool)
-        if recompute == "selective":
-            return self.attention
-        return np.zeros(self.n, dtype=bool)
-
     def recomputed_flops(self, recompute: str) -> float:
-        """Forward FLOPs recomputed per profile batch (whole model)."""
+        """Forward FLOPs recomputed per profile batch (whole model): every layer's under
+        "full"; under "selective" the attention cores' (a whole attention layer's where the
+        profile has no core numbers)."""
         key = ("rcflops", recompute)
         if key not in self.cache:
-            rc = self.recompute_mask(recompute)
-            self.cache[key] = float(sum(l.flops_fwd for l, r in zip(self.layers, rc) if r))
+            if recompute == "full":
+                total = sum(l.flops_fwd for l in self.layers)
+            elif recompute == "selective":
+                total = sum((l.attention_core_flops_fwd or l.flops_fwd)
+                            for l, a in zip(self.layers, self.attention) if a)
+            else:
+                total = 0
+            self.cache[key] = float(total)
         return self.cache[key]
 
     def partition(self, tp: int, mbs: int, pp: int, recompute: str,
-                  virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
+                  virtual_stages: int = 1, sp: bool = False, cp: int = 1
+                  ) -> tuple[tuple[int, int], ...]:
         """pp x v contiguous runs of the layer order, run k on pipeline device k % pp,
         balancing the devices' work per micro-batch: the min-max split (exact for v = 1)
         or, for v > 1, the even split when its busiest device has less work.
 
-        The balance is struck once per (tp, pp, recompute, v) on the layers' work at a
-        reference micro-batch of PARTITION_MICROBATCH samples, not per micro-batch size:
-        a layer's time is linear in the samples plus a small fixed overhead, so the
+        The balance is struck once per (tp, pp, recompute, v, sp, cp) on the layers' work
+        at a reference micro-batch of PARTITION_MICROBATCH samples, not per micro-batch
+        size: a layer's time is linear in the samples plus a small fixed overhead, so the
         split that balances one size balances the others (and the search's cost stays
         flat as micro-batch sizes are added)."""
-        key = ("part", tp, pp, recompute, virtual_stages)
+        key = ("part", tp, pp, recompute, virtual_stages, sp, cp)
         if key not in self.cache:
-            a = self.arrays(tp, PARTITION_MICROBATCH)
-            rc = self.recompute_mask(recompute)
-            w = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + rc * (a["fwd"] + a["tpf"])
+            a = self.arrays(tp, PARTITION_MICROBATCH, sp, cp)
+            w = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + a["cpf"] + a["cpb"] \
+                + self._recompute_per_layer(a, recompute)
             parts = pp * virtual_stages
             options = [min_max_partition(tuple(w.tolist()), parts)]
             if virtual_stages > 1:
@@ -209,17 +239,30 @@ class Pricer:
             self.cache[key] = min(options, key=lambda b: max(device_loads(w, b, pp)))
         return self.cache[key]
 
+    @staticmethod
+    def _recompute_per_layer(a: dict[str, np.ndarray], recompute: str) -> np.ndarray:
+        """Each layer's recomputation time per micro-batch: its forward (with its tensor-
+        parallel and key/value exchanges) under "full", its attention core under
+        "selective"."""
+        if recompute == "full":
+            return a["fwd"] + a["tpf"] + a["cpf"]
+        if recompute == "selective":
+            return a["core_fwd"]
+        return np.zeros_like(a["fwd"])
+
     def devices(self, tp: int, mbs: int, pp: int, recompute: str, v: int, dp: int,
-                layout: str = DEFAULT_LAYOUT) -> dict[str, np.ndarray]:
+                layout: str = DEFAULT_LAYOUT, sp: bool = False, cp: int = 1
+                ) -> dict[str, np.ndarray]:
         """Per pipeline device, per micro-batch: the sums over its chunks of every
         per-layer number ``estimate`` needs (numpy, one entry per device), cached by
         everything they depend on; ``estimate`` then only applies the schedule, the
-        micro-batch count and ZeRO-1. Only the boundary sends ("send") depend on dp and
-        the layout: the rest is computed once per (tp, mbs, pp, recompute, v)."""
-        key = ("dev", tp, mbs, pp, recompute, v, dp, layout)
+        micro-batch count, ZeRO and offloading. Only the boundary sends ("send") depend on
+        dp (here dp x cp: the ranks between tp and pp) and the layout: the rest is
+        computed once per (tp, mbs, pp, recompute, v, sp, cp)."""
+        key = ("dev", tp, mbs, pp, recompute, v, dp, layout, sp, cp)
         if key in self.cache:
             return self.cache[key]
-        base = self._chunk_sums(tp, mbs, pp, recompute, v)
+        base = self._chunk_sums(tp, mbs, pp, recompute, v, sp, cp)
         cluster = self.ctx.cluster
         send = np.zeros(pp * v)
         for k, nbytes in enumerate(base["boundary_bytes"]):
@@ -232,71 +275,110 @@ class Pricer:
         self.cache[key] = d
         return d
 
-    def _chunk_sums(self, tp: int, mbs: int, pp: int, recompute: str, v: int
-                    ) -> dict[str, np.ndarray]:
+    def _chunk_sums(self, tp: int, mbs: int, pp: int, recompute: str, v: int,
+                    sp: bool = False, cp: int = 1) -> dict[str, np.ndarray]:
         """``devices`` without the sends, plus each chunk's boundary bytes per micro-batch
         (0 for the last chunk); cached."""
-        key = ("sums", tp, mbs, pp, recompute, v)
+        key = ("sums", tp, mbs, pp, recompute, v, sp, cp)
         if key in self.cache:
             return self.cache[key]
-        a = self.arrays(tp, mbs)
-        rc = self.recompute_mask(recompute)
-        bounds = self.partition(tp, mbs, pp, recompute, v)
+        a = self.arrays(tp, mbs, sp, cp)
+        bounds = self.partition(tp, mbs, pp, recompute, v, sp, cp)
         lo = np.array([b[0] for b in bounds])
         hi = np.array([b[1] for b in bounds])
 
         def per_device(chunk_values: np.ndarray, how=np.sum) -> np.ndarray:
-            return how(chunk_values.reshape(v, pp), axis=0)  # chunk k on device k % pp
+            return how(np.asarray(chunk_values, dtype=float).reshape(v, pp), axis=0)
 
         def chunk_sums(name: str) -> np.ndarray:
             prefix = a["sum_" + name]
             return prefix[hi] - prefix[lo]
 
         sums = {name: chunk_sums(name) for name in (
-            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param")}
+            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param", "cw",
+            "core_fwd", "cpf", "cpb")}
         d = {name: per_device(values) for name, values in sums.items()}
         if recompute == "full":
-            d["recompute"] = d["fwd"] + d["tpf"]
+            d["recompute"] = d["fwd"] + d["tpf"] + d["cpf"]
         elif recompute == "selective":
-            d["recompute"] = per_device(np.add.reduceat((a["fwd"] + a["tpf"]) * rc, lo))
+            d["recompute"] = d["core_fwd"]
         else:
             d["recompute"] = np.zeros(pp)
         # activations held per micro-batch in flight, and the working set on top
-        if recompute == "full":  # chunk inputs kept; one chunk recomputed at a time
-            d["kept"] = per_device(a["inp"][lo])
-            d["working"] = per_device(sums["act"], np.max)
+        if recompute == "full":  # checkpoints every few layers (full_recompute_memory)
+            kept, working = self._full_recompute(tp, pp, v, sp, cp)
+            scale = mbs / PARTITION_MICROBATCH  # both are linear in the samples
+            d["kept"] = per_device(kept * scale)
+            d["working"] = per_device(working * scale, np.max)
         elif recompute == "selective":
-            kept = a["act"] * ~rc + a["inp"] * rc
-            d["kept"] = per_device(np.add.reduceat(kept, lo))
-            d["working"] = per_device(np.maximum.reduceat(a["act"] * rc, lo), np.max)
+            d["kept"] = d["act"] - per_device(np.add.reduceat(a["core_act"], lo))
+            d["working"] = per_device(np.maximum.reduceat(a["core_act"], lo), np.max)
         else:
             d["kept"], d["working"] = d["act"], np.zeros(pp)
+        # layers holding weights: ZeRO-3 gathers (and reduce-scatters) each on its own
+        d["weighted_layers"] = per_device(np.add.reduceat((a["param"] > 0).astype(float), lo))
+        # ZeRO-3's gathered weights in flight and ZeRO-2/3's unsharded gradient bucket
+        d["largest_gather"] = per_device(np.maximum.reduceat(a["gather"], lo), np.max)
+        d["largest_grad"] = per_device(np.maximum.reduceat(a["grad"], lo), np.max)
         # boundary transfers (``devices``): each chunk's output forward, its gradient back
         d["boundary_bytes"] = tuple(float(self.layers[end - 1].activation_bytes) * mbs / self.b
-                                    if end < self.n else 0.0 for end in hi)
+                                    / cp if end < self.n else 0.0 for end in hi)
         # all but the first layer's backward hides the gradient all-reduce
         d["overlap"] = d["bwd"] - a["bwd"][lo[:pp]]
         d["bounds"] = bounds
         self.cache[key] = d
         return d
 
+    def _full_recompute(self, tp: int, pp: int, v: int, sp: bool, cp: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk, ``full_recompute_memory`` at PARTITION_MICROBATCH samples; cached. A
+        layer's inputs and saved bytes both scale linearly with the samples, so the best
+        checkpoint spacing is the same at every micro-batch size and the bytes scale."""
+        key = ("full", tp, pp, v, sp, cp)
+        if key not in self.cache:
+            a = self.arrays(tp, PARTITION_MICROBATCH, sp, cp)
+            bounds = self.partition(tp, PARTITION_MICROBATCH, pp, "full", v, sp, cp)
+            pairs = [full_recompute_memory(a["inp"][lo:hi], a["act"][lo:hi], pp)
+                     for lo, hi in bounds]
+            self.cache[key] = (np.array([k for k, _ in pairs]), np.array([w for _, w in pairs]))
+        return self.cache[key]
+
     def estimate(self, c: Choice) -> Estimate:
         ctx = self.ctx
+        cluster = ctx.cluster
         v, pp, m = c.virtual_stages, c.pp, c.num_microbatches
-        d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.dp, c.layout)
+        d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.replicas, c.layout,
+                         c.sequence_parallel, c.cp)
         compute = d["fwd"] + d["bwd"]
-        comm = d["tpf"] + d["tpb"] + d["send"]
+        comm = d["tpf"] + d["tpb"] + d["cpf"] + d["cpb"] + d["send"]
         stage_times = compute + comm + d["recompute"]
-        k = np.array([cm.microbatches_in_flight(c.schedule, pp - s, m, v) for s in range(pp)])
-        shard = c.dp if c.optimizer_sharding else 1
-        opt = d["opt"] / shard
-        memories = np.ceil(cm.with_margin_bytes(d["state"] + opt + k * d["kept"]
-                                                + d["working"]))
-        opt_s = cm.optimizer_time_s(d["param"] / shard, d["grad"] / shard, opt,
-                                    ctx.cluster.device)
+        k = self._in_flight(c.schedule, pp, m, v)
+        replicas, zero = c.replicas, c.zero_stage if c.replicas > 1 else 0
+        held = sharding.state_bytes(d["param"], d["cw"], d["grad"], d["opt"], replicas=replicas,
+                                    zero_stage=zero, offload=c.offload,
+                                    largest_gather=d["largest_gather"],
+                                    largest_grad=d["largest_grad"])
+        memories = np.ceil(cm.with_margin_bytes(held + k * d["kept"] + d["working"]))
+        shard = replicas if zero >= 1 else 1
+        if c.offload == "none":
+            opt_s = cm.optimizer_time_s(d["param"] / shard, d["grad"] / shard, d["opt"] / shard,
+                                        cluster.device)
+        else:
+            opt_s = sharding.offload_time_s(
+                c.offload, m, weights=d["param"], compute_weights=d["cw"], grads=d["grad"],
+                optimizer=d["opt"], shard=shard, cluster=cluster, forward_s=d["fwd"],
+                backward_s=d["bwd"])
+        dp_s = 0.0
+        if replicas > 1:
+            allreduce, gather, updated, per_layer = self._dp_collectives(d, c)
+            if zero < 3:
+                per_layer = 0.0
+            dp_s = float(np.max(sharding.zero_exposed_s(
+                zero, m, allreduce_s=allreduce, reduce_scatter_s=allreduce / 2 + per_layer,
+                gather_weights_s=gather + per_layer, gather_updated_s=updated,
+                forward_s=d["fwd"], backward_overlap_s=d["overlap"])))
         slow = int(np.argmax(stage_times))
         t_stage = float(stage_times[slow])
-        dp_s = float(np.max(np.maximum(0.0, self.dp_allreduce_s(d["grad"], c) - d["overlap"])))
         breakdown = Breakdown(compute_s=m * float(compute[slow]),
                               communication_s=m * float(comm[slow]) + dp_s,
                               bubble_s=cm.batch_barrier_bubble_s(pp, t_stage, m)
@@ -304,28 +386,53 @@ class Pricer:
                               cm.pipeline_bubble_s(pp, t_stage, v),
                               recompute_s=m * float(d["recompute"][slow]),
                               optimizer_s=float(np.max(opt_s)))
-        if ctx.cluster.devices_per_compute_pool > 1:  # else with_shared_cores changes nothing
+        if cluster.devices_per_compute_pool > 1:  # else with_shared_cores changes nothing
             busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
             # in device order: stage-major (tp-dp-pp) or replica-major (tp-pp-dp)
-            in_order = np.repeat(busy, c.dp * c.tp) if c.layout != "tp-pp-dp" \
-                else np.tile(np.repeat(busy, c.tp), c.dp)
-            breakdown = cm.with_shared_cores(breakdown, in_order.tolist(), ctx.cluster)
+            ranks = replicas * c.tp
+            in_order = np.repeat(busy, ranks) if c.layout != "tp-pp-dp" \
+                else np.tile(np.repeat(busy, c.tp), replicas)
+            breakdown = cm.with_shared_cores(breakdown, in_order.tolist(), cluster)
         breakdown = cm.with_step_overhead(breakdown, ctx.profile.measured_step_overhead_s)
-        p = ctx.profile
         hw = (self.total_flops + self.recomputed_flops(c.recompute)) / self.b * ctx.global_batch
         bounds = d["bounds"]
         # memory per stage of the plan: each chunk reports its device's peak
         return Estimate(c, breakdown, bounds, tuple(int(memories[k % pp])
                                                     for k in range(len(bounds))), hw)
 
+    def _in_flight(self, schedule: str, pp: int, m: int, v: int) -> np.ndarray:
+        """``cost_model.microbatches_in_flight`` of each pipeline device; cached."""
+        key = ("flight", schedule, pp, m, v)
+        if key not in self.cache:
+            self.cache[key] = np.array([cm.microbatches_in_flight(schedule, pp - s, m, v)
+                                        for s in range(pp)])
+        return self.cache[key]
+
+    def _dp_collectives(self, d: dict, c: Choice) -> tuple:
+        """Per pipeline device, over its dp x cp group: the gradients' all-reduce, the
+        all-gather of its compute weights (ZeRO-3: the compute copies, or the float32
+        weights when the model computes in float32), the all-gather of its updated
+        weights (ZeRO-2), and one collective's latency per weighted layer after the first
+        (ZeRO-3 gathers and reduce-scatters layer by layer: its time at 0 bytes). Cached in
+        ``d``, which is already specific to the group and layout (``devices``)."""
+        if "_dp" not in d:
+            gather_bytes = np.where(d["cw"] > 0, d["cw"], d["param"])
+            d["_dp"] = (self.dp_allreduce_s(d["grad"], c),
+                        self.dp_allreduce_s(gather_bytes, c) / 2,
+                        self.dp_allreduce_s(d["param"], c) / 2,
+                        self.dp_allreduce_s(0.0, c) / 2 * np.maximum(0.0,
+                                                                     d["weighted_layers"] - 1))
+        return d["_dp"]
+
     def dp_allreduce_s(self, nbytes, c: Choice):
-        """Gradient all-reduce of ``nbytes[s]`` over the dp group of each pipeline device
-        s of ``c`` (``topology.dp_group_devices`` under ``c.layout``), priced by
-        ``collectives.allreduce_time_s`` from the group's members per node: one number
-        per pipeline device, or stage 0's for a scalar ``nbytes``. ZeRO-1's
-        reduce-scatter + all-gather moves the same bytes (SC'20 Sec. 7)."""
+        """Gradient all-reduce of ``nbytes[s]`` over the data-parallel group of each
+        pipeline device s of ``c`` -- its dp x cp ranks (``topology.dp_group_devices``
+        under ``c.layout``) -- priced by ``collectives.allreduce_time_s`` from the group's
+        members per node: one number per pipeline device, or stage 0's for a scalar
+        ``nbytes``. ZeRO-1's reduce-scatter + all-gather moves the same bytes (SC'20
+        Sec. 7); a reduce-scatter or all-gather alone is half (``collectives.allgather_time_s``)."""
         cluster = self.ctx.cluster
-        groups = self._dp_groups(c.dp, c.tp, c.pp, c.layout)
+        groups = self._dp_groups(c.replicas, c.tp, c.pp, c.layout)
         intra, inter = cluster.intra_node_link, cluster.inter_node_link
         if np.ndim(nbytes) == 0:
             return coll.allreduce_time_s(nbytes, groups[0][0], intra, inter)
@@ -353,14 +460,14 @@ class Pricer:
         names = ctx.names
         devices = ctx.cluster.device_names()
         stages = tuple(Stage(layers=names[lo:hi],
-                             devices=stage_devices(devices, c.layout, c.dp, c.tp, c.pp,
+                             devices=stage_devices(devices, c.layout, c.replicas, c.tp, c.pp,
                                                    k % c.pp))
                        for k, (lo, hi) in enumerate(e.stage_bounds))
         memory = tuple((d, e.stage_memory_bytes[s]) for s, st in enumerate(stages[:c.pp])
                        for d in st.devices)
         step = e.step_time_s
         p = ctx.profile
-        n_dev = c.dp * c.tp * c.pp
+        n_dev = c.replicas * c.tp * c.pp
         return Plan(
             name=c.name, model_name=p.model_name, model_fingerprint=p.fingerprint,
             model_signature=p.signature(), model_output_shapes=p.output_shapes(),
@@ -391,6 +498,30 @@ class Pricer:
         self.splits_for(tp)
         return self.split_choices[tp].solver if tp in self.split_choices \
             else "no tensor parallelism"
+
+
+def full_recompute_memory(boundary_bytes: np.ndarray, saved_bytes: np.ndarray,
+                          in_flight: int) -> tuple[float, float]:
+    """Activation memory of one chunk under full recomputation, checkpointing every L
+    layers: (kept per micro-batch in flight, working set) for the L that minimizes
+    in_flight x kept + working (Chen et al., "Training deep nets with sublinear memory
+    cost", 2016, Sec. 4: segments of about sqrt(n) layers; Megatron-LM checkpoints every
+    transformer layer, about 7 of ours). kept = the inputs of the segments' first layers;
+    working = the largest segment's saved activations, alive while it is recomputed.
+    ``boundary_bytes[i]``/``saved_bytes[i]``: layer i's input and saved bytes."""
+    n = len(saved_bytes)
+    if n == 0:
+        return 0.0, 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(saved_bytes)])
+    best = None
+    for every in range(1, n + 1):
+        starts = np.arange(0, n, every)
+        kept = float(boundary_bytes[starts].sum())
+        working = float(np.max(prefix[np.minimum(starts + every, n)] - prefix[starts]))
+        cost = in_flight * kept + working
+        if best is None or cost < best[0]:
+            best = (cost, kept, working)
+    return best[1], best[2]
 
 
 def best_per_shape(estimates: list[Estimate], capacity: int) -> list[Estimate]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import InfeasiblePlanError, PlannerError, SolverError
@@ -47,12 +47,13 @@ from tfplan.core.units import fmt_bytes, fmt_seconds
 from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
 from tfplan.planner.batch_stats import with_batch_norm
-from tfplan.planner.candidates import divisors, hybrid_choices
+from tfplan.planner.candidates import Choice, divisors, hybrid_choices
 from tfplan.planner.context import SearchContext, search_context
 from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                          min_max_stage_memory, min_stages_to_fit)
 from tfplan.planner.placement_search import placement_plans
-from tfplan.planner.plan import LAYOUTS, RECOMPUTE, ZERO_STAGES, Breakdown, Plan, Stage, Strategy
+from tfplan.planner.sequence import sequence_length
+from tfplan.planner.plan import LAYOUTS, OFFLOAD, RECOMPUTE, ZERO_STAGES, Breakdown, Plan, Stage, Strategy
 from tfplan.planner.pricing import Estimate, Pricer, best_per_shape
 from tfplan.planner.topology import link_between
 from tfplan.planner.validate import validate_plan
@@ -60,9 +61,9 @@ from tfplan.profiler.model_profile import ModelProfile
 
 MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of the step
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
-SHAPE_KEYS = ("dp", "tp", "pp", "num_microbatches")
+SHAPE_KEYS = ("dp", "tp", "pp", "cp", "num_microbatches")
 KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "zero_stage", "optimizer_sharding",
-             "virtual_stages", "layout")
+             "sequence_parallel", "offload", "virtual_stages", "layout")
 FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
 MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
 # A simple plan (``_is_simple``) within 3% of the fastest is chosen over it: the cost
@@ -79,14 +80,17 @@ class SearchResult:
 
 def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
            fix: Mapping[str, int] | None = None, time_limit_s: float = 10.0,
-           batch_norm: str = "global") -> SearchResult:
+           batch_norm: str = "global",
+           admissible: Callable[[Choice], bool] | None = None) -> SearchResult:
     """Rank the candidate strategies for training ``profile`` on ``cluster``.
 
     ``fix`` (e.g. ``{"dp": 4}`` or ``{"pp": 2, "num_microbatches": 4}``) prices only
     that strategy and returns it even when it does not fit. ``time_limit_s`` is the
     ILP budget for the whole search, shared evenly among the pipeline splits.
     ``batch_norm``: every plan's rule for BatchNormalization statistics, priced
-    (``planner.batch_stats``). Same input, same output. Raises InfeasiblePlanError when
+    (``planner.batch_stats``). ``admissible``: only hybrid strategies it accepts are
+    priced (``apply.auto`` passes what ``apply`` can run; the classic candidates use no
+    dimension beyond dp and pp). Same input, same output. Raises InfeasiblePlanError when
     nothing fits.
     """
     ctx = search_context(profile, cluster, global_batch, batch_norm)
@@ -104,7 +108,7 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         check_microbatch_size(knobs["microbatch_size"], global_batch)
     n, b = cluster.num_devices, global_batch
     plans: list[Plan] = []
-    if not knobs:  # the classic candidates; knobs restrict the search to hybrid pricing
+    if _classic_allowed(knobs):  # the classic candidates, unless a knob excludes them all
         plans = [_data_parallel(ctx, 1)]
         plans += [_data_parallel(ctx, dp) for dp in _data_parallel_degrees(n) if b % dp == 0]
         # plain pipelines (one device per stage, no dp) within one node; across nodes the
@@ -116,11 +120,15 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
         plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
         plans += placement_plans(ctx, time_limit_s)  # branchy graphs, one node, <= 4 devices
+        plans = [p for p in plans if _matches(p.strategy, knobs)]
     evaluated = len(plans)
     pricer = Pricer(ctx)
     # a tensor-parallel degree at which no layer is worth splitting only idles devices
-    estimates = [pricer.estimate(c) for c in hybrid_choices(ctx, knobs, skip_classic=not knobs)
-                 if c.tp == 1 or any(pricer.splits_for(c.tp))]
+    estimates = [pricer.estimate(c) for c in hybrid_choices(ctx, knobs,
+                                                            skip_classic=_classic_allowed(knobs))
+                 if (c.tp == 1 or any(pricer.splits_for(c.tp)))
+                 and (admissible is None or admissible(c))]
+    estimates += _offloaded(ctx, pricer, knobs, estimates, admissible)
     evaluated += len(estimates)
     plans += [pricer.to_plan(e) for e in best_per_shape(estimates, cluster.device.memory_bytes)]
     plans = [with_batch_norm(plan, profile, batch_norm) for plan in plans]
@@ -147,12 +155,57 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]), evaluated=evaluated)
 
 
+def _classic_allowed(knobs: Mapping[str, Any]) -> bool:
+    """Whether the classic candidates (single device, plain data parallel, plain GPipe,
+    general placement) can satisfy ``knobs`` at all: they have no recomputation, no
+    ZeRO, no sequence parallelism, no offloading, and their own micro-batch counts, so
+    knobs that name anything else leave them out (``_matches`` filters the rest)."""
+    return knobs.get("recompute", "none") == "none" and not knobs.get("zero_stage") \
+        and not knobs.get("sequence_parallel") and knobs.get("offload", "none") == "none" \
+        and knobs.get("schedule", "gpipe") == "gpipe" and "virtual_stages" not in knobs
+
+
+def _matches(s: Strategy, knobs: Mapping[str, Any]) -> bool:
+    """Whether a classic plan's strategy agrees with every knob that applies to it (a
+    schedule or layout knob names pipelines only, so it does not drop a data-parallel
+    plan, as it does not drop the pp = 1 hybrids)."""
+    if "microbatch_size" in knobs and s.microbatch_size != knobs["microbatch_size"]:
+        return False
+    if "layout" in knobs and s.dp > 1 and s.pp > 1 and s.layout != knobs["layout"]:
+        return False
+    return True
+
+
+def _offloaded(ctx: SearchContext, pricer: Pricer, knobs: Mapping[str, Any],
+               estimates: list[Estimate],
+               admissible: Callable[[Choice], bool] | None = None) -> list[Estimate]:
+    """Offloaded variants (``Strategy.offload``) of every (dp, tp, pp, cp) shape where
+    nothing without offloading fits: offloading costs host-link time every step, so it
+    is how a model trains on too few devices at all, not a speed-up (ZeRO-Offload, Ren et
+    al., ATC'21, Sec. 1). Skipped when a knob fixes ``offload``."""
+    if "offload" in knobs:
+        return []
+    cap = ctx.cluster.device.memory_bytes
+    shapes: dict[tuple[int, ...], bool] = {}
+    for e in estimates:
+        key = (e.choice.dp, e.choice.tp, e.choice.pp, e.choice.cp)
+        shapes[key] = shapes.get(key, False) or e.fits(cap)
+    out = []
+    for shape, fits in shapes.items():
+        if not fits:
+            out += [pricer.estimate(c) for c in hybrid_choices(
+                ctx, knobs, skip_classic=False, shape=shape,
+                offloads=("optimizer", "optimizer+weights"), savers_on=True)
+                if admissible is None or admissible(c)]
+    return out
+
+
 def _is_simple(p: Plan) -> bool:
     """No tensor parallelism, no dp x pp hybrid, no recomputation, no ZeRO-1: what
     ``apply.wrap`` runs today."""
     s = p.strategy
     return s.tp == 1 and (s.dp == 1 or s.pp == 1) and s.recompute == "none" \
-        and not s.optimizer_sharding
+        and not s.optimizer_sharding and s.cp == 1 and s.offload == "none"
 
 
 def _rank_key(p: Plan):
@@ -322,6 +375,12 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
         elif key == "zero_stage":
             if value not in ZERO_STAGES or isinstance(value, bool):
                 raise PlannerError(f"fix zero_stage={value!r}; expected one of {ZERO_STAGES}.")
+        elif key == "sequence_parallel":
+            if not isinstance(value, bool):
+                raise PlannerError(f"fix sequence_parallel={value!r}; expected true or false.")
+        elif key == "offload":
+            if value not in OFFLOAD:
+                raise PlannerError(f"fix offload={value!r}; expected one of {OFFLOAD}.")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlannerError(f"fix {key}={value!r}; expected a whole number >= 1.")
     out = dict(fix)
@@ -335,16 +394,26 @@ def _check_fix(fix: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> SearchResult:
-    dp, tp, pp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1)
+    dp, tp, pp, cp = fix.get("dp", 1), fix.get("tp", 1), fix.get("pp", 1), fix.get("cp", 1)
     m = fix.get("num_microbatches")
-    n, b, per_node = ctx.cluster.num_devices, ctx.global_batch, ctx.cluster.devices_per_node
-    if tp > per_node or per_node % tp:
-        raise PlannerError(f"fix asks for tp={tp}; tensor parallelism stays inside a node, so tp "
-                           f"must divide devices_per_node = {per_node} of cluster "
-                           f"{ctx.cluster.name!r}. Use one of {divisors(per_node)}.")
-    if dp * tp * pp > n:
-        raise InfeasiblePlanError(f"fix asks for dp*tp*pp = {dp * tp * pp} devices; cluster "
-                                  f"{ctx.cluster.name!r} has {n}. Use a bigger cluster.")
+    n, b = ctx.cluster.num_devices, ctx.global_batch
+    # tp may span nodes (slow, but it runs): its all-reduces are priced over the
+    # inter-node link (collectives.tensor_group_allreduce_time_s)
+    if dp * cp * tp * pp > n:
+        raise InfeasiblePlanError(f"fix asks for dp*cp*tp*pp = {dp * cp * tp * pp} devices; "
+                                  f"cluster {ctx.cluster.name!r} has {n}. Use a bigger cluster.")
+    seq = sequence_length(ctx.profile)
+    if cp > 1 and (not seq or seq % cp):
+        raise PlannerError(
+            f"fix asks for cp={cp}, but " + (f"the sequence of {seq} tokens does not split into "
+                                             f"{cp} equal chunks; use a cp that divides it."
+                                             if seq else
+                                             f"model {ctx.profile.model_name!r} has no attention "
+                                             "layer with a known sequence length; context "
+                                             "parallelism splits attention's sequence."))
+    if fix.get("sequence_parallel") and tp == 1:
+        raise PlannerError("fix asks for sequence parallelism with tp=1; it splits what a "
+                           "tensor-parallel group replicates, so it needs tp > 1 (e.g. tp=2).")
     if b % dp:
         raise PlannerError(f"fix asks for dp={dp}, which does not divide the global batch {b}; "
                            "choose a dp that divides it (or change the batch).")
@@ -355,7 +424,7 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
         raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
                            f"global batch {b}.")
     knobs = {k: v for k, v in fix.items() if k in KNOB_KEYS}
-    classic = tp == 1 and not knobs and (dp == 1 or pp == 1) and (pp > 1 or m in (None, 1))
+    classic = tp == 1 and cp == 1 and not knobs and (dp == 1 or pp == 1) and (pp > 1 or m in (None, 1))
     evaluated = 1
     if classic and pp == 1:
         plan = _data_parallel(ctx, dp)
@@ -375,7 +444,7 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
                                f"{b // dp} (global batch {b} / dp {dp}); choose a divisor.")
         pricer = Pricer(ctx)
         estimates = [pricer.estimate(c) for c in
-                     hybrid_choices(ctx, knobs, skip_classic=False, shape=(dp, tp, pp))]
+                     hybrid_choices(ctx, knobs, skip_classic=False, shape=(dp, tp, pp, cp))]
         if not estimates:
             raise PlannerError(f"fix {dict(fix)} leaves no strategy to price; check that the "
                                "micro-batch size divides the local batch.")

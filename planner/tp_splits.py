@@ -147,7 +147,12 @@ def tp_problem(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
             dp_s = grad_allreduce_s(layer.grad_bytes) - base_s if grad_allreduce_s else 0.0
             priced[key] = _options(layer, input_bytes, float(time_s) + dp_s, cluster, tp, f)
         tp_layers.append(TPLayer(layer.name, priced[key]))
-    return TPProblem(tuple(tp_layers), edges, tp, cluster.intra_node_link,
+    # a group spanning nodes (a fixed tp > devices_per_node) all-reduces over the slower
+    # inter-node link: priced as a flat ring over it here (planner.pricing prices it
+    # hierarchically, collectives.tensor_group_allreduce_time_s)
+    link = cluster.intra_node_link if tp <= cluster.devices_per_node or \
+        cluster.inter_node_link is None else cluster.inter_node_link
+    return TPProblem(tuple(tp_layers), edges, tp, link,
                      memory_capacity_bytes, block_of_runs(_repeated_blocks(tp_layers, edges),
                                                    period_blocks=SHARE_PERIOD_BLOCKS))
 

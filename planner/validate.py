@@ -51,12 +51,11 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
 
 def _check_strategy(plan: Plan, fail) -> None:
     s, cluster = plan.strategy, plan.cluster
-    if s.tp > cluster.devices_per_node or cluster.devices_per_node % s.tp:
-        fail(f"tp is {s.tp}; tensor parallelism stays inside a node, expected a divisor of "
-             f"devices_per_node = {cluster.devices_per_node}.")
     if s.num_devices > cluster.num_devices:
-        fail(f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.num_devices} devices, but cluster "
+        fail(f"dp*cp*tp*pp = {s.dp}*{s.cp}*{s.tp}*{s.pp} = {s.num_devices} devices, but cluster "
              f"{cluster.name!r} has {cluster.num_devices}. Re-plan for this cluster.")
+    if s.sequence_parallel and s.tp == 1:
+        fail("sequence_parallel is true with tp = 1; it needs tp > 1.")
     if s.microbatch_size * s.num_microbatches * s.dp != plan.global_batch:
         fail(f"microbatch_size * num_microbatches * dp = {s.microbatch_size} * "
              f"{s.num_microbatches} * {s.dp} = {s.microbatch_size * s.num_microbatches * s.dp}, "
@@ -96,9 +95,10 @@ def _check_stages(plan: Plan, order: list[str], fail) -> None:
                 fail(f"layer {name!r} is in stage {seen[name]} and again in stage {k}; "
                      "each layer belongs to exactly one stage.")
             seen[name] = k
-        if len(stage.devices) != s.dp * s.tp:
+        if len(stage.devices) != s.replicas * s.tp:
             fail(f"stage {k} has {len(stage.devices)} devices; expected one per data-parallel "
-                 f"replica and tensor rank (dp = {s.dp} x tp = {s.tp}).")
+                 f"replica, context-parallel rank and tensor rank (dp = {s.dp} x cp = {s.cp} "
+                 f"x tp = {s.tp}).")
     missing = [name for name in order if name not in seen]
     if missing:
         fail(f"layer(s) {', '.join(repr(n) for n in missing[:5])} are in no stage; every "

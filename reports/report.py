@@ -35,9 +35,7 @@ def summary_lines(a: Analysis) -> list[str]:
     return [
         f"Model {a.profile.model_name}: {a.profile.params:,} params; cluster "
         f"{a.chosen.cluster.name}; global batch {a.chosen.global_batch}.",
-        f"Chosen: {a.chosen.name} (dp={s.dp}, tp={s.tp}, pp={s.pp}, {s.num_microbatches} "
-        f"micro-batch(es) of {s.microbatch_size}, schedule {s.schedule}, recompute "
-        f"{s.recompute}{', ZeRO-1' if s.optimizer_sharding else ''}).",
+        f"Chosen: {a.chosen.name} ({s.describe()}).",
         f"Predicted step time {fmt_seconds(p.step_time_s)}, {p.samples_per_s:,.1f} samples/s, "
         f"peak memory {fmt_bytes(p.max_memory_bytes)} of {fmt_bytes(p.memory_capacity_bytes)} "
         f"per device{'' if p.fits else ' (does NOT fit)'}.",

@@ -29,8 +29,7 @@ def plan_markdown(plan: Plan) -> str:
     s, p = plan.strategy, plan.predicted
     lines = [f"**{plan.name}** for model `{plan.model_name}` on `{plan.cluster.name}`, "
              f"global batch {plan.global_batch}", "",
-             f"- dp={s.dp}, tp={s.tp}, pp={s.pp}, {s.num_microbatches} micro-batches of "
-             f"{s.microbatch_size}, schedule {s.schedule}",
+             f"- {s.describe()}",
              f"- predicted step time {fmt_seconds(p.step_time_s)}, "
              f"{p.samples_per_s:,.1f} samples/s",
              f"- peak memory per device {fmt_bytes(p.max_memory_bytes)} of "

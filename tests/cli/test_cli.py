@@ -261,7 +261,8 @@ def test_what_if_hybrid_that_does_not_fit_is_reported(tmp_path):
     assert plan["strategy"] == {"dp": 2, "tp": 2, "pp": 2, "microbatch_size": 4,
                                 "num_microbatches": 8, "schedule": "1f1b",
                                 "recompute": "full", "optimizer_sharding": True,
-                                "virtual_stages": 1, "layout": "tp-dp-pp",
+                                "zero_stage": 1, "cp": 1, "sequence_parallel": False,
+                                "offload": "none", "virtual_stages": 1, "layout": "tp-dp-pp",
                                 "batch_norm": "global"}
     predicted = plan["predicted"]
     assert predicted["fits"] is True

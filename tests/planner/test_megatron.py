@@ -60,7 +60,7 @@ def test_published_settings_fix_one_strategy(index):
     every row, and its schedule and chunks where pp > 1."""
     row = read_table()[index]
     fix = published_strategy(row)
-    assert fix["optimizer_sharding"] is False and fix["recompute"] == "full"
+    assert fix["zero_stage"] == 0 and not fix["sequence_parallel"] and fix["recompute"] == "full"
     profile = gpt_profile(int(row["layers"]), int(row["hidden"]), int(row["heads"]))
     result = search(profile, cluster_for(int(row["gpus"])), int(row["batch"]), fix=fix)
     s = result.chosen.strategy
