@@ -31,6 +31,11 @@ Per layer (JSON keys are the field names):
 * ``groups``: a convolution's feature groups (``Conv2D(groups=g)``; 1 otherwise):
   ``apply`` splits only convolutions with groups=1, so the planner offers the others
   no tensor-parallel split;
+* ``attention_core_flops_fwd``, ``attention_core_saved_bytes``, ``attention_kv_bytes``:
+  an attention layer's core -- scores, softmax, dropout, context -- found in its ops
+  (``profiler.attention_core``): its forward FLOPs, the saved bytes only it holds, the
+  projected keys and values it reads; ``attention_kv_heads``: the layer's key/value
+  heads (MultiHeadAttention's heads, GroupQueryAttention's key/value heads). 0 elsewhere;
 * ``calls``: how many times the model calls the layer (a shared layer's numbers
   are the sum over its calls); ``inputs``: the layers that feed it.
 """
