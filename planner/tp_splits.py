@@ -27,6 +27,9 @@ What the ILP is told (one tensor-parallel group of t devices over the cluster's
 - per layer, its own Megatron f/g all-reduces (``profiler.comm.layer_comm``) and its
   per-device memory (state / t when split, saved activations / t for a column split:
   ``tp_ilp.split_options``), all bytes scaled from the profile batch to ``samples``;
+- per layer, only the splits a group of t devices can take (``profiler.comm``'s
+  ``TensorSplit.allows``: a GroupQueryAttention is split by heads only when t divides
+  its key/value heads); the fixed rule replicates the others too;
 - per edge of the layer graph (``ModelProfile.edges``, else ``LayerProfile.inputs``
   with the producer's output bytes), the resharding collectives between differently
   laid out neighbours (``tp_ilp.RESHARDING``; Zheng et al., "Alpa", OSDI'22, Sec. 4.2);
@@ -65,7 +68,8 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import SolverError
 from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
-from tfplan.profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES
+from tfplan.profiler.comm import (COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES,
+                                  layer_comm)
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 from tfplan.profiler.repeats import MIN_REPEATS
 
@@ -171,11 +175,19 @@ def _options(layer: LayerProfile, input_bytes: int, time_s: float, cluster: Clus
     options = split_options(layer, input_bytes, time_s + opt_s,
                             cm.with_margin_bytes(layer.state_bytes),
                             cm.with_margin_bytes(cm.saved_activation_bytes(layer) * f), tp)
+    refused = _refused_splits(layer, tp)  # a GroupQueryAttention's heads, tp not | kv heads
+    options = tuple(o for o in options if o.split not in refused)
     # layer_comm's bytes are for the profile batch; a collective without ``where`` is
     # named after its layer by evaluate_tp, so identical layers price equal
     return tuple(SplitOption(o.split, o.compute_time_s, o.memory_bytes,
                              tuple(replace(c, nbytes=c.nbytes * f, where="")
                                    for c in o.collectives)) for o in options)
+
+
+def _refused_splits(layer: LayerProfile, tp: int) -> frozenset[str]:
+    """The splits ``profiler.comm`` offers ``layer`` that a group of ``tp`` devices
+    cannot take (``TensorSplit.allows``)."""
+    return frozenset(s.split for s in layer_comm(layer, 0).tp_splits if not s.allows(tp))
 
 
 def _edges(profile: ModelProfile, f: float) -> tuple[TPEdge, ...]:
@@ -254,6 +266,7 @@ def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
     """The splits at degree ``tp`` with their prices (see the module docstring)."""
     rule = tp_split_rule(tuple(l.type for l in profile.layers),
                          tuple(l.groups for l in profile.layers))
+    rule = tuple("" if k in _refused_splits(l, tp) else k for k, l in zip(rule, profile.layers))
     if tp == 1:
         return SplitChoice(("",) * len(profile.layers), "no tensor parallelism", 0.0, 0.0,
                            samples, None)

@@ -25,7 +25,11 @@ contributes), not the bytes on the wire.
   profile does not tell apart: a plan splitting one fails there, with a
   PlannerError). An attention layer split by heads is column for Q/K/V and row
   for the output projection: one all-reduce of its output forward, one of its
-  input gradient backward. An
+  input gradient backward. GroupQueryAttention splits the same way, each device
+  holding whole key/value heads with the query heads that share them, so the degree
+  must divide its key/value heads (``LayerProfile.attention_kv_heads``;
+  ``TensorSplit.allows``); MultiHeadAttention has any degree (``apply`` gives the
+  devices heads as evenly as they go). An
   Embedding split over the vocabulary all-reduces its output forward (sec. 3,
   "input embedding"). Every other layer is replicated and moves nothing.
 - Pipeline parallel: if a stage boundary follows the layer, its output
@@ -41,6 +45,8 @@ from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 
 COLUMN_ROW_TYPES = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D")
 HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
+# a heads split of these needs the degree to divide the key/value heads
+KV_HEAD_GROUPED_TYPES = ("GroupedQueryAttention",)
 VOCAB_SPLIT_TYPES = ("Embedding",)
 
 
@@ -51,10 +57,16 @@ class TensorSplit:
     split: str  # "column", "row", "heads", "vocab"
     fwd_allreduce_bytes: int
     bwd_allreduce_bytes: int
+    degree_divides: int = 0  # the tensor-parallel degree must divide this (0: any degree)
+
+    def allows(self, degree: int) -> bool:
+        """Whether a tensor-parallel group of ``degree`` devices can take this split."""
+        return not self.degree_divides or self.degree_divides % degree == 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"split": self.split, "fwd_allreduce_bytes": self.fwd_allreduce_bytes,
-                "bwd_allreduce_bytes": self.bwd_allreduce_bytes}
+                "bwd_allreduce_bytes": self.bwd_allreduce_bytes,
+                **({"degree_divides": self.degree_divides} if self.degree_divides else {})}
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,8 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
     if layer.type in COLUMN_ROW_TYPES:
         splits = (TensorSplit("column", 0, input_bytes), TensorSplit("row", out, 0))
     elif layer.type in HEAD_SPLIT_TYPES:
-        splits = (TensorSplit("heads", out, input_bytes),)
+        kv_heads = layer.attention_kv_heads if layer.type in KV_HEAD_GROUPED_TYPES else 0
+        splits = (TensorSplit("heads", out, input_bytes, kv_heads),)
     elif layer.type in VOCAB_SPLIT_TYPES:
         splits = (TensorSplit("vocab", out, 0),)
     else:

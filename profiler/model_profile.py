@@ -31,6 +31,11 @@ Per layer (JSON keys are the field names):
 * ``groups``: a convolution's feature groups (``Conv2D(groups=g)``; 1 otherwise):
   ``apply`` splits only convolutions with groups=1, so the planner offers the others
   no tensor-parallel split;
+* ``attention_core_flops_fwd``, ``attention_core_saved_bytes``, ``attention_kv_bytes``:
+  an attention layer's core -- scores, softmax, dropout, context -- found in its ops
+  (``profiler.attention_core``): its forward FLOPs, the saved bytes only it holds, the
+  projected keys and values it reads; ``attention_kv_heads``: the layer's key/value
+  heads (MultiHeadAttention's heads, GroupQueryAttention's key/value heads). 0 elsewhere;
 * ``calls``: how many times the model calls the layer (a shared layer's numbers
   are the sum over its calls); ``inputs``: the layers that feed it.
 """
@@ -92,6 +97,10 @@ class LayerProfile:
     attention_core_flops_fwd: int = 0
     attention_core_saved_bytes: int = 0
     attention_kv_bytes: int = 0
+    # an attention layer's key/value heads (MultiHeadAttention: num_heads;
+    # GroupQueryAttention: num_key_value_heads; 0 elsewhere): a GroupQueryAttention
+    # split by heads needs the tensor-parallel degree to divide it (``profiler.comm``)
+    attention_kv_heads: int = 0
 
     @property
     def has_op_classes(self) -> bool:
@@ -133,6 +142,7 @@ class LayerProfile:
             "attention_core_flops_fwd": self.attention_core_flops_fwd,
             "attention_core_saved_bytes": self.attention_core_saved_bytes,
             "attention_kv_bytes": self.attention_kv_bytes,
+            "attention_kv_heads": self.attention_kv_heads,
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
         }
 
@@ -147,7 +157,8 @@ class LayerProfile:
                            ("input_bytes", 0), ("calls", 1), ("matmul_flops_fwd", 0),
                            ("matmul_flops_bwd", 0), ("memory_traffic_bytes_fwd", 0),
                            ("memory_traffic_bytes_bwd", 0), ("attention_core_flops_fwd", 0),
-                           ("attention_core_saved_bytes", 0), ("attention_kv_bytes", 0)):
+                           ("attention_core_saved_bytes", 0), ("attention_kv_bytes", 0),
+                           ("attention_kv_heads", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
         ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,

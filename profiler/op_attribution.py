@@ -22,20 +22,24 @@ the resulting ``Trace`` goes to ``profiler.static``. FLOPs per op come from
   ops times its trip count, or, where that is not static, nothing and a note in
   ``not_counted`` and ``Trace.unknown_loops``. Per layer the trace also
   measures: output and input bytes of its calls; the bytes kept for the
-  backward pass (forward tensors that depend on the model inputs and are read
-  by gradient ops other than shape queries, each counted once -- a view made
+  backward pass (forward tensors that depend on the model inputs or on random
+  numbers -- a dropout's mask -- and are read by gradient ops other than shape
+  queries, each counted once -- a view made
   by Reshape/Squeeze/ExpandDims/Identity is its source tensor -- and charged to
   the layer that produced it; model inputs themselves are charged to nobody,
   they travel on input edges; a While loop's per-iteration accumulators count
   trips x the tensor pushed, ``profiler.control_flow``); the low-precision weight copies its ``Cast`` ops
   make from variable reads (mixed precision); and the tensors flowing between
-  layers (edges), traced through ops outside any layer.
+  layers (edges), traced through ops outside any layer; and its attention cores
+  (``profiler.attention_core``): their forward FLOPs, the saved bytes only they
+  hold, and the keys and values they read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from tfplan.profiler.attention_core import find_cores
 from tfplan.profiler.control_flow import ControlFlow
 from tfplan.profiler.op_flops import NO_TRAFFIC_OPS, OpCount, OpInfo, count_op, is_matmul
 
@@ -84,6 +88,11 @@ class LayerTrace:
     input_bytes: int = 0
     saved_bytes: int = 0
     compute_weight_bytes: int = 0
+    # attention cores (``profiler.attention_core``): forward FLOPs, the saved bytes they
+    # alone produce, and the projected keys and values they read
+    attention_core_flops_fwd: int = 0
+    attention_core_saved_bytes: int = 0
+    attention_kv_bytes: int = 0
     not_counted: list[str] = field(default_factory=list)
 
 
@@ -130,6 +139,9 @@ class Accounting:
         self.live: set[int] = set()
         self.dead_forward: set[int] = set()
         self.used: dict[int, set[int]] = {}  # live gradient op -> the outputs read
+        self.flops_of: dict[int, int] = {}  # op index -> FLOPs of the ops counted
+        self.saved: dict[str, int] = {}  # saved tensor name -> index of its producer
+        self.from_inputs: set[str] = set()  # tensors that depend on the model inputs
         self.flow = ControlFlow(op_info, self.traffic_bytes)
 
     # bytes
@@ -163,6 +175,7 @@ class Accounting:
         self._calls()
         edges = self._edges(fwd, loss)
         self._saved(fwd, loss, grad, end)
+        self._attention_cores(fwd, loss)
         self._compute_weights(fwd, loss)
         unknown = tuple((r.name, r.owner, r.problem) for r in records
                         if r.type in ("While", "StatelessWhile") and r.problem)
@@ -278,6 +291,7 @@ class Accounting:
             owner = self.owner[i]
             phase = "loss" if owner == LOSS else ("bwd" if i >= grad else "fwd")
             records.append(OpRecord(op.name, op.type, owner, phase, count.flops, count.problem))
+            self.flops_of[i] = count.flops
             acc = self.layers.get(owner) if owner is not None else None
             if owner is None and (count.flops or count.problem):
                 self.outside.setdefault(self.label[i] or "model", []).append(
@@ -358,10 +372,15 @@ class Accounting:
         return self.ops[self.index[op_name]].outputs[int(index)]
 
     def _saved(self, fwd: int, loss: int, grad: int, end: int) -> None:
-        data = set(self.input_of)  # tensor names that depend on a model input
+        # tensor names that depend on a model input, and those that differ from step to
+        # step without one (random numbers: a dropout mask is kept for the backward pass)
+        self.from_inputs = from_inputs = set(self.input_of)
+        data = set(self.input_of)
         for i in range(fwd, loss):
             op = self.ops[i]
-            if any(t.name in data for t in op.inputs):
+            if any(t.name in from_inputs for t in op.inputs):
+                from_inputs.update(t.name for t in op.outputs)
+            if _is_random(op.type) or any(t.name in data for t in op.inputs):
                 data.update(t.name for t in op.outputs)
         counted: set[str] = set()
         for i in sorted(self.live):
@@ -377,10 +396,26 @@ class Accounting:
                 if j is None or not fwd <= j < loss:
                     continue
                 counted.add(t.name)
+                self.saved[t.name] = j
                 acc = self.layers.get(self.owner[j]) if self.owner[j] is not None else None
                 if acc is not None:
                     acc.saved_bytes += self.bytes_of(t) or \
                         self.flow.accumulated_bytes(t, self.bytes_of)
+
+    def _attention_cores(self, fwd: int, loss: int) -> None:
+        """Per layer, its attention cores' forward FLOPs (as counted), the saved tensors
+        their ops produce but the context (the output projection's backward reads it),
+        and the bytes of the keys and values they read (``profiler.attention_core``)."""
+        for core in find_cores(self.ops, self.index, self.owner, range(fwd, loss),
+                               self.from_inputs, self.dead_forward, self.bytes_of):
+            acc = self.layers.get(core.owner)
+            if acc is None:
+                continue
+            acc.attention_core_flops_fwd += sum(self.flops_of.get(i, 0) for i in core.ops)
+            acc.attention_core_saved_bytes += sum(
+                self.bytes_of(self._tensor(name)) or 0 for name, j in self.saved.items()
+                if j in core.ops and j != core.context)
+            acc.attention_kv_bytes += sum(self.bytes_of(t) or 0 for t in core.kv)
 
     def _compute_weights(self, fwd: int, loss: int) -> None:
         seen = set()
@@ -396,6 +431,12 @@ class Accounting:
                 seen.add(key)
                 self.layers[self.owner[i]].compute_weight_bytes += \
                     self.bytes_of(op.outputs[0]) or 0
+
+
+def _is_random(op_type: str) -> bool:
+    """Whether an op draws random numbers (RandomUniform, StatelessRandomUniformV2,
+    TruncatedNormal, Multinomial...): its outputs change every step."""
+    return "Random" in op_type or "TruncatedNormal" in op_type or "Multinomial" in op_type
 
 
 def op_info(op: Any) -> OpInfo:

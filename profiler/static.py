@@ -238,7 +238,21 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         calls=got.calls, matmul_flops_fwd=got.matmul_flops_fwd,
         matmul_flops_bwd=got.matmul_flops_bwd, memory_traffic_bytes_fwd=got.traffic_bytes_fwd,
         memory_traffic_bytes_bwd=got.traffic_bytes_bwd, groups=_groups(layer),
-        output_shape=output_shape(layer))
+        output_shape=output_shape(layer),
+        attention_core_flops_fwd=got.attention_core_flops_fwd,
+        attention_core_saved_bytes=got.attention_core_saved_bytes,
+        attention_kv_bytes=got.attention_kv_bytes, attention_kv_heads=_kv_heads(layer))
+
+
+def _kv_heads(layer: Any) -> int:
+    """Key/value heads of Keras' attention layers (and their subclasses); 0 elsewhere."""
+    import keras
+
+    if isinstance(layer, keras.layers.GroupQueryAttention):
+        return int(layer.num_key_value_heads)
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return int(layer.num_heads)
+    return 0
 
 
 def _groups(layer: Any) -> int:
