@@ -54,7 +54,7 @@ from tfplan.apply.cloning import clone_layer, copy_weights
 from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import Processes, run_processes
 from tfplan.apply.pipeline import PlacedModel
-from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.placement import tf_variable
 from tfplan.apply.schedule import schedule_of
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables
@@ -112,8 +112,8 @@ class TensorParallelModel(PlacedModel):
 
     def _after_compile(self) -> None:
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
-            build_optimizer_on_devices(self.optimizer, owned_variables(
-                self.trainable_variables, 1 + len(self._others.models)))
+            self._build_slots(owned_variables(self.trainable_variables,
+                                              1 + len(self._others.models)))
             return
         super()._after_compile()
 

@@ -45,7 +45,10 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    Compiling the wrapped model again later works as usual;
 4. a plan's ``recompute`` is applied in every mode (``apply.recompute``: the
    recomputed layers run under ``tf.recompute_grad``, in each replica under data
-   parallelism); layers with state keep their activations (a warning says so).
+   parallelism); layers with state keep their activations (a warning says so);
+5. a plan's ``offload="optimizer"`` puts the optimizer slots and update math on each
+   device's host CPU (``apply.offload``; one host only; a data-parallel plan then runs
+   its replicas as copies, ``apply.tensor_parallel``).
 
 Every training batch must split into ``dp * num_microbatches`` equal parts
 (checked before training starts; ``apply.planned_model``).
@@ -64,6 +67,7 @@ from tfplan.apply.dimensions import check_applicable
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
 from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
+from tfplan.apply.offload import offload_optimizer
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.placement import top_level_devices, variable_devices
 from tfplan.apply.recompute import recomputed_layers
@@ -108,8 +112,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     elif mode.mode is Mode.MULTI_WORKER:
         wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
                                     num_microbatches=m, recompute_layers=recompute)
-    elif mode.mode is Mode.DATA_PARALLEL and plan.strategy.batch_norm == "global" \
-            and batch_norm_layers(view):
+    elif mode.mode is Mode.DATA_PARALLEL and (plan.strategy.offload != "none" or (
+            plan.strategy.batch_norm == "global" and batch_norm_layers(view))):
+        # offload: the copies' updates are placed by hand (apply.offload)
         # replicas as copies in one graph (apply.tensor_parallel), not MirroredStrategy:
         # its cross-replica sums (one per BatchNormalization statistic, and their
         # gradients) each cost a thread rendezvous when traced, and tracing grew
@@ -128,6 +133,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
                               num_microbatches=m, recompute_layers=recompute,
                               schedule=schedule_of(plan))  # 1F1B/interleaved order
     wrapped.plan = plan
+    offload_optimizer(wrapped, plan)  # optimizer state on the host (apply.offload)
     _apply_batch_norm(plan, wrapped)
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)
