@@ -115,7 +115,7 @@ def build_optimizer_on_devices(optimizer: Any, variables: list[Any],
     target = inner_optimizer(optimizer)
     original, original_add = target.add_variable_from_reference, target.add_variable
     where = state_device or _device
-    device: list[str | None] = [None]  # the device of the slot being made
+    device = [None]  # the device of the slot being made
 
     def placed(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         device[0] = where(reference_variable)
