@@ -1,15 +1,19 @@
-"""Optimizer-state offload (ZeRO-Offload): optimizer slots and update math on the host.
+"""Offload (ZeRO-Offload): optimizer state and update math, and optionally the weights, on
+the host.
 
-Pipeline position: ``apply.wrap`` calls ``offload_optimizer(wrapped, plan)`` for a plan
-with ``strategy.offload == "optimizer"``, after the model is built and before it is
-compiled; ``apply.dimensions`` names the modes that run it (the placed ones:
-single device, pipeline, general placement, and the copies of ``apply.tensor_parallel``,
-where a data-parallel plan with offload runs too). Ren et al., "ZeRO-Offload:
-Democratizing Billion-Scale Model Training", USENIX ATC'21, Sec. 4: the fp32 optimizer
-states and the parameter update live in CPU memory; each step the gradients go
-device -> host, the update runs on the host, and the updated parameters go back.
+Pipeline position: ``apply.wrap`` calls ``offload_state(wrapped, plan)`` for a plan with
+``strategy.offload`` other than ``"none"``, after the model is built and before it is
+compiled, and builds the weights on the host (``weights_device``, given to
+``apply.pipeline.wrap_placed`` and used by ``apply.tensor_parallel``) for
+``"optimizer+weights"``; ``apply.dimensions`` names the modes that run it (the placed
+ones: single device, pipeline, general placement, and the copies of
+``apply.tensor_parallel``, where a data-parallel plan with offload runs too). Ren et
+al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC'21, Sec. 4:
+the fp32 optimizer states and the parameter update live in CPU memory; each step the
+gradients go device -> host, the update runs on the host, and the updated parameters
+go back.
 
-How it is applied here (``apply.placement``'s ``state_device`` hooks):
+``"optimizer"``, through ``apply.placement``'s ``state_device`` hooks:
 
 * slots: each slot of a weight is built on its worker's host device,
   ``/job:.../device:CPU:0`` (``host_device``; ``/device:CPU:0`` on one host), not on
@@ -25,9 +29,17 @@ How it is applied here (``apply.placement``'s ``state_device`` hooks):
   worker's host; the owner's new value is broadcast to the other copies as before;
 * weights stay on their planned devices.
 
-The update's arithmetic is the same on any device, so the losses are one device's.
-``offload == "optimizer+weights"`` (weights on the host too, fetched for each layer's
-use) is refused by ``apply.dimensions``.
+``"optimizer+weights"`` (weights too, as ZeRO-Infinity's parameter offload, Rajbhandari
+et al., SC'21, without its prefetching): each layer is built on its device's host, so
+its weights live there, while its ops still run on its planned device
+(``PlacedModel`` places ops by the plan, not by where variables live): each use reads
+the weight on the host and TensorFlow copies it to the device (a fetch per use, the
+recomputation's too); the gradients flow back to the host through the reads'
+gradients, and the whole update runs there, nothing copied back. Not with tensor
+parallelism (``apply.sharded_layers`` builds each shard on its rank; refused).
+
+The update's arithmetic is the same on any device, so the losses are one device's. A
+model with offload is not compiled with XLA: one XLA cluster runs on one device.
 """
 from __future__ import annotations
 
@@ -36,7 +48,8 @@ from typing import Any
 from tfplan.apply.placement import tf_variable
 from tfplan.planner.plan import Plan
 
-OFFLOAD_MODES = ("optimizer",)  # the values of Strategy.offload applied here
+OFFLOAD_MODES = ("optimizer", "optimizer+weights")  # Strategy.offload values applied here
+WEIGHTS = "optimizer+weights"
 
 
 def host_device(device: str) -> str:
@@ -53,8 +66,18 @@ def state_on_host(variable: Any) -> str:
     return host_device(tf_variable(variable).device)
 
 
-def offload_optimizer(model: Any, plan: Plan) -> None:
+def weights_device(plan: Plan) -> Any:
+    """The function from a layer's planned device to the device its weights are built
+    on: the host under ``"optimizer+weights"``, else None (where the layer runs)."""
+    return host_device if plan.strategy.offload == WEIGHTS else None
+
+
+def offload_state(model: Any, plan: Plan) -> None:
     """Put the optimizer state and update of ``model`` (a PlacedModel: placed, pipeline,
     or tensor-parallel copies) on the host, as ``plan.strategy.offload`` says."""
-    if plan.strategy.offload in OFFLOAD_MODES:
-        model.state_device = state_on_host
+    if plan.strategy.offload not in OFFLOAD_MODES:
+        return
+    model.state_device = state_on_host
+    hosts = [host_device(d) for d in plan.devices]
+    # the hosts join the devices the model spans: PlacedModel.compile then turns XLA off
+    model.stage_devices = tuple(dict.fromkeys([*model.stage_devices, *hosts]))

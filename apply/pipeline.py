@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import keras
 import tensorflow as tf
@@ -187,13 +187,17 @@ class PlacedModel(PlannedModel):
 
 def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
                 num_microbatches: int, recompute_layers: Collection[str] = (),
-                schedule: PipelineSchedule | None = None) -> PlacedModel:
+                schedule: PipelineSchedule | None = None,
+                weights_device: Callable[[str], str] | None = None) -> PlacedModel:
     """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights.
 
     ``schedule`` (``apply.schedule.schedule_of(plan)``): a 1F1B or interleaved order to
-    enforce; None trains without one (GPipe)."""
+    enforce; None trains without one (GPipe). ``weights_device``: where a layer planned
+    on a device builds its weights (``apply.offload.weights_device``; None: there)."""
     stages = tuple(dict.fromkeys(device_of_layer.values()))
-    clone = clone_graph(view, device_of_layer)
+    build = device_of_layer if weights_device is None else {
+        name: weights_device(d) for name, d in device_of_layer.items()}
+    clone = clone_graph(view, build)
     model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
                         device_of_layer=device_of_layer, default_device=stages[0],
                         plan_name=plan_name, num_microbatches=num_microbatches,

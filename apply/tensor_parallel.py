@@ -53,6 +53,7 @@ from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
 from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import Processes, run_processes
+from tfplan.apply.offload import weights_device
 from tfplan.apply.pipeline import PlacedModel
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.schedule import schedule_of
@@ -237,9 +238,11 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
     tp = plan.strategy.tp
     shard_devices = {name: tuple(stage.devices[r * tp:(r + 1) * tp])
                      for stage in plan.stages for name in stage.layers}
+    on_host = weights_device(plan)  # "optimizer+weights": built on the host (apply.offload)
 
     def where(layer: Any) -> Any:
-        return tf.device(device_of_layer.get(layer.name, ""))
+        device = device_of_layer.get(layer.name, "")
+        return tf.device(on_host(device) if on_host and device else device)
 
     def clone_function(layer: Any) -> Any:
         with where(layer):

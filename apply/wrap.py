@@ -48,9 +48,10 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    ``tf.recompute_grad``, in each replica under data parallelism); layers with state
    (attention with dropout, under ``"selective"``) keep their activations (a warning
    says so);
-5. a plan's ``offload="optimizer"`` puts the optimizer slots and update math on each
-   device's host CPU (``apply.offload``; one host only; a data-parallel plan then runs
-   its replicas as copies, ``apply.tensor_parallel``).
+5. a plan's ``offload`` puts the optimizer slots and update math (``"optimizer"``),
+   and the weights (``"optimizer+weights"``), on each device's host CPU
+   (``apply.offload``; one host only; a data-parallel plan then runs its replicas as
+   copies, ``apply.tensor_parallel``).
 
 Every training batch must split into ``dp * num_microbatches`` equal parts
 (checked before training starts; ``apply.planned_model``).
@@ -69,7 +70,7 @@ from tfplan.apply.dimensions import check_applicable
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
 from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
-from tfplan.apply.offload import offload_optimizer
+from tfplan.apply.offload import offload_state, weights_device
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.placement import top_level_devices, variable_devices
 from tfplan.apply.recompute import (recompute_attention_cores, recomputed_layers,
@@ -135,10 +136,11 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     else:  # single device, pipeline, general placement: placed layers
         wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
                               num_microbatches=m, recompute_layers=recompute,
-                              schedule=schedule_of(plan))  # 1F1B/interleaved order
+                              schedule=schedule_of(plan),  # 1F1B/interleaved order
+                              weights_device=weights_device(plan))  # apply.offload
     wrapped.plan = plan
     recompute_attention_cores(wrapped, cores)  # "selective" (apply.recompute)
-    offload_optimizer(wrapped, plan)  # optimizer state on the host (apply.offload)
+    offload_state(wrapped, plan)  # optimizer state on the host (apply.offload)
     _apply_batch_norm(plan, wrapped)
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)
