@@ -8,8 +8,9 @@ copies, apply.tensor_parallel) and dp = 2 with ZeRO-1 (the owners' slots offload
 10 steps equal to one device (1e-4), every slot on CPU:0, every weight on its planned
 device (or CPU:0 with the weights offloaded, its forward ops still on the planned
 device), and in the traced train step every op of the optimizer's update math on CPU:0,
-each gradient copied there, each write to a weight on the weight's device. Plans
-offload cannot run are refused by apply.wrap.
+each gradient copied there, each write to a weight on the weight's device; tp = 2 keeps
+its shards on their ranks; offloaded models compile without XLA. Plans offload cannot
+run are refused by apply.wrap.
 """
 from __future__ import annotations
 
@@ -171,3 +172,28 @@ def test_offload_plans_apply_cannot_run_are_refused():
         cluster=parse_cluster("2xcpu:1"))
     with pytest.raises(PlanMismatchError, match="offload='optimizer' runs on one host"):
         apply.wrap(model, offloaded(workers))
+
+
+def test_an_offloaded_model_is_compiled_without_xla():
+    """One XLA cluster runs on one device, and the update runs on the host."""
+    module, model = base_model("tiny_mlp")
+    wrapped = apply.wrap(model, offloaded(make_plan(model, [cpus(1)])))
+    assert HOST in wrapped.stage_devices
+    with pytest.warns(UserWarning, match="one XLA cluster runs on one device"):
+        wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss, jit_compile=True)
+    assert wrapped.jit_compile is False
+
+
+def test_tensor_parallel_offload_keeps_the_shards_on_their_ranks():
+    module, model = base_model("tiny_mlp")
+    splits = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
+              ("head", "row"))
+    wrapped = apply.wrap(model, offloaded(tp_plan(model, [cpus(1, 2)], splits)))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
+                        helpers.reference_losses("tiny_mlp", STEPS))
+    assert {_device(v) for v in wrapped.trainable_variables} == {"/device:CPU:1",
+                                                                 "/device:CPU:2"}
+    optimizer_slots = slots(wrapped.optimizer)
+    assert len(optimizer_slots) == 2 * len(wrapped.trainable_variables)
+    assert {_device(v) for v in optimizer_slots} == {HOST}
