@@ -6,7 +6,7 @@ no engine here runs is refused with what to change, never trained as something e
 (a ZeRO-3 plan silently trained as ZeRO-1, say). ``apply.auto`` plans only what passes.
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
-when an engine for it lands.
+when an engine for it lands. Offload runs on one host (``apply.offload``).
 """
 from __future__ import annotations
 
@@ -37,8 +37,33 @@ def unapplied_dimensions(s: Any) -> list[str]:
     if s.cp > 1:
         out.append(f"cp={s.cp} (context parallelism) has no engine in apply yet")
     if s.offload != "none":
-        out.append(f"offload={s.offload!r} has no engine in apply yet")
+        out += _offload_rule(plan, mode)
     return out
+
+
+def _offload_rule(plan: Plan, mode: Any) -> list[str]:
+    """Offload (``apply.offload``): in the one-process modes whose optimizer updates
+    ``apply`` places by hand (single device, pipeline, general placement, tensor-parallel
+    copies; data parallel runs as copies there); not under a tf.distribute strategy
+    (MultiWorkerMirroredStrategy places slots itself) or across workers; the weights too
+    (``"optimizer+weights"``) only without tensor parallelism."""
+    from tfplan.apply.mode import Mode, Processes
+
+    s = plan.strategy
+    if s.offload not in ("optimizer", "optimizer+weights"):
+        return [f"offload={s.offload!r} is not a known offload; expected 'none', "
+                "'optimizer' or 'optimizer+weights'"]
+    if s.offload == "optimizer+weights" and s.tp > 1:
+        return [f"offload='optimizer+weights' with tp={s.tp}: apply builds each tensor "
+                "shard on its rank, not on the host; offload='optimizer' runs with tp"]
+    if mode is None:
+        return []
+    if mode.processes is not Processes.ONE_HOST or mode.mode in (Mode.MULTI_WORKER,
+                                                                   Mode.MULTI_WORKER_HYBRID):
+        return [f"offload={s.offload!r} runs on one host (one process places every "
+                f"update); this plan runs as {mode.mode.value} on {mode.processes.value} "
+                "processes"]
+    return []
 
 
 def check_applicable(plan: Plan, mode: Any = None) -> None:

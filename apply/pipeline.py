@@ -23,7 +23,8 @@ TensorFlow's own placer doing the rest:
 * gradient accumulation and optimizer updates: each variable's sum of
   micro-batch gradients and its ``optimizer.update_step`` run on its device;
 * optimizer slots: built eagerly at ``compile()`` (or, failing that, on the
-  first step, lifted out of the graph), each under its variable's device;
+  first step, lifted out of the graph), each under its variable's device (under
+  offload, its host's CPU, with the update math: ``apply.offload``);
 * micro-batches: ``strategy.num_microbatches`` equal parts per step, gradients
   averaged before one update (``apply.planned_model``). TensorFlow's executor
   overlaps micro-batch ``i`` on stage ``s+1`` with micro-batch ``i+1`` on stage
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import keras
 import tensorflow as tf
@@ -66,6 +67,7 @@ class PlacedModel(PlannedModel):
                  schedule: PipelineSchedule | None = None, **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
         self.recompute_layers = frozenset(recompute_layers)  # apply.recompute
+        self.state_device = None  # optimizer state's device per variable (apply.offload)
         self.pipeline_schedule = schedule  # None: no order beyond the data flow (GPipe)
         self._op_stage = (operation_stages(self, dict(schedule.stage_of_layer))
                           if schedule is not None else {})
@@ -123,7 +125,12 @@ class PlacedModel(PlannedModel):
         super().compile(optimizer, *args, **kwargs)
 
     def _after_compile(self) -> None:
-        build_optimizer_on_devices(self.optimizer, list(self.trainable_variables))
+        self._build_slots(list(self.trainable_variables))
+
+    def _build_slots(self, variables: list[Any]) -> None:
+        """Build the optimizer's slots for ``variables`` now: each on its variable's device,
+        or its ``state_device`` (the host, under offload: ``apply.offload``)."""
+        build_optimizer_on_devices(self.optimizer, variables, self.state_device)
 
     # --- train step -----------------------------------------------------------------------
     def _uses_microbatch_step(self) -> bool:
@@ -173,20 +180,24 @@ class PlacedModel(PlannedModel):
                             unconnected_gradients=tf.UnconnectedGradients.NONE)
 
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
-        build_optimizer_on_devices(self.optimizer, variables)  # no-op once built
-        with updates_on_variable_devices(self.optimizer):
+        self._build_slots(variables)  # no-op once built
+        with updates_on_variable_devices(self.optimizer, self.state_device):
             super()._apply_gradients(gradients, variables)
 
 
 def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
                 num_microbatches: int, recompute_layers: Collection[str] = (),
-                schedule: PipelineSchedule | None = None) -> PlacedModel:
+                schedule: PipelineSchedule | None = None,
+                weights_device: Callable[[str], str] | None = None) -> PlacedModel:
     """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights.
 
     ``schedule`` (``apply.schedule.schedule_of(plan)``): a 1F1B or interleaved order to
-    enforce; None trains without one (GPipe)."""
+    enforce; None trains without one (GPipe). ``weights_device``: where a layer planned
+    on a device builds its weights (``apply.offload.weights_device``; None: there)."""
     stages = tuple(dict.fromkeys(device_of_layer.values()))
-    clone = clone_graph(view, device_of_layer)
+    build = device_of_layer if weights_device is None else {
+        name: weights_device(d) for name, d in device_of_layer.items()}
+    clone = clone_graph(view, build)
     model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
                         device_of_layer=device_of_layer, default_device=stages[0],
                         plan_name=plan_name, num_microbatches=num_microbatches,

@@ -27,11 +27,16 @@ TF 2.21 / Keras 3.15):
 * The optimizer's update math (``optimizer.update_step(grad, var, lr)``, called
   once per variable by the TF backend optimizer) has no device either;
   ``updates_on_variable_devices`` runs each call under its variable's device.
+
+Both take ``state_device``, a function from a variable to the device of its optimizer
+state (None: the variable's own). ``apply.offload`` passes the host's CPU there
+(ZeRO-Offload): slots and update math on the host, the gradient copied there first,
+each variable's own assign on its device.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from tfplan import compat
 from tfplan.apply.device_names import short_name
@@ -93,8 +98,13 @@ def on_variable_device(variable: Any) -> Any:
     return tf.device(value.device)
 
 
-def build_optimizer_on_devices(optimizer: Any, variables: list[Any]) -> None:
-    """Build ``optimizer`` for ``variables`` now, each slot on its variable's device.
+StateDevice = Callable[[Any], str]  # a variable -> the device of its optimizer state
+
+
+def build_optimizer_on_devices(optimizer: Any, variables: list[Any],
+                               state_device: StateDevice | None = None) -> None:
+    """Build ``optimizer`` for ``variables`` now, each slot on its variable's device
+    (``state_device(variable)`` when given).
 
     Runs eagerly (``tf.init_scope``) even when called while a tf.function traces.
     """
@@ -103,37 +113,83 @@ def build_optimizer_on_devices(optimizer: Any, variables: list[Any]) -> None:
     if optimizer is None or optimizer.built:
         return
     target = inner_optimizer(optimizer)
-    original = target.add_variable_from_reference
+    original, original_add = target.add_variable_from_reference, target.add_variable
+    where = state_device or _device
+    device = [None]  # the device of the slot being made
 
     def placed(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
-        with tf.device(_device(reference_variable)):
-            return original(reference_variable, *args, **kwargs)
+        device[0] = where(reference_variable)
+        try:
+            with tf.device(device[0]):
+                return original(reference_variable, *args, **kwargs)
+        finally:
+            device[0] = None
+
+    def add_placed(*args: Any, **kwargs: Any) -> Any:
+        # the TF backend's add_variable_from_reference colocates the slot with its
+        # variable (tf.distribute's colocate_vars_with: a device scope when eager); the
+        # slot's own device scope goes inside it
+        if device[0] is None:
+            return original_add(*args, **kwargs)
+        with tf.device(device[0]):
+            return original_add(*args, **kwargs)
 
     with tf.init_scope():
         target.add_variable_from_reference = placed
+        target.add_variable = add_placed
         try:
             optimizer.build(variables)
         finally:
-            del target.add_variable_from_reference  # back to the class's method
+            del target.add_variable_from_reference  # back to the class's methods
+            del target.add_variable
 
 
 @contextlib.contextmanager
-def updates_on_variable_devices(optimizer: Any) -> Iterator[None]:
-    """While tracing ``apply_gradients``: run each variable's update on its device."""
+def updates_on_variable_devices(optimizer: Any, state_device: StateDevice | None = None
+                                ) -> Iterator[None]:
+    """While tracing ``apply_gradients``: run each variable's update on its device.
+
+    With ``state_device``, each update runs on ``state_device(variable)`` instead: its
+    gradient is copied there first (an explicit ``tf.identity``), the optimizer's
+    arithmetic and slot writes run there, and the write to the variable itself (the
+    optimizer's ``assign``/``assign_add``/``assign_sub``) on the variable's device, so
+    the step computed on the state device travels back to the variable.
+    """
     import tensorflow as tf
 
     target = inner_optimizer(optimizer)
     original = target.update_step
+    where = state_device or _device
 
     def placed(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        with tf.device(_device(variable)):
+        device = where(variable)
+        with tf.device(device):
+            if device != _device(variable) and gradient is not None:
+                gradient = tf.identity(gradient)  # the gradient, copied to the state device
             return original(gradient, variable, learning_rate)
 
+    writes = {}
+    if state_device is not None:
+        for name in ("assign", "assign_add", "assign_sub"):
+            writes[name] = getattr(target, name)
+
+    def write_on_its_device(name: str) -> Any:
+        method = writes[name]
+
+        def write(variable: Any, value: Any) -> Any:
+            with tf.device(_device(variable)):  # a variable is written where it lives
+                return method(variable, value)
+        return write
+
     target.update_step = placed
+    for name in writes:
+        setattr(target, name, write_on_its_device(name))
     try:
         yield
     finally:
         del target.update_step
+        for name in writes:
+            delattr(target, name)
 
 
 def devices_of(variable: Any) -> list[str]:

@@ -1,33 +1,48 @@
-"""Activation recomputation: the layers a plan recomputes, run under ``tf.recompute_grad``.
+"""Activation recomputation: what a plan recomputes, run under ``tf.recompute_grad``.
 
-Pipeline position: inside ``apply.wrap`` for single-device and pipeline plans
-(``apply.pipeline``), when ``plan.strategy.recompute`` is not ``"none"``.
-``recomputed_layers`` picks the model's top-level layers to recompute;
-``PlacedModel`` then runs each of them through ``recompute_call`` where it runs
-the layer under its device, so the backward pass re-runs that layer's forward
-ops instead of reading activations kept from the forward pass (Chen et al.,
-2016, "Training deep nets with sublinear memory cost"; TensorFlow's own
-``tf.recompute_grad``, which keeps only the layer's inputs).
+Pipeline position: inside ``apply.wrap``, in every mode, when
+``plan.strategy.recompute`` is not ``"none"``. ``recomputed_layers`` picks the
+model's top-level layers to recompute (and those kept because they hold state);
+``split_recompute`` says how: whole layers (their names go to the mode's model, which
+runs each of them through ``recompute_call`` where it calls the layer: under its
+device in ``apply.pipeline``, in each replica in ``apply.data_parallel``) or only the
+attention core (``recompute_attention_cores``, after the model is built). Either way
+the backward pass re-runs the recomputed forward ops instead of reading activations
+kept from the forward pass (Chen et al., 2016, "Training deep nets with sublinear
+memory cost"; TensorFlow's own ``tf.recompute_grad``, which keeps only the inputs).
 
 * ``"full"``: every top-level layer (of every stage) is recomputed, one
   checkpoint per layer: each layer keeps its inputs and recomputes its inner
   activations (the planner's cost model prices one checkpoint per stage, which
   keeps less; per layer is what a functional graph allows without re-wiring);
-* ``"selective"``: attention layers only (``profiler.comm.HEAD_SPLIT_TYPES``,
-  as the planner prices it; Korthikanti et al., 2022); a nested model that holds
-  an attention layer is recomputed whole, since ``apply`` places and calls a
-  nested model as one operation.
+* ``"selective"``: Megatron's selective recomputation (Korthikanti et al., 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", Sec. 5): only the
+  attention core of each attention layer (``profiler.comm.HEAD_SPLIT_TYPES``:
+  MultiHeadAttention, GroupedQueryAttention, and the head-split
+  ``apply.sharded_layers.ShardedMultiHeadAttention``) is recomputed: the scores QK^T,
+  the softmax and scores x V, whose activations grow with the sequence length
+  squared. The Q/K/V and output projections keep their activations, and layers
+  without attention recompute nothing. The core is the layer's
+  ``_compute_attention``, replaced on each instance (``compat.wrap_attention_core``)
+  by one under ``tf.recompute_grad``; a nested model's attention layers too. The
+  recomputation is created where the core runs (each tensor rank's heads on its
+  device under tensor parallelism; ``tf.gradients`` colocates a gradient function's
+  ops with its forward op).
 
-Recomputing a layer gives the same numbers as keeping its activations, except for
-layers whose forward pass changes state: a layer with non-trainable variables
+Recomputing gives the same numbers as keeping the activations, except where the
+forward pass changes state: a layer with non-trainable variables
 (BatchNormalization's moving statistics, Dropout's seed-generator state) would
-update them twice or draw a different random mask in the recomputation. Such
-layers are kept, not recomputed, and ``recomputed_layers`` says which.
+update them twice or draw a different random mask in the recomputation. Such layers
+are kept, not recomputed, and ``recomputed_layers`` says which (``apply.wrap`` warns).
+Under ``"selective"`` that is an attention layer with attention dropout
+(``dropout > 0``: its core draws a mask from the layer's seed generator), judged by
+the attention layers alone (a nested model's other state does not matter).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
+from tfplan import compat
 from tfplan.planner.plan import Plan
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES
 
@@ -50,8 +65,41 @@ def recomputed_layers(plan: Plan, view: Any) -> tuple[tuple[str, ...], tuple[str
     for layer in view.layers:
         if layer.name not in wanted:
             continue
-        (stateful if layer.non_trainable_variables else chosen).append(layer.name)
+        holders = [layer] if mode == "full" else attention_layers(layer)
+        has_state = any(h.non_trainable_variables for h in holders)
+        (stateful if has_state else chosen).append(layer.name)
     return tuple(chosen), tuple(stateful)
+
+
+def split_recompute(plan: Plan, chosen: Collection[str]
+                    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(layers recomputed whole, layers whose attention core alone is recomputed) for
+    ``chosen`` (``recomputed_layers``' first part), as ``plan.strategy.recompute`` says."""
+    if plan.strategy.recompute == "selective":
+        return (), tuple(chosen)
+    return tuple(chosen), ()
+
+
+def attention_layers(layer: Any) -> list[Any]:
+    """The attention layers (``HEAD_SPLIT_TYPES`` and their subclasses) in ``layer``: the
+    layer itself, or those of a nested model, at any depth."""
+    if any(cls.__name__ in HEAD_SPLIT_TYPES for cls in type(layer).__mro__):
+        return [layer]
+    return [a for inner in getattr(layer, "layers", ()) for a in attention_layers(inner)]
+
+
+def recompute_attention_cores(model: Any, names: Collection[str]) -> int:
+    """Recompute the attention core of layers ``names`` in ``model`` and in its other
+    data-parallel copies (``model.replica_models()``); returns how many cores."""
+    count = 0
+    for copy in model.replica_models():
+        for name in names:
+            for layer in attention_layers(copy.get_layer(name)):
+                if not compat.attention_core_is_wrapped(layer):  # layers shared by copies
+                    compat.wrap_attention_core(layer, recompute_call)
+                    count += 1
+    model.recompute_cores = frozenset(names)
+    return count
 
 
 def recompute_call(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -53,8 +53,9 @@ from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
 from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import Processes, run_processes
+from tfplan.apply.offload import weights_device
 from tfplan.apply.pipeline import PlacedModel
-from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.placement import tf_variable
 from tfplan.apply.schedule import schedule_of
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables
@@ -112,8 +113,8 @@ class TensorParallelModel(PlacedModel):
 
     def _after_compile(self) -> None:
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
-            build_optimizer_on_devices(self.optimizer, owned_variables(
-                self.trainable_variables, 1 + len(self._others.models)))
+            self._build_slots(owned_variables(self.trainable_variables,
+                                              1 + len(self._others.models)))
             return
         super()._after_compile()
 
@@ -237,9 +238,11 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
     tp = plan.strategy.tp
     shard_devices = {name: tuple(stage.devices[r * tp:(r + 1) * tp])
                      for stage in plan.stages for name in stage.layers}
+    on_host = weights_device(plan)  # "optimizer+weights": built on the host (apply.offload)
 
     def where(layer: Any) -> Any:
-        return tf.device(device_of_layer.get(layer.name, ""))
+        device = device_of_layer.get(layer.name, "")
+        return tf.device(on_host(device) if on_host and device else device)
 
     def clone_function(layer: Any) -> Any:
         with where(layer):

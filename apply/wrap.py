@@ -44,8 +44,14 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    its compile config (a fresh optimizer; optimizer state is not carried over).
    Compiling the wrapped model again later works as usual;
 4. a plan's ``recompute`` is applied in every mode (``apply.recompute``: the
-   recomputed layers run under ``tf.recompute_grad``, in each replica under data
-   parallelism); layers with state keep their activations (a warning says so).
+   recomputed layers, or under ``"selective"`` only their attention cores, run under
+   ``tf.recompute_grad``, in each replica under data parallelism); layers with state
+   (attention with dropout, under ``"selective"``) keep their activations (a warning
+   says so);
+5. a plan's ``offload`` puts the optimizer slots and update math (``"optimizer"``),
+   and the weights (``"optimizer+weights"``), on each device's host CPU
+   (``apply.offload``; one host only; a data-parallel plan then runs its replicas as
+   copies, ``apply.tensor_parallel``).
 
 Every training batch must split into ``dp * num_microbatches`` equal parts
 (checked before training starts; ``apply.planned_model``).
@@ -64,9 +70,11 @@ from tfplan.apply.dimensions import check_applicable
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
 from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
+from tfplan.apply.offload import offload_state, weights_device
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.placement import top_level_devices, variable_devices
-from tfplan.apply.recompute import recomputed_layers
+from tfplan.apply.recompute import (recompute_attention_cores, recomputed_layers,
+                                     split_recompute)
 from tfplan.apply.schedule import SCHEDULED, schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 from tfplan.core.atomic import write_json
@@ -101,15 +109,17 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         warnings.warn(
             f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
             f"{list(stateful)}, which hold state a second forward pass would change "
-            "(moving statistics, random seeds); they keep their activations instead "
-            "(apply.recompute).", stacklevel=2)
+            "(moving statistics, random seeds, as attention dropout draws); they keep their "
+            "activations instead (apply.recompute).", stacklevel=2)
+    recompute, cores = split_recompute(plan, recompute)  # whole layers / attention cores
     if mode.mode is Mode.MULTI_WORKER_HYBRID:
         wrapped = wrap_multi_worker_hybrid(view, plan, mode, recompute_layers=recompute)
     elif mode.mode is Mode.MULTI_WORKER:
         wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
                                     num_microbatches=m, recompute_layers=recompute)
-    elif mode.mode is Mode.DATA_PARALLEL and plan.strategy.batch_norm == "global" \
-            and batch_norm_layers(view):
+    elif mode.mode is Mode.DATA_PARALLEL and (plan.strategy.offload != "none" or (
+            plan.strategy.batch_norm == "global" and batch_norm_layers(view))):
+        # offload: the copies' updates are placed by hand (apply.offload)
         # replicas as copies in one graph (apply.tensor_parallel), not MirroredStrategy:
         # its cross-replica sums (one per BatchNormalization statistic, and their
         # gradients) each cost a thread rendezvous when traced, and tracing grew
@@ -126,8 +136,11 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     else:  # single device, pipeline, general placement: placed layers
         wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
                               num_microbatches=m, recompute_layers=recompute,
-                              schedule=schedule_of(plan))  # 1F1B/interleaved order
+                              schedule=schedule_of(plan),  # 1F1B/interleaved order
+                              weights_device=weights_device(plan))  # apply.offload
     wrapped.plan = plan
+    recompute_attention_cores(wrapped, cores)  # "selective" (apply.recompute)
+    offload_state(wrapped, plan)  # optimizer state on the host (apply.offload)
     _apply_batch_norm(plan, wrapped)
     if getattr(model, "compiled", False):
         _compile_like(model, wrapped)

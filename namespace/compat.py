@@ -539,6 +539,43 @@ def attention_scores(layer: Any, query: Any, key: Any, value: Any, mask: Any, tr
         query, key, value, mask, training, return_attention_scores)
 
 
+def wrap_attention_core(layer: Any,
+                        wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace, on this instance, the attention core of a MultiHeadAttention or
+    GroupedQueryAttention (``_compute_attention(query, key, value, attention_mask,
+    training, ...)``: the scores QK^T, the masked softmax, its dropout, scores x V over
+    the projected Q, K, V) by ``wrap(core)``, where ``core`` takes the same arguments and
+    returns the attention output alone.
+
+    ``apply.recompute`` passes ``tf.recompute_grad``'s wrapper: only the core is re-run in
+    the backward pass (Megatron's selective recomputation). A call that asks for the
+    attention scores (MultiHeadAttention's ``return_attention_scores`` argument,
+    GroupedQueryAttention's ``_return_attention_scores``) runs the original core (the
+    scores are an output to keep); otherwise the scores returned are None, which
+    ``call`` then drops. ``layer.call`` and ``ShardedMultiHeadAttention`` (through
+    ``attention_scores``) both look the method up on the instance. Checked on Keras
+    3.15.1. Without it the projections' activations would be recomputed as well (the
+    whole layer under ``tf.recompute_grad``).
+    """
+    original = _method(layer, "_compute_attention", "the attention core")
+    signature = inspect.signature(original)
+    wrapped = wrap(lambda *args, **kwargs: original(*args, **kwargs)[0])
+
+    def compute_attention(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        if given.get("return_attention_scores") or getattr(
+                layer, "_return_attention_scores", False):
+            return original(*args, **kwargs)
+        return wrapped(*args, **kwargs), None
+
+    layer._compute_attention = compute_attention
+
+
+def attention_core_is_wrapped(layer: Any) -> bool:
+    """True when ``wrap_attention_core`` replaced ``layer``'s attention core."""
+    return "_compute_attention" in vars(layer)
+
+
 ATTENTION_PROJECTIONS = ("query", "key", "value", "output")
 
 

@@ -435,6 +435,32 @@ def test_attention_scores_is_scaled_dot_product_attention():
                                atol=1e-6)
 
 
+def test_wrap_attention_core_replaces_the_core_of_one_instance():
+    calls = []
+
+    def wrap(core):
+        def run(*args, **kwargs):
+            calls.append(len(args))
+            return core(*args, **kwargs)
+        return run
+
+    x = np.random.default_rng(0).normal(size=(1, 4, 5)).astype("float32")
+    for layer in (keras.layers.MultiHeadAttention(2, 3),
+                  keras.layers.GroupQueryAttention(head_dim=3, num_query_heads=4,
+                                                   num_key_value_heads=2)):
+        calls.clear()
+        expected = layer(x, x)  # built, not wrapped
+        other = type(layer).from_config(layer.get_config())
+        compat.wrap_attention_core(layer, wrap)
+        assert compat.attention_core_is_wrapped(layer)
+        assert not compat.attention_core_is_wrapped(other)
+        np.testing.assert_allclose(layer(x, x), expected, rtol=1e-6)
+        assert len(calls) == 1  # the call went through the wrapper, the output alone
+        out, scores = layer(x, x, return_attention_scores=True)  # the original core
+        assert len(calls) == 1 and tuple(scores.shape)[2:] == (4, 4)  # (b, heads, t, s)
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_mask_combines_causal_and_padding_masks():
     layer = keras.layers.MultiHeadAttention(2, 3)
     query = tf.ones((1, 3, 4))
