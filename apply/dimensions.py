@@ -19,7 +19,10 @@ from tfplan.planner.plan import Plan
 def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     """Each dimension of ``plan.strategy`` that ``apply`` cannot run (in ``mode``, an
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
-    return unapplied_dimensions(plan.strategy)
+    out = unapplied_dimensions(plan.strategy)
+    if plan.strategy.offload != "none" and mode is not None:
+        out += _offload_mode_rule(plan.strategy, mode)
+    return out
 
 
 def unapplied_dimensions(s: Any) -> list[str]:
@@ -37,27 +40,30 @@ def unapplied_dimensions(s: Any) -> list[str]:
     if s.cp > 1:
         out.append(f"cp={s.cp} (context parallelism) has no engine in apply yet")
     if s.offload != "none":
-        out += _offload_rule(plan, mode)
+        out += _offload_rule(s)
     return out
 
 
-def _offload_rule(plan: Plan, mode: Any) -> list[str]:
+def _offload_rule(s: Any) -> list[str]:
     """Offload (``apply.offload``): in the one-process modes whose optimizer updates
     ``apply`` places by hand (single device, pipeline, general placement, tensor-parallel
     copies; data parallel runs as copies there); not under a tf.distribute strategy
-    (MultiWorkerMirroredStrategy places slots itself) or across workers; the weights too
-    (``"optimizer+weights"``) only without tensor parallelism."""
-    from tfplan.apply.mode import Mode, Processes
-
-    s = plan.strategy
+    (MultiWorkerMirroredStrategy places slots itself) or across workers
+    (``_offload_mode_rule``); the weights too (``"optimizer+weights"``) only without
+    tensor parallelism."""
     if s.offload not in ("optimizer", "optimizer+weights"):
         return [f"offload={s.offload!r} is not a known offload; expected 'none', "
                 "'optimizer' or 'optimizer+weights'"]
     if s.offload == "optimizer+weights" and s.tp > 1:
         return [f"offload='optimizer+weights' with tp={s.tp}: apply builds each tensor "
                 "shard on its rank, not on the host; offload='optimizer' runs with tp"]
-    if mode is None:
-        return []
+    return []
+
+
+def _offload_mode_rule(s: Any, mode: Any) -> list[str]:
+    """Offload only where one process places every update (``_offload_rule``)."""
+    from tfplan.apply.mode import Mode, Processes
+
     if mode.processes is not Processes.ONE_HOST or mode.mode in (Mode.MULTI_WORKER,
                                                                    Mode.MULTI_WORKER_HYBRID):
         return [f"offload={s.offload!r} runs on one host (one process places every "
