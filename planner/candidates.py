@@ -6,12 +6,12 @@ fixed with ``--fix``; each ``Choice`` is then priced by ``planner.pricing.Pricer
 only the ``SearchContext`` (device counts, layer count and types, global batch) and the
 knobs; prices nothing.
 
-A strategy (``Choice``): dp x tp x pp devices (tp dividing devices_per_node, pp at most
-the layers, dp dividing the global batch), a micro-batch size (powers of two up to
-MAX_MICROBATCH_SIZE; with pp = 1 also the whole local batch), a schedule (GPipe, 1F1B,
-or interleaved 1F1B with v model chunks per device, Narayanan et al., SC'21, Sec.
-2.2.2), activation recomputation (none, selective, full), ZeRO-1 on or off, and the
-device layout (``planner.topology``: Megatron-LM's tp-dp-pp, and dp-outer tp-pp-dp where
+A strategy (``Choice``): dp x cp x tp x pp devices (tp dividing devices_per_node, cp a
+context-parallel degree (``cp_degrees``), pp at most the layers, dp dividing the global
+batch), a micro-batch size (divisors of the local batch; ``hybrid_choices``), a schedule
+(GPipe, 1F1B, or interleaved 1F1B with v model chunks per device, Narayanan et al., SC'21,
+Sec. 2.2.2), activation recomputation (none, selective, full), the ZeRO stage, sequence
+parallelism, offloading, and the device layout (``planner.topology``: Megatron-LM's tp-dp-pp, and dp-outer tp-pp-dp where
 it differs and keeps every replica in a node: ``dp_outer_differs``).
 """
 from __future__ import annotations

@@ -34,16 +34,29 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   at a time.
 - Devices that share cores (logical CPUs: ``ClusterSpec.devices_per_compute_pool``)
   wait for each other: ``cost_model.with_shared_cores``.
-- Recomputation: "selective" recomputes the attention layers' forward and keeps
-  only their inputs (Korthikanti et al., 2022; our profile holds attention as one
-  layer, so its projections are recomputed too: an overestimate of the cost);
-  "full" keeps only each stage's input per micro-batch in flight and runs one
-  extra forward, holding one micro-batch of the stage's activations while it
-  recomputes (Chen et al., 2016, "Training deep nets with sublinear memory cost";
-  Megatron-LM checkpoints every transformer block instead, which needs less
-  working memory when a stage holds many blocks).
-- ZeRO-1 (Rajbhandari et al., SC'20): optimizer state and its update divided by
-  dp; reduce-scatter + all-gather instead of the all-reduce, the same bytes.
+- Recomputation: "selective" is Megatron-LM's (Korthikanti et al., 2022, Sec. 5): each
+  attention layer's core (scores, softmax, dropout, scores x V) is run again in the
+  backward -- its share of the layer's forward time by FLOPs
+  (``LayerProfile.attention_core_flops_fwd``) -- and its saved bytes
+  (``attention_core_saved_bytes``, 5 a s^2 b in float16 with dropout) are not kept; a
+  profile without the core numbers recomputes whole attention layers (an overestimate).
+  "full" runs one extra forward of every layer and checkpoints every L layers, L chosen
+  per chunk to minimise in-flight x kept + working (``full_recompute_memory``: Chen et
+  al., 2016, "Training deep nets with sublinear memory cost"; Megatron-LM checkpoints
+  every transformer block, about 7 of our layers).
+- ZeRO stages 1-3 and offloading (``planner.sharding``: which tensors each device
+  keeps, which collectives each stage runs per micro-batch and what hides them): over the
+  dp x cp ranks that hold the same weights; ZeRO-3 gathers and reduce-scatters layer by
+  layer, so each weighted layer after the first adds a collective's latency.
+- Sequence parallelism (``planner.sequence``): the per-token layers the tensor-parallel
+  group replicates run on 1/tp of the sequence (time and saved bytes / tp); the f/g
+  all-reduces become all-gather + reduce-scatter, the same time. Context parallelism:
+  every layer on 1/cp of the sequence; each attention layer all-gathers its keys and
+  values over the cp ranks in the forward and reduce-scatters their gradients in the
+  backward (``collectives.allgather_time_s``), hidden behind the layer's own compute
+  where it can be, and keeps the gathered keys and values for the backward.
+- Tensor parallelism across nodes (a fixed tp > devices_per_node):
+  ``collectives.tensor_group_allreduce_time_s`` (hierarchical over the nodes it spans).
 - Data-parallel gradient all-reduce: over the dp group of each pipeline device
   (``topology.dp_group_devices`` under the layout), priced by
   ``collectives.allreduce_time_s`` from its members per node -- a ring inside one

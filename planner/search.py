@@ -23,17 +23,22 @@ Candidates in this first cut:
   Step = (m + pp - 1) x slowest stage per micro-batch + optimizer. GPipe keeps
   every micro-batch's activations until its backward pass, so memory does not
   depend on m;
-- hybrids (``planner.candidates``, priced by ``planner.pricing``): every dp x tp x pp
-  factorization of all the devices (tp dividing devices_per_node, pp <= layers),
-  micro-batch sizes (powers of two up to MAX_MICROBATCH_SIZE), GPipe or 1F1B,
-  recomputation none/selective/full, ZeRO-1 on/off, on Megatron-LM's device layout
-  (tp-dp-pp) and, on several nodes, also dp outermost (tp-pp-dp, "dp-outer": each
-  replica's pipeline inside one node; ``candidates.dp_outer_differs``), priced in
-  closed form; the KEEP_PER_SHAPE fastest that fit per (dp, tp, pp, layout) are kept
-  and the MAX_RANKED fastest fitting candidates listed.
+- hybrids (``planner.candidates``, priced by ``planner.pricing``): every dp x cp x tp x
+  pp factorization of all the devices (tp dividing devices_per_node, cp where the
+  sequence is long, pp <= layers), micro-batch sizes (divisors of the local batch), GPipe,
+  1F1B or interleaved, recomputation none/selective (the attention core)/full, ZeRO
+  stages 0-3 (2 and 3 without pipelines), sequence parallelism on/off (tp > 1), on
+  Megatron-LM's device layout (tp-dp-pp) and, on several nodes, also dp outermost
+  (tp-pp-dp, "dp-outer": each replica's pipeline inside one node;
+  ``candidates.dp_outer_differs``), priced in closed form; for a shape where none of
+  them fits, the offloaded variants with every saver on (``_offloaded``). The
+  KEEP_PER_SHAPE fastest that fit per (dp, tp, pp, layout) are kept and the MAX_RANKED
+  fastest fitting candidates listed.
 
-Knobs (``fix`` without a shape; ``plan analyze --schedule``, ``--layout``, ...) restrict
-that hybrid search to the given settings; with a shape they fix one strategy.
+Knobs (``fix`` without a shape; ``plan analyze --schedule``, ``--zero-stage``, ...)
+restrict only what they name: the classic candidates stay when they agree with every
+knob (``_classic_allowed``, ``_matches``); with a shape they fix one strategy, which is
+priced even when it does not fit (and tp may then span nodes).
 """
 from __future__ import annotations
 

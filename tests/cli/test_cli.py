@@ -314,3 +314,26 @@ def test_analyze_says_how_batch_statistics_are_computed(tmp_path):
                  "dp=4", "--batch-norm", "local", "--out", str(tmp_path / "l"))
     assert r.returncode == 0, r.stderr
     assert "Batch statistics: local" in r.stdout and "differ from one device" in r.stdout
+
+
+def test_issue_14_dimensions_round_trip_through_analyze(tmp_path):
+    """--zero-stage, --sequence-parallel, --offload and cp in --fix land in plan.json's
+    strategy and the text; tp spanning nodes is priced, not refused."""
+    r = run_plan("analyze", "examples/llama.py", "--cluster", "2x8xA100-80GB",
+                 "--global-batch", "16", "--fix", "dp=1,tp=16,cp=1", "--zero-stage", "0",
+                 "--sequence-parallel", "--offload", "optimizer", "--recompute", "selective",
+                 "--json", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["plan"]["strategy"]
+    assert (s["tp"], s["zero_stage"], s["sequence_parallel"], s["offload"], s["cp"],
+            s["recompute"]) == (16, 0, True, "optimizer", 1, "selective")
+    saved = json.loads((tmp_path / "a" / "plan.json").read_text())["strategy"]
+    assert saved["sequence_parallel"] and saved["offload"] == "optimizer"
+    cp = run_plan("analyze", "examples/llama.py", "--cluster", "8xA100-80GB",
+                  "--global-batch", "16", "--fix", "dp=4,cp=2", "--zero-stage", "3",
+                  "--out", str(tmp_path / "b"))
+    assert cp.returncode == 0, cp.stderr
+    assert "cp=2" in cp.stdout and "zero3" in cp.stdout
+    both = run_plan("analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "16",
+                    "--zero-stage", "0", "--optimizer-sharding", "--out", str(tmp_path / "c"))
+    assert both.returncode == 2 and "give one of them" in both.stderr
