@@ -11,7 +11,8 @@ only for layers that treat each position on its own; attention is the one layer 
 that mixes positions, and it is run over the group (``group_attention``). So
 ``check_context_parallel_model`` accepts a model built of
 
-* per-position layers (``ELEMENTWISE``: activations, dropout, merges, embeddings);
+* per-position layers (``ELEMENTWISE``: activations, dropout, merges, embeddings) and
+  elementwise ``keras.ops`` calls (``ELEMENTWISE_OPS``: ``x + y``, ``ops.exp``, ...);
 * per-feature layers acting on the last axis (``LAST_AXIS``: Dense, EinsumDense whose
   equation keeps the sequence axis, normalizations and softmax over features,
   Concatenate of features), on inputs of rank 3 or more so the last axis is not the
@@ -59,6 +60,12 @@ ELEMENTWISE = (
     keras.layers.Add, keras.layers.Subtract, keras.layers.Multiply, keras.layers.Average,
     keras.layers.Maximum, keras.layers.Minimum, keras.layers.Embedding,
 )
+# keras.ops calls that act on each element alone (their Operation class names)
+ELEMENTWISE_OPS = frozenset({
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Negative", "Abs", "Square",
+    "Sqrt", "Rsqrt", "Exp", "Log", "Power", "Maximum", "Minimum", "Cast", "Tanh", "Sigmoid",
+    "Relu", "Gelu", "Silu", "Softplus", "Erf",
+})
 LAST_AXIS = (
     keras.layers.Dense, keras.layers.EinsumDense, keras.layers.LayerNormalization,
     keras.layers.UnitNormalization, keras.layers.Softmax, keras.layers.Concatenate,
@@ -77,8 +84,8 @@ def check_context_parallel_model(model: Any, cp: int, plan_name: str) -> None:
     """PlannerError naming the first layer, input or output of ``model`` (a Functional)
     that cutting the sequence into ``cp`` chunks would change (module docstring)."""
     seq = _check_inputs(model, cp, plan_name)
-    for layer in model.layers:
-        _check_layer(layer, plan_name)
+    for operation in model.operations:  # layers and keras.ops calls
+        _check_layer(operation, plan_name)
     for out in model.outputs:
         shape = tuple(out.shape)
         if len(shape) < 2 or shape[1] != seq:
@@ -119,6 +126,13 @@ def _check_layer(layer: Any, plan_name: str) -> None:
             f"Plan {plan_name!r} splits the sequence over context-parallel ranks, but "
             f"layer {layer.name!r} ({type(layer).__name__}) {why}. " + _FIX)
 
+    if not isinstance(layer, keras.layers.Layer):  # a keras.ops call in the graph
+        if type(layer).__name__ not in ELEMENTWISE_OPS:
+            refuse("is not known to act on each position alone; it may mix or pick "
+                   "positions along the sequence axis, which context parallelism cuts")
+        return
+    if isinstance(layer, keras.layers.GroupQueryAttention):
+        refuse("is not run context-parallel yet (MultiHeadAttention is)")
     if isinstance(layer, keras.Model):
         refuse("is a nested model; apply checks and splits top-level layers only "
                "(flatten the model)")
@@ -214,7 +228,7 @@ def group_attention(layers: Sequence[Any], devices: Sequence[str | None],
     unpacked = [_attention_call(layer, a, k) for layer, a, k in zip(layers, args, kwargs)]
     keys, values = [], []
     for layer, device, (query, value, key, causal, training) in zip(layers, devices, unpacked):
-        with tf.device(device):  # each rank projects its own chunk's keys and values
+        with tf.device(device), tf.name_scope(layer.name):  # its own chunk's keys/values
             keys.append(layer.key_dense(key))
             values.append(layer.value_dense(value))
     outputs = []
@@ -230,7 +244,7 @@ def group_attention(layers: Sequence[Any], devices: Sequence[str | None],
             out, _ = compat.attention_scores(layer, q, k_all, v_all, mask, training, False)
             return layer.output_dense(out)
 
-        with tf.device(device):  # the all-gather: rank c's keys/values of ranks it sees
+        with tf.device(device), tf.name_scope(layer.name):  # all-gather: what c may see
             k_all = tf.concat([keys[s] for s in ranks], axis=1)
             v_all = tf.concat([values[s] for s in ranks], axis=1)
             outputs.append(calls[c](local)(query, k_all, v_all))

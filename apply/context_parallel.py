@@ -88,6 +88,44 @@ class ContextParallelModel(TensorParallelModel):
                       for t in flat]
         return [[piece[p] for piece in pieces] for p in range(dp * self.cp)]
 
+    # --- every batch's sequence length must be a multiple of cp -----------------------------
+    def _check_sequence(self, x: Any) -> None:
+        if isinstance(x, tf.data.Dataset):
+            x = x.element_spec
+        try:
+            leaves = keras.tree.flatten(x)
+        except (TypeError, ValueError):  # a generator or PyDataset: checked when traced
+            return
+        for leaf in leaves:
+            shape = getattr(leaf, "shape", None)
+            if shape is not None and len(shape) >= 2 and shape[1] is not None \
+                    and int(shape[1]) % self.cp:
+                raise self._sequence_error(int(shape[1]))
+
+    def _check_fit_input(self, x: Any, *args: Any) -> None:
+        super()._check_fit_input(x, *args)
+        self._check_sequence(x)
+
+    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_sequence((x, y))
+        return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_sequence((x, y))
+        return super().test_on_batch(x, y, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        self._check_sequence(x)
+        return super().predict_on_batch(x)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_sequence(x)
+        return super().predict(x, *args, **kwargs)
+
+    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_sequence((x, y))
+        return super().evaluate(x, y, *args, **kwargs)
+
     def _sequence_error(self, seq: int) -> PlanMismatchError:
         return PlanMismatchError(
             f"A batch has sequences of {seq} positions, but plan {self.plan_name!r} cuts "
