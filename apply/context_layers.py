@@ -18,29 +18,34 @@ that mixes positions, and it is run over the group (``group_attention``). So
   Concatenate of features), on inputs of rank 3 or more so the last axis is not the
   sequence;
 * ``keras.layers.MultiHeadAttention`` over rank-3 inputs, attending along the sequence
-  axis, with no Keras masks, explicit ``attention_mask``, gate, sliding window or
-  returned scores (``GroupQueryAttention`` is refused: its projections have no public
-  accessors, and ``tfplan.compat`` has none for them yet);
+  axis, with no explicit ``attention_mask``, gate, sliding window or returned scores;
+  ``use_causal_mask`` and Keras padding masks (``Embedding(mask_zero=True)``,
+  ``Masking``) are applied. ``GroupedQueryAttention`` is refused: its projections have
+  no public accessors, and ``tfplan.compat`` has none for them yet;
 
 and refuses anything else, naming the layer (Flatten, pooling, Conv1D across time, a
-position embedding computed from a chunk's own positions, a nested model, a Keras mask,
-...), as well as inputs without a sequence axis and outputs that lose it (a loss that is
-not per position). The losses of the chunks are combined weighted by their positions
+position embedding computed from a chunk's own positions, a nested model, ...), as well
+as inputs without a sequence axis and outputs that lose it (a loss that is not per
+position). The chunks' losses are combined weighted by their positions
 (``apply.context_parallel``).
 
 Attention exchanges keys and values by an all-gather, not Megatron-LM's ring: each rank
 projects the keys and values of its own chunk, and rank c concatenates, on its device,
-the projected keys and values of the ranks whose positions it may see -- ranks 0..c
-under a causal mask (a later chunk's keys are all masked for it), every rank otherwise.
-Per attention layer and sample a causal group moves ``c`` chunks of keys and values into
-rank c, ``cp (cp - 1) / 2`` chunks of ``2 * (seq / cp) * heads * key_dim`` values in all
-(twice that without the causal mask); the backward pass sends the gradients of the same
-keys and values back (the ``tf.gradients`` of the concatenation, summed on the owning
-rank). A ring would move the same bytes in cp - 1 steps overlapped with the attention
-math, and Megatron-LM's zigzag chunk order balances the causal work, which here is
-unbalanced (rank c attends over c + 1 chunks). The causal mask is built from global
-positions: query i of chunk c (position ``c * L + i``) sees key position ``j <= c * L +
-i``.
+the projected keys and values of the ranks whose positions it may see: ranks 0..c under
+a causal mask (a later chunk's keys are all masked for it), every rank otherwise or when
+the queries carry a padding mask (a padded query then attends as on one device). Per
+attention layer, a causal group moves ``c`` chunks of keys and values into rank c,
+``cp (cp - 1) / 2`` chunks of ``2 * batch * (seq / cp) * heads * key_dim`` values in
+all, ``cp (cp - 1)`` without the causal mask (plus the chunks' padding masks, ``batch *
+seq / cp`` booleans each, when there are some); the backward pass sends the gradients of
+the same keys and values back (the gradient of the concatenation, summed on the owning
+rank by ``tf.gradients``). Megatron-LM's ring passes every chunk around all cp ranks in
+cp - 1 steps overlapped with the attention math (``cp (cp - 1)`` chunks), with a zigzag
+chunk order that balances the causal work, which here is unbalanced (rank c attends over
+c + 1 chunks). The causal mask is built from global positions: query i of chunk c
+(position ``c * L + i``) sees key position ``j <= c * L + i``; padding masks follow
+Keras' rule (``MultiHeadAttention._compute_attention_mask``: query & value & key masks)
+over the gathered keys.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ ELEMENTWISE = (
     keras.layers.LeakyReLU, keras.layers.Dropout, keras.layers.GaussianNoise,
     keras.layers.GaussianDropout, keras.layers.AlphaDropout, keras.layers.Identity,
     keras.layers.Add, keras.layers.Subtract, keras.layers.Multiply, keras.layers.Average,
-    keras.layers.Maximum, keras.layers.Minimum, keras.layers.Embedding,
+    keras.layers.Maximum, keras.layers.Minimum, keras.layers.Embedding, keras.layers.Masking,
 )
 # keras.ops calls that act on each element alone (their Operation class names)
 ELEMENTWISE_OPS = frozenset({
@@ -136,9 +141,6 @@ def _check_layer(layer: Any, plan_name: str) -> None:
     if isinstance(layer, keras.Model):
         refuse("is a nested model; apply checks and splits top-level layers only "
                "(flatten the model)")
-    if isinstance(layer, keras.layers.Embedding) and layer.mask_zero:
-        refuse("makes a Keras padding mask (mask_zero=True), which apply does not carry "
-               "across the chunks yet")
     nodes = compat.inbound_nodes(layer)
     ranks = {len(t.shape) for node in nodes for t in node.input_tensors}
     if isinstance(layer, ATTENTION):
@@ -189,24 +191,35 @@ def _check_attention(layer: Any, nodes: list[Any], ranks: set[int],
     signature = inspect.signature(layer.call)
     for node in nodes:
         bound = signature.bind_partial(*node.arguments.args, **node.arguments.kwargs)
-        given = [name for name in ("attention_mask", "query_mask", "value_mask", "key_mask")
-                 if bound.arguments.get(name) is not None]
-        if given:
-            refuse(f"is called with {given[0]}, a mask over the whole sequence that apply "
-                   "does not cut into chunks yet (use_causal_mask is applied)")
+        if bound.arguments.get("attention_mask") is not None:
+            refuse("is called with attention_mask, a (query, key) mask that apply does not "
+                   "cut into chunks yet (use_causal_mask and Keras padding masks are "
+                   "applied)")
         if bound.arguments.get("return_attention_scores"):
             refuse("returns its attention scores, whose key axis spans the whole sequence")
 
 
-def _attention_call(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> tuple[Any, Any, Any, bool, Any]:
-    """(query, value, key, use_causal_mask, training) of one call of ``layer``."""
-    bound = inspect.signature(layer.call).bind(*args, **kwargs)
-    a = bound.arguments
-    value = a["value"]
-    key = a.get("key")
-    return a["query"], value, value if key is None else key, bool(
-        a.get("use_causal_mask", False)), a.get("training")
+class _Call:
+    """One rank's call of an attention layer: its chunk's tensors and masks (Keras masks
+    of the inputs, or the call's own ``*_mask`` arguments, as ``MultiHeadAttention.call``
+    reads them)."""
+
+    def __init__(self, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        a = inspect.signature(layer.call).bind(*args, **kwargs).arguments
+        self.query, self.value = a["query"], a["value"]
+        self.key = self.value if a.get("key") is None else a["key"]
+        self.causal = bool(a.get("use_causal_mask", False))
+        self.training = a.get("training")
+        self.query_mask = compat.get_keras_mask(self.query)
+        self.value_mask = _first(a.get("value_mask"), compat.get_keras_mask(self.value))
+        self.key_mask = None if a.get("key") is None else _first(
+            a.get("key_mask"), compat.get_keras_mask(self.key))
+        for t in (self.query, self.value, self.key):  # as MultiHeadAttention.call does (the
+            compat.set_keras_mask(t, None)  # next layers then see what they see on one device)
+
+
+def _first(*masks: Any) -> Any:
+    return next((m for m in masks if m is not None), None)
 
 
 def _causal_mask(chunk: int, query_len: Any, key_len: Any) -> Any:
@@ -216,6 +229,24 @@ def _causal_mask(chunk: int, query_len: Any, key_len: Any) -> Any:
     return (rows[:, None] >= tf.range(key_len)[None, :])[None]
 
 
+def _mask(c: int, call: _Call, seen: list[_Call], query_len: Any, key_len: Any) -> Any:
+    """Rank c's [B or 1, query_len, key_len] boolean mask over the gathered keys of the
+    ranks ``seen`` (Keras' rule: query mask & value mask & key mask & causal), or None."""
+    parts = []
+    if call.query_mask is not None:
+        parts.append(tf.cast(call.query_mask, tf.bool)[:, :, None])
+    for attr in ("value_mask", "key_mask"):
+        masks = [getattr(other, attr) for other in seen]
+        if all(m is not None for m in masks):
+            parts.append(tf.concat([tf.cast(m, tf.bool) for m in masks], axis=1)[:, None, :])
+    if call.causal:
+        parts.append(_causal_mask(c, query_len, key_len))
+    mask = None
+    for part in parts:
+        mask = part if mask is None else tf.logical_and(mask, part)
+    return mask
+
+
 def group_attention(layers: Sequence[Any], devices: Sequence[str | None],
                     args: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]],
                     calls: Sequence[Callable[[Callable[..., Any]], Callable[..., Any]]]
@@ -223,30 +254,39 @@ def group_attention(layers: Sequence[Any], devices: Sequence[str | None],
     """The outputs of one attention layer over a context-parallel group: ``layers[c]``
     (rank c's copy, on ``devices[c]``) called with ``args[c]``/``kwargs[c]`` (its chunk).
     ``calls[c]`` wraps rank c's local attention (its query projection, attention over
-    the gathered keys and values, output projection), e.g. to recompute it."""
+    the gathered keys and values, output projection), e.g. to recompute it.
+
+    Under a causal mask without a query mask, rank c gathers ranks 0..c only: every
+    chunk has the same length (the model check makes every input's sequence one length),
+    so later chunks hold only keys it may not see. A query mask keeps every rank: a
+    padded query whose keys are all masked attends, as on one device, over the whole
+    sequence unmasked (Keras' softmax mask is then a constant shift)."""
     cp = len(layers)
-    unpacked = [_attention_call(layer, a, k) for layer, a, k in zip(layers, args, kwargs)]
+    parts = [_Call(layer, a, k) for layer, a, k in zip(layers, args, kwargs)]
     keys, values = [], []
-    for layer, device, (query, value, key, causal, training) in zip(layers, devices, unpacked):
+    for layer, device, call in zip(layers, devices, parts):
         with tf.device(device), tf.name_scope(layer.name):  # its own chunk's keys/values
-            keys.append(layer.key_dense(key))
-            values.append(layer.value_dense(value))
+            keys.append(layer.key_dense(call.key))
+            values.append(layer.value_dense(call.value))
     outputs = []
-    for c, (layer, device, (query, value, key, causal, training)) in enumerate(
-            zip(layers, devices, unpacked)):
-        same_length = query.shape[1] is not None and query.shape[1] == key.shape[1]
-        ranks = range(c + 1) if causal and same_length else range(cp)
+    for c, (layer, device, call) in enumerate(zip(layers, devices, parts)):
+        prefix = call.causal and call.query_mask is None
+        ranks = list(range(c + 1 if prefix else cp))
 
         def local(q_in: Any, k_all: Any, v_all: Any, layer: Any = layer, c: int = c,
-                  causal: bool = causal, training: Any = training) -> Any:
+                  call: _Call = call, ranks: list[int] = ranks) -> Any:
             q = layer.query_dense(q_in)
-            mask = _causal_mask(c, tf.shape(q)[1], tf.shape(k_all)[1]) if causal else None
-            out, _ = compat.attention_scores(layer, q, k_all, v_all, mask, training, False)
+            mask = _mask(c, call, [parts[s] for s in ranks], tf.shape(q)[1],
+                         tf.shape(k_all)[1])
+            out, _ = compat.attention_scores(layer, q, k_all, v_all, mask, call.training,
+                                             False)
             return layer.output_dense(out)
 
         with tf.device(device), tf.name_scope(layer.name):  # all-gather: what c may see
             k_all = tf.concat([keys[s] for s in ranks], axis=1)
             v_all = tf.concat([values[s] for s in ranks], axis=1)
-            outputs.append(calls[c](local)(query, k_all, v_all))
+            out = calls[c](local)(call.query, k_all, v_all)
+        if call.query_mask is not None:  # as MultiHeadAttention: the output keeps it
+            compat.set_keras_mask(out, call.query_mask)
+        outputs.append(out)
     return outputs
-

@@ -22,9 +22,10 @@ data-parallel replica r (``planner.plan``: ``devices[(r * cp + c) * tp + t]``).
   with the causal mask at global positions).
 * Loss: each copy computes the compiled loss of its chunk (targets and per-position
   sample weights cut the same way) on its device; the step's loss is their mean
-  weighted by positions, which is the whole batch's per-position mean because every
-  chunk holds the same number of positions (Keras' ``sum_over_batch_size`` reduction:
-  other reductions are refused at ``compile``). Metrics see the outputs joined back.
+  weighted by positions (every chunk holds the same number; with a Keras padding mask
+  on the output, its unmasked positions), which is the whole batch's per-position mean
+  (Keras' ``sum_over_batch_size`` reduction: other reductions are refused at
+  ``compile``). Metrics see the outputs joined back, with their mask.
 * Gradients: every copy's weights get the sum of all dp * cp copies' gradients
   (``TensorParallelModel._apply_gradients``: a placed ``add_n`` on each copy's device),
   so the copies stay equal and train as one device.
@@ -43,7 +44,6 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.batches import concat_batches
 from tfplan.apply.cloning import clone_layer, copy_weights
 from tfplan.apply.context_layers import ATTENTION, check_context_parallel_model, group_attention
 from tfplan.apply.joint_forward import Parts
@@ -71,7 +71,7 @@ class ContextParallelModel(TensorParallelModel):
             return super().call(inputs, training=training, mask=mask, **kwargs)
         outputs = self._copies_forward(self._chunks(inputs, 1), training)
         with tf.device(self.output_device):  # the whole sequence, where copy 0 is
-            return keras.tree.map_structure(lambda *t: tf.concat(t, axis=1), *outputs)
+            return _join(outputs)
 
     def _chunks(self, x: Any, dp: int) -> list[Any]:
         """``x`` (one batch, flat in ``self.inputs`` order) in dp x cp parts: part
@@ -181,18 +181,22 @@ class ContextParallelModel(TensorParallelModel):
         ys = _cut(y, dp, self.cp)
         weights = _cut(sample_weight, dp, self.cp)
         models = self.replica_models()
-        losses = []
+        losses, positions = [], []
         for p, y_pred in enumerate(outputs):
             with tf.device(models[p].output_device):
                 losses.append(compat.compute_loss(self, x=parts[p], y=ys[p], y_pred=y_pred,
                                                   sample_weight=weights[p], training=True))
+                positions.append(_positions(y_pred))
         with tf.device(self.output_device):
-            # equal chunks: each holds 1 / (dp * cp) of the batch's positions
-            loss = tf.add_n(losses) / float(len(losses))
-            y_pred = concat_batches([
-                keras.tree.map_structure(lambda *t: tf.concat(t, axis=1),
-                                         *outputs[r * self.cp:(r + 1) * self.cp])
-                for r in range(dp)])
+            # each chunk's loss is its mean over its (unmasked) positions: weighted by them,
+            # the mean over the batch's; without masks every chunk has the same count
+            if positions[0] is None:
+                loss = tf.add_n(losses) / float(len(losses))
+            else:
+                loss = tf.math.divide_no_nan(
+                    tf.add_n([l * n for l, n in zip(losses, positions)]), tf.add_n(positions))
+            y_pred = _join([_join(outputs[r * self.cp:(r + 1) * self.cp])
+                            for r in range(dp)], axis=0)
             return y_pred, loss, self._scale_loss(loss)
 
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -207,6 +211,32 @@ class ContextParallelModel(TensorParallelModel):
                     "positions, which needs reduction='sum_over_batch_size' (Keras' "
                     "default). Use that reduction, or re-plan with cp=1.")
         super().compile(optimizer, *args, **kwargs)
+
+
+def _join(parts: Sequence[Any], axis: int = 1) -> Any:
+    """Equal structures of tensors concatenated along ``axis``, their Keras masks too."""
+    def join(*tensors: Any) -> Any:
+        out = tf.concat(tensors, axis=axis)
+        masks = [compat.get_keras_mask(t) for t in tensors]
+        if all(m is not None for m in masks):
+            compat.set_keras_mask(out, tf.concat(masks, axis=axis))
+        return out
+    return keras.tree.map_structure(join, *parts)
+
+
+def _positions(y_pred: Any) -> Any:
+    """How many positions a part's loss averages over: its output's unmasked positions
+    (Keras divides a masked loss by them), None when the output has no mask."""
+    leaves = keras.tree.flatten(y_pred)
+    masks = [compat.get_keras_mask(t) for t in leaves]
+    if all(m is None for m in masks):
+        return None
+    if len(leaves) > 1:
+        raise PlannerError(
+            "A context-parallel model with several outputs carries a Keras mask on them; "
+            "apply combines the chunks' losses by one output's unmasked positions. Give the "
+            "model one output, or re-plan with cp=1.")
+    return tf.reduce_sum(tf.cast(masks[0], tf.float32))
 
 
 def _part(structure: Any, p: int) -> Any:

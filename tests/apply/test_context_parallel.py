@@ -149,6 +149,50 @@ def test_attention_without_causal_mask_sees_every_chunk():
         wrapped.train_on_batch(x[:, :8], x[:, :8])
 
 
+def _padded_transformer():
+    """Causal attention over a padding mask that reaches the output (Keras drops it at a
+    residual Add after MultiHeadAttention, which clears its inputs' masks)."""
+    keras.utils.set_random_seed(2)
+    ids = keras.Input(shape=(8,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(24, 16, mask_zero=True, name="embed")(ids)
+    a = keras.layers.MultiHeadAttention(2, 8, name="attention")(x, x, use_causal_mask=True)
+    x = keras.layers.LayerNormalization(name="ln")(a)
+    return keras.Model(ids, keras.layers.Dense(24, name="logits")(x), name="padded")
+
+
+def _padded_batches(steps: int):
+    """Half the sequences padded on the left (chunk 1 must not see chunk 0's padding),
+    half on the right (some chunks all padding)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(1, 24, size=(steps * GLOBAL_BATCH, 9)).astype("int32")
+    lengths = rng.integers(2, 10, size=len(x))
+    right = np.arange(9)[None, :] >= lengths[:, None]
+    left = np.arange(9)[None, :] < 9 - lengths[:, None]
+    x[np.where(np.arange(len(x))[:, None] % 2 == 0, right, left)] = 0
+    return [(x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, :-1],
+             x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, 1:]) for i in range(steps)]
+
+
+def test_padding_mask_across_chunks_trains_like_one_device():
+    """Embedding(mask_zero=True): padded keys masked on every rank, the chunks' losses
+    weighted by their unmasked positions (chunks hold different numbers of them)."""
+    model = _padded_transformer()
+    batches = _padded_batches(5)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    want = step_losses(reference, batches)
+    wrapped = apply.wrap(model, cp_plan(model, cpus(4, 5, 6, 7), dp=2, cp=2))
+    x = batches[0][0]
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-5)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    assert_losses_match(step_losses(wrapped, batches), want)
+    np.testing.assert_allclose(wrapped.evaluate(x, batches[0][1], verbose=0),
+                               reference.evaluate(x, batches[0][1], verbose=0), rtol=1e-4)
+
+
 def test_recomputed_attention_trains_the_same():
     module, model = base_model("tiny_transformer")
     wrapped = apply.wrap(model, cp_plan(model, cpus(0, 1), recompute="selective"))
@@ -161,7 +205,7 @@ def test_recomputed_attention_trains_the_same():
 # --- refusals ---------------------------------------------------------------------------------
 def _sequence_model(kind: str):
     ids = keras.Input(shape=(8,), dtype="int32")
-    x = keras.layers.Embedding(24, 8, name="embed", mask_zero=kind == "mask")(ids)
+    x = keras.layers.Embedding(24, 8, name="embed")(ids)
     if kind == "flatten":
         x = keras.layers.Dense(3, name="head")(keras.layers.Flatten(name="flat")(x))
     elif kind == "conv":
@@ -185,7 +229,6 @@ def _sequence_model(kind: str):
     ("pool", r"layer 'pool' \(GlobalAveragePooling1D\)"),
     ("dense_over_sequence", r"layer 'swap' \(Permute\)"),
     ("gqa", r"layer 'gqa' \(GroupedQueryAttention\) is not run context-parallel yet"),
-    ("mask", r"layer 'embed' \(Embedding\) makes a Keras padding mask"),
     ("attention_mask", r"layer 'attention'.*called with attention_mask"),
 ])
 def test_models_that_mix_positions_are_refused(kind, match):
