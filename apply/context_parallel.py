@@ -53,6 +53,7 @@ from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan
 
 PER_POSITION_REDUCTIONS = ("sum_over_batch_size", "mean")  # mean: Keras 2's name
+SEQUENCE_CHECK = "apply: sequence length not a multiple of cp:"
 
 
 @keras.saving.register_keras_serializable(package="tfplan")
@@ -60,32 +61,37 @@ class ContextParallelModel(TensorParallelModel):
     """Copy (0, 0) of a context-parallel model, holding the other dp * cp - 1 copies (see
     the module docstring)."""
 
-    def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
-                 cp: int = 1, **kwargs: Any) -> None:
+    def __init__(self, inputs: Any, outputs: Any, name: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
-        self.cp = int(cp)
+        self.cp = 1  # copy 0 gets the plan's cp (wrap_context_parallel); the others run chunks
 
     # --- forward --------------------------------------------------------------------------
     def call(self, inputs: Any, training: Any = None, mask: Any = None, **kwargs: Any) -> Any:
         if len(self.replica_models()) < self.cp or mask is not None or kwargs:
             return super().call(inputs, training=training, mask=mask, **kwargs)
-        outputs = self._copies_forward(self._chunks(inputs, 1), training)
+        with tf.control_dependencies(self._length_checks(inputs)):
+            outputs = self._copies_forward(self._chunks(inputs, 1), training)
         with tf.device(self.output_device):  # the whole sequence, where copy 0 is
             return _join(outputs)
+
+    def _length_checks(self, x: Any) -> list[Any]:
+        """PlanMismatchError for a batch whose static sequence length cp does not divide;
+        for an unknown length, the assertion to run before cutting it."""
+        first = compat.standardize_functional_inputs(self, x)[0]
+        seq = first.shape[1]
+        if seq is not None:
+            if seq % self.cp:
+                raise self._sequence_error(int(seq))
+            return []
+        n = tf.shape(first)[1]
+        return [tf.debugging.Assert(tf.equal(n % self.cp, 0), [SEQUENCE_CHECK, n])]
 
     def _chunks(self, x: Any, dp: int) -> list[Any]:
         """``x`` (one batch, flat in ``self.inputs`` order) in dp x cp parts: part
         ``r * cp + c`` is replica r's slice of the batch, chunk c of the sequence."""
-        flat = compat.standardize_functional_inputs(self, x)
-        seq = flat[0].shape[1]
-        if seq is not None and seq % self.cp:
-            raise self._sequence_error(int(seq))
-        checks = [] if seq is not None else [tf.debugging.Assert(
-            tf.equal(tf.shape(flat[0])[1] % self.cp, 0),
-            ["apply: sequence length not a multiple of cp:", tf.shape(flat[0])[1]])]
-        with tf.control_dependencies(checks):
-            pieces = [[c for r in tf.split(t, dp, axis=0) for c in tf.split(r, self.cp, axis=1)]
-                      for t in flat]
+        pieces = [[c for r in tf.split(t, dp, axis=0) for c in tf.split(r, self.cp, axis=1)]
+                  for t in compat.standardize_functional_inputs(self, x)]
         return [[piece[p] for piece in pieces] for p in range(dp * self.cp)]
 
     # --- every batch's sequence length must be a multiple of cp -----------------------------
@@ -105,6 +111,18 @@ class ContextParallelModel(TensorParallelModel):
     def _check_fit_input(self, x: Any, *args: Any) -> None:
         super()._check_fit_input(x, *args)
         self._check_sequence(x)
+
+    def fit(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().fit(x, y, *args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:  # the step's check (unknown lengths)
+            if SEQUENCE_CHECK not in str(e):
+                raise
+            raise PlanMismatchError(
+                f"A training batch from {type(x).__name__} input has a sequence length that "
+                f"is not a multiple of cp={self.cp} (plan {self.plan_name!r}); no update was "
+                "applied for it. Pad or crop the sequences to a multiple of "
+                f"{self.cp}. TensorFlow said: {str(e).splitlines()[0][:300]}") from None
 
     def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._check_sequence((x, y))
@@ -176,10 +194,11 @@ class ContextParallelModel(TensorParallelModel):
     # --- loss: each chunk's on its copy's device, combined by positions ---------------------
     def _forward_loss(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
         dp = len(self.replica_models()) // self.cp
-        parts = self._chunks(x, dp)
+        with tf.control_dependencies(self._length_checks(x)):
+            parts = self._chunks(x, dp)
+            ys = _cut(y, dp, self.cp)
+            weights = _cut(sample_weight, dp, self.cp)
         outputs = self._copies_forward(parts, True)
-        ys = _cut(y, dp, self.cp)
-        weights = _cut(sample_weight, dp, self.cp)
         models = self.replica_models()
         losses, positions = [], []
         for p, y_pred in enumerate(outputs):

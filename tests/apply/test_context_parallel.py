@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.context_parallel import ContextParallelModel
+from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
@@ -147,6 +148,11 @@ def test_attention_without_causal_mask_sees_every_chunk():
         from_logits=True))
     with pytest.raises(PlanMismatchError, match=r"multiple of 3"):
         wrapped.train_on_batch(x[:, :8], x[:, :8])
+    ragged = tf.data.Dataset.from_generator(  # lengths unknown until the step runs
+        lambda: iter([(x[:, :8], x[:, :8])]),
+        output_signature=(tf.TensorSpec((None, None), tf.int32),) * 2)
+    with pytest.raises(PlanMismatchError, match=r"not a multiple of cp=3"):
+        wrapped.fit(ragged, verbose=0)
 
 
 def _padded_transformer():
@@ -200,6 +206,46 @@ def test_recomputed_attention_trains_the_same():
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer", STEPS)[:3])
+
+
+def test_fit_evaluate_and_weight_files(tmp_path):
+    module, model = base_model("tiny_transformer")
+    wrapped = apply.wrap(model, cp_plan(model, cpus(2, 3)))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss, metrics=["accuracy"])
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer=fresh_optimizer(module), loss=module.loss,
+                      metrics=["accuracy"])
+    x, y = module.sample_batch(4 * GLOBAL_BATCH)
+    got = wrapped.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0).history
+    want = reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0).history
+    assert_losses_match(got["loss"], want["loss"])
+    assert got["accuracy"] == want["accuracy"]
+    np.testing.assert_allclose(wrapped.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                               reference.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+                               rtol=1e-4)
+    path = str(tmp_path / "cp.weights.h5")
+    wrapped.save_weights(path)
+    plain = keras.models.clone_model(model)
+    plain.load_weights(path)  # one copy, the user's layout
+    np.testing.assert_allclose(plain.predict_on_batch(x), reference.predict_on_batch(x),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_execution_mode_and_dimensions():
+    _, model = base_model("tiny_transformer")
+    plan = cp_plan(model, cpus(0, 1, 2, 3), dp=2, cp=2)
+    assert execution_mode(plan).mode is Mode.CONTEXT_PARALLEL
+    assert unapplied(plan, execution_mode(plan)) == []
+    zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, zero_stage=1))
+    assert any("cp=2" in p and "zero_stage=1" in p for p in unapplied(zero, execution_mode(zero)))
+    workers = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2)]
+    spread = cp_plan(model, workers, dp=2, cp=2)
+    spread = dataclasses.replace(spread, cluster=dataclasses.replace(
+        spread.cluster, num_nodes=2, devices_per_node=2,
+        inter_node_link=spread.cluster.intra_node_link))
+    assert any("several worker processes" in p
+               for p in unapplied(spread, execution_mode(spread)))
 
 
 # --- refusals ---------------------------------------------------------------------------------
