@@ -144,7 +144,7 @@ def _check_layer(layer: Any, plan_name: str) -> None:
     nodes = compat.inbound_nodes(layer)
     ranks = {len(t.shape) for node in nodes for t in node.input_tensors}
     if isinstance(layer, ATTENTION):
-        _check_attention(layer, nodes, ranks, refuse)
+        _check_attention(layer, nodes, refuse)
         return
     if isinstance(layer, ELEMENTWISE):
         return
@@ -177,25 +177,27 @@ def _check_einsum(layer: Any, refuse: Callable[[str], None]) -> None:
                f"axis {seq!r}")
 
 
-def _check_attention(layer: Any, nodes: list[Any], ranks: set[int],
-                     refuse: Callable[[str], None]) -> None:
+def _check_attention(layer: Any, nodes: list[Any], refuse: Callable[[str], None]) -> None:
     config = layer.get_config()
+    signature = inspect.signature(layer.call)
+    calls = [signature.bind_partial(*node.arguments.args, **node.arguments.kwargs).arguments
+             for node in nodes]
+    ranks = {len(a[name].shape) for a in calls for name in ("query", "value", "key")
+             if a.get(name) is not None}
     if ranks != {3}:
         refuse(f"attends over inputs of rank {sorted(ranks)}; context parallelism runs "
                "attention over (batch, sequence, features) only")
     if config.get("attention_axes") not in (None, 1, (1,), [1]):
         refuse(f"attends along axes {config['attention_axes']}, not the sequence alone")
-    if config.get("use_gate") or config.get("sliding_window") is not None:
+    if compat.attention_settings(layer).use_gate or config.get("sliding_window") is not None:
         refuse("has a gate or a sliding window, which the context-parallel attention does "
                "not apply")
-    signature = inspect.signature(layer.call)
-    for node in nodes:
-        bound = signature.bind_partial(*node.arguments.args, **node.arguments.kwargs)
-        if bound.arguments.get("attention_mask") is not None:
+    for arguments in calls:
+        if arguments.get("attention_mask") is not None:
             refuse("is called with attention_mask, a (query, key) mask that apply does not "
                    "cut into chunks yet (use_causal_mask and Keras padding masks are "
                    "applied)")
-        if bound.arguments.get("return_attention_scores"):
+        if arguments.get("return_attention_scores"):
             refuse("returns its attention scores, whose key axis spans the whole sequence")
 
 
