@@ -34,6 +34,13 @@ data-parallel replica r (``planner.plan``: ``devices[(r * cp + c) * tp + t]``).
 * Recomputation (``strategy.recompute``): the chosen layers run under
   ``tf.recompute_grad`` per chunk; for attention, each rank's local part (query
   projection, attention over the gathered keys and values, output projection).
+* Batches: every sequence length must be a multiple of cp (PlanMismatchError before a
+  step, or from ``fit`` when the length is known only as it runs).
+
+Not applied (refused with what to change): cp with tp, pp or ZeRO, cp across worker
+processes (``apply.dimensions``), ``GroupedQueryAttention`` and an explicit
+``attention_mask`` (``apply.context_layers``). ``planner.validate`` reads a cp plan
+through ``rank_zero_view`` (its context rank 0) until it checks cp stages itself.
 """
 from __future__ import annotations
 
