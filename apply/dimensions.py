@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tfplan.apply.mode import Mode, Processes
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
 
@@ -37,8 +38,12 @@ def unapplied_dimensions(s: Any) -> list[str]:
                    "zero_stage 0 and 1 run")
     if s.sequence_parallel:
         out.append("sequence_parallel has no engine in apply yet")
-    if s.cp > 1:
-        out.append(f"cp={s.cp} (context parallelism) has no engine in apply yet")
+    if s.cp > 1 and not _runs_context_parallel(plan, mode):
+        out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with "
+                   f"data parallelism only (tp = pp = 1, zero_stage 0: "
+                   "apply.context_parallel); this plan has "
+                   f"tp={s.tp}, pp={s.pp}, zero_stage={s.zero_stage}"
+                   + ("" if _one_host(mode) else ", over several worker processes"))
     if s.offload != "none":
         out += _offload_rule(s)
     return out
@@ -80,3 +85,16 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
             f"Plan {plan.name!r} cannot be applied: " + "; ".join(problems) + ". Re-plan "
             "without it (plan analyze --fix with the dimension off, e.g. --zero-stage 1, "
             "no --sequence-parallel, cp=1, --offload none), or price it only.")
+
+
+
+def _runs_context_parallel(plan: Plan, mode: Any) -> bool:
+    """Mode ``context_parallel`` (``apply.context_parallel``) runs cp x dp on one host,
+    nothing else split (tp = pp = 1, zero_stage 0)."""
+    s = plan.strategy
+    return (_one_host(mode) and (s.tp, s.pp, s.zero_stage) == (1, 1, 0)
+            and (mode is None or mode.mode is Mode.CONTEXT_PARALLEL))
+
+
+def _one_host(mode: Any) -> bool:
+    return mode is None or mode.processes is Processes.ONE_HOST

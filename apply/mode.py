@@ -17,6 +17,7 @@ Two parts:
 * ``Mode``: what the model does, the names ``apply.wrap``'s docstring lists:
   ``single_device``, ``pipeline``, ``placement`` (a general placement),
   ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, or ZeRO-1 with dp > 1),
+  ``context_parallel`` (cp > 1),
   ``multi_worker`` (one device per worker, data parallel) and ``multi_worker_hybrid``
   (anything more per worker, or ZeRO-1 across workers). A ``REMOTE`` plan runs the
   one-host mode of its shape.
@@ -49,6 +50,7 @@ class Mode(str, enum.Enum):
     PLACEMENT = "placement"
     DATA_PARALLEL = "data_parallel"
     TENSOR_PARALLEL = "tensor_parallel"
+    CONTEXT_PARALLEL = "context_parallel"
     MULTI_WORKER = "multi_worker"
     MULTI_WORKER_HYBRID = "multi_worker_hybrid"
 
@@ -173,12 +175,14 @@ def execution_mode(plan: Plan) -> ExecutionMode:
             f"({sorted(replicas)}); every stage needs one device per data-parallel replica. "
             "Regenerate the plan.")
     # an interleaved pipeline has virtual_stages model chunks per device
-    # (a stage lists dp * tp devices, tensor rank innermost: planner.plan)
-    dp, pp = replicas.pop() // max(1, s.tp), len(plan.stages) // max(1, s.virtual_stages)
+    # (a stage lists dp * cp * tp devices, tensor rank innermost: planner.plan)
+    per_replica = max(1, s.tp) * max(1, s.cp)
+    dp, pp = replicas.pop() // per_replica, len(plan.stages) // max(1, s.virtual_stages)
     if (s.dp, s.pp) != (dp, pp):
         raise PlanMismatchError(
             f"Plan {plan.name!r} says dp={s.dp}, pp={s.pp}, but its stages describe "
-            f"dp={dp} (devices per stage / tp) and pp={pp} (stages). Regenerate the plan.")
+            f"dp={dp} (devices per stage / (tp * cp)) and pp={pp} (stages). Regenerate "
+            "the plan.")
     tasks = plan_tasks(plan)
     if tasks and len(tasks) < plan.cluster.num_nodes:
         raise PlannerError(
@@ -197,6 +201,8 @@ def execution_mode(plan: Plan) -> ExecutionMode:
         return ExecutionMode(Mode.MULTI_WORKER, processes, workers)
     # below: one process drives every device (one host, or worker 0 of a cluster whose
     # replicas span workers: apply.remote), with the plan's device names
+    if s.cp > 1:  # apply.context_parallel (apply.dimensions says which shapes run)
+        return ExecutionMode(Mode.CONTEXT_PARALLEL, processes, workers)
     if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding):
         # apply.tensor_parallel: any dp (one host) and pp; with tp = 1 and dp x pp it is a
         # pipeline replicated dp times, the gradients summed across the replicas; ZeRO-1

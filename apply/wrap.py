@@ -27,6 +27,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
      sharded over their stage's tp devices, one copy per data-parallel replica;
      ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
+   * ``cp > 1`` (one host, tp = pp = 1): context parallel (``apply.context_parallel``:
+     each sample's sequence cut over cp copies of the model, attention exchanging keys
+     and values; ``dp`` copies of that);
    * one stage on one device of each of several workers (``/job:worker/task:w/...``,
      a ``Wxcpu:N`` or multi-node cluster): multi-worker data parallel
      (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
@@ -64,6 +67,7 @@ from typing import Any
 
 from tfplan.apply.batch_stats import batch_norm_layers
 from tfplan.apply.cloning import to_functional
+from tfplan.apply.context_parallel import rank_zero_view, wrap_context_parallel
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
 from tfplan.apply.dimensions import check_applicable
@@ -101,7 +105,8 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     plan = plan.for_model(signature, output_shapes(view))
     mode = execution_mode(plan)  # how it runs, decided once (apply.mode)
     check_applicable(plan, mode)  # every strategy dimension has an engine here
-    validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
+    # stages cover the layers once, in order; devices once (a cp plan: its rank 0's part)
+    validate_plan(plan if plan.strategy.cp == 1 else rank_zero_view(plan), signature)
     ensure_devices(plan, mode=mode)
     m = plan.strategy.num_microbatches
     recompute, stateful = recomputed_layers(plan, view)
@@ -130,6 +135,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     elif mode.mode is Mode.DATA_PARALLEL:
         wrapped = wrap_data_parallel(view, plan.stages[0].devices, plan_name=plan.name,
                                      num_microbatches=m, recompute_layers=recompute)
+    elif mode.mode is Mode.CONTEXT_PARALLEL:
+        wrapped = wrap_context_parallel(view, plan, top_level_devices(plan),
+                                        recompute_layers=recompute)
     elif mode.mode is Mode.TENSOR_PARALLEL:
         wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
                                        recompute_layers=recompute)
