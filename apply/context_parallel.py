@@ -39,8 +39,7 @@ data-parallel replica r (``planner.plan``: ``devices[(r * cp + c) * tp + t]``).
 
 Not applied (refused with what to change): cp with tp, pp or ZeRO, cp across worker
 processes (``apply.dimensions``), ``GroupedQueryAttention`` and an explicit
-``attention_mask`` (``apply.context_layers``). ``planner.validate`` reads a cp plan
-through ``rank_zero_view`` (its context rank 0) until it checks cp stages itself.
+``attention_mask`` (``apply.context_layers``).
 """
 from __future__ import annotations
 
@@ -346,20 +345,3 @@ def _copy(view: Any, plan: Plan, device_of_layer: dict[str, str],
         recompute_layers=recompute_layers, tp_devices=[device])
     copy_weights(view, model)
     return model
-
-
-def rank_zero_view(plan: Plan) -> Plan:
-    """``plan`` as ``planner.validate`` checks it: context rank 0 of every replica (each
-    stage's ``devices[(r * cp) * tp:(r * cp + 1) * tp]``) and cp = 1; every other check of
-    a cp plan (its device count, distinct devices) is ``wrap_context_parallel``'s. The
-    predicted memory keeps those devices' entries."""
-    s = plan.strategy
-    tp = max(1, s.tp)
-    stages = tuple(dataclasses.replace(stage, devices=tuple(
-        d for r in range(s.dp) for d in stage.devices[r * s.cp * tp:(r * s.cp + 1) * tp]))
-        for stage in plan.stages)
-    kept = {d for stage in stages for d in stage.devices}
-    predicted = dataclasses.replace(plan.predicted, peak_memory_bytes_per_device=tuple(
-        (d, b) for d, b in plan.predicted.peak_memory_bytes_per_device if d in kept))
-    return dataclasses.replace(plan, stages=stages, predicted=predicted,
-                               strategy=dataclasses.replace(s, cp=1))

@@ -20,9 +20,12 @@ from tfplan.planner.plan import Plan
 def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     """Each dimension of ``plan.strategy`` that ``apply`` cannot run (in ``mode``, an
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
-    out = unapplied_dimensions(plan.strategy)
-    if plan.strategy.offload != "none" and mode is not None:
-        out += _offload_mode_rule(plan.strategy, mode)
+    s = plan.strategy
+    out = unapplied_dimensions(s)
+    if s.offload != "none" and mode is not None:
+        out += _offload_mode_rule(s, mode)
+    if s.cp > 1 and mode is not None and not out:
+        out += _context_mode_rule(s, mode)
     return out
 
 
@@ -38,12 +41,11 @@ def unapplied_dimensions(s: Any) -> list[str]:
                    "zero_stage 0 and 1 run")
     if s.sequence_parallel:
         out.append("sequence_parallel has no engine in apply yet")
-    if s.cp > 1 and not _runs_context_parallel(plan, mode):
+    if s.cp > 1 and (s.tp, s.pp, s.zero_stage) != (1, 1, 0):
         out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with "
                    f"data parallelism only (tp = pp = 1, zero_stage 0: "
                    "apply.context_parallel); this plan has "
-                   f"tp={s.tp}, pp={s.pp}, zero_stage={s.zero_stage}"
-                   + ("" if _one_host(mode) else ", over several worker processes"))
+                   f"tp={s.tp}, pp={s.pp}, zero_stage={s.zero_stage}")
     if s.offload != "none":
         out += _offload_rule(s)
     return out
@@ -88,12 +90,15 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
 
 
 
-def _runs_context_parallel(plan: Plan, mode: Any) -> bool:
-    """Mode ``context_parallel`` (``apply.context_parallel``) runs cp x dp on one host,
-    nothing else split (tp = pp = 1, zero_stage 0)."""
-    s = plan.strategy
-    return (_one_host(mode) and (s.tp, s.pp, s.zero_stage) == (1, 1, 0)
-            and (mode is None or mode.mode is Mode.CONTEXT_PARALLEL))
+def _context_mode_rule(s: Any, mode: Any) -> list[str]:
+    """Mode ``context_parallel`` (``apply.context_parallel``) runs cp x dp on one host
+    (the strategy-level rule, tp = pp = 1 and zero_stage 0, is ``unapplied_dimensions``')."""
+    if _one_host(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
+        return []
+    where = ("spans several worker processes" if not _one_host(mode) else
+             f"runs as {mode.mode.value}")
+    return [f"cp={s.cp} (context parallelism) runs on one host with data parallelism "
+            f"(apply.context_parallel); this plan {where}"]
 
 
 def _one_host(mode: Any) -> bool:

@@ -67,7 +67,7 @@ from typing import Any
 
 from tfplan.apply.batch_stats import batch_norm_layers
 from tfplan.apply.cloning import to_functional
-from tfplan.apply.context_parallel import rank_zero_view, wrap_context_parallel
+from tfplan.apply.context_parallel import wrap_context_parallel
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
 from tfplan.apply.dimensions import check_applicable
@@ -105,8 +105,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     plan = plan.for_model(signature, output_shapes(view))
     mode = execution_mode(plan)  # how it runs, decided once (apply.mode)
     check_applicable(plan, mode)  # every strategy dimension has an engine here
-    # stages cover the layers once, in order; devices once (a cp plan: its rank 0's part)
-    validate_plan(plan if plan.strategy.cp == 1 else rank_zero_view(plan), signature)
+    validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan, mode=mode)
     m = plan.strategy.num_microbatches
     recompute, stateful = recomputed_layers(plan, view)

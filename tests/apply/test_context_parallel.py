@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfplan import apply
+from tfplan import apply, compat
 from tfplan.apply.context_parallel import ContextParallelModel
 from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import Mode, execution_mode
@@ -202,7 +202,10 @@ def test_padding_mask_across_chunks_trains_like_one_device():
 def test_recomputed_attention_trains_the_same():
     module, model = base_model("tiny_transformer")
     wrapped = apply.wrap(model, cp_plan(model, cpus(0, 1), recompute="selective"))
-    assert wrapped.recompute_layers == {"attention"}
+    # selective: the attention core alone (apply.recompute), inside each rank's attention
+    assert wrapped.recompute_layers == frozenset() and wrapped.recompute_cores == {"attention"}
+    assert all(compat.attention_core_is_wrapped(copy.get_layer("attention"))
+               for copy in wrapped.replica_models())
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer", STEPS)[:3])
