@@ -22,9 +22,17 @@ its stage, ``apply.tensor_parallel``):
 * ``heads`` (MultiHeadAttention): rank t holds its heads' Q, K, V and output
   projections and computes their attention (Keras' own ``_compute_attention``);
   the partial outputs are summed on the layer's device, where the output bias is;
+  GroupQueryAttention the same, rank t holding num_query_heads/tp query heads and
+  the num_key_value_heads/tp key/value heads they share (tp must divide
+  num_key_value_heads);
 * ``vocab`` (Embedding): rank t holds a slice of the vocabulary's rows, looks up
   the ids that fall in it (the others read row 0 masked to zero), and the
   lookups are summed on the layer's device.
+
+With sequence parallelism (``sequence_parallel``, ``apply.sequence_parallel``) a
+column or heads layer first all-gathers a sequence-sharded input on each rank, and a
+row, heads or vocab layer reduce-scatters its partial sums into sequence pieces
+[batch, seq/tp, out], rank t adding the bias (and activation) to its own piece.
 
 Shards are nearly equal (``shard_sizes``: the first ones one larger). Every sharded
 layer reads and writes its weights unsplit: ``get_weights``/``set_weights``, weight
@@ -41,7 +49,8 @@ shard uses the layer's own.
 
 Not split yet (a PlannerError says so): convolutions with ``groups`` > 1, channels
 first data or LoRA enabled; attention with a gate, inputs of rank other
-than 3, custom attention axes or a multi-axis output; EinsumDense equations with
+than 3, custom attention axes or a multi-axis output; grouped-query attention with
+dropout; EinsumDense equations with
 ``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
 input axis (row); subclasses of these layers (their ``call`` may differ).
 """
@@ -55,22 +64,13 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
+from tfplan.apply.sequence_parallel import (ELEMENTWISE, Gathered, elementwise, join,  # noqa: F401
+                                          reduce_scatter, shard_sizes, splittable)
 from tfplan.core.errors import PlannerError
 
-# activations that act on each element alone, so each column shard may apply its own
-ELEMENTWISE = frozenset((
-    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu", "swish", "tanh",
-    "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "softplus", "softsign",
-    "exponential", "mish", "celu", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh",
-    "soft_shrink", "hard_shrink", "threshold", "log_sigmoid"))
 SPLITTABLE = {"column": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
               "row": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
-              "heads": "MultiHeadAttention", "vocab": "Embedding"}
-
-
-def shard_sizes(n: int, tp: int) -> list[int]:
-    """Sizes of ``tp`` nearly equal slices of ``n`` (the first ones one larger)."""
-    return [n // tp + (1 if t < n % tp else 0) for t in range(tp)]
+              "heads": "MultiHeadAttention, GroupQueryAttention", "vocab": "Embedding"}
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -78,22 +78,21 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return [(int(ends[t]), int(ends[t + 1])) for t in range(len(sizes))]
 
 
-def _elementwise(activation: Any) -> bool:
-    return activation is None or getattr(activation, "__name__", "") in ELEMENTWISE
-
-
 def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
     """A column or row split Dense/Conv forward: ``product(x, kernel)`` on each rank.
 
     Column: rank t computes its output slice (bias and an elementwise activation too),
     concatenated on the last axis. Row: rank t multiplies its input slice, the partial
-    products are summed (``tf.add_n``), then the bias and activation follow."""
-    shard_act = _elementwise(layer.activation)
+    products are summed (``tf.add_n``), then the bias and activation follow. With
+    sequence parallelism a column layer first gathers a sequence-sharded input on each
+    rank, and a row layer reduce-scatters its partial sums into sequence pieces, each
+    rank adding the bias and activation to its own (``apply.sequence_parallel``)."""
+    shard_act = elementwise(layer.activation)
     if layer.tp_split == "column":
-        outs = []
+        outs, whole = [], Gathered(layer.tp_devices)
         for t, d in enumerate(layer.tp_devices):
             with tf.device(d):
-                y = product(inputs, layer.kernels[t])
+                y = product(whole(inputs, t), layer.kernels[t])
                 if layer.biases:
                     y = ops.add(y, layer.biases[t])
                 if shard_act and layer.activation is not None:
@@ -106,10 +105,28 @@ def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
     for t, d in enumerate(layer.tp_devices):
         with tf.device(d):
             partial.append(product(parts[t], layer.kernels[t]))
-    y = tf.add_n(partial)
-    if layer.biases:
-        y = ops.add(y, layer.biases[0])
-    return y if layer.activation is None else layer.activation(y)
+    return _row_output(layer, partial, layer.biases[0] if layer.biases else None,
+                       layer.activation)
+
+
+def _row_output(layer: Any, partial: list[Any], bias: Any, activation: Any = None, *,
+                per_token: bool = True) -> Any:
+    """The sum of a row split's (or attention's, or an embedding's) ``partial`` outputs,
+    then ``bias`` and ``activation``: on the layer's device, or, with sequence
+    parallelism, reduce-scattered into sequence pieces that each rank finishes."""
+    if not (per_token and layer.sequence_parallel and splittable(partial[0], len(partial))):
+        y = tf.add_n(partial)
+        if bias is not None:
+            y = ops.add(y, bias)
+        return y if activation is None else activation(y)
+    pieces = reduce_scatter(partial, layer.tp_devices)
+    for t, d in enumerate(layer.tp_devices):
+        with tf.device(d):
+            if bias is not None:
+                pieces[t] = ops.add(pieces[t], bias)
+            if activation is not None:
+                pieces[t] = activation(pieces[t])
+    return join(pieces)
 
 
 def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[Any]:
@@ -139,6 +156,9 @@ class _Sharded:
 
     tp_split: str
     tp_devices: tuple[str, ...]
+    # sequence parallelism (apply.sequence_parallel): gather sequence-sharded inputs,
+    # reduce-scatter partial sums into sequence pieces; set by sharded_clone
+    sequence_parallel = False
 
     def _init_tp(self, tp_split: str, tp_devices: Sequence[str]) -> None:
         self.tp_split = tp_split
@@ -308,12 +328,12 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        shard_act = _elementwise(self.activation) and (self.bias_sharded or not self.biases)
+        shard_act = elementwise(self.activation) and (self.bias_sharded or not self.biases)
         if self.tp_split == "column":
-            outs = []
+            outs, whole = [], Gathered(self.tp_devices)
             for t, d in enumerate(self.tp_devices):
                 with tf.device(d):
-                    y = ops.einsum(self.equation, inputs, self.kernels[t])
+                    y = ops.einsum(self.equation, whole(inputs, t), self.kernels[t])
                     if self.bias_sharded:
                         y = ops.add(y, self.biases[t])
                     if shard_act and self.activation is not None:
@@ -328,7 +348,13 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
             for t, d in enumerate(self.tp_devices):
                 with tf.device(d):
                     partial.append(ops.einsum(self.equation, parts[t], self.kernels[t]))
-            y = tf.add_n(partial)
+            inp, _, out = self._specs
+            # sequence pieces only when the output keeps the input's [batch, seq] axes
+            # and the bias does not vary along seq
+            per_token = len(out) == 3 and inp[:2] == out[:2] and out[1] not in (
+                self.bias_axes or "")
+            return _row_output(self, partial, self.biases[0] if self.biases else None,
+                               self.activation, per_token=per_token)
         if self.biases and not self.bias_sharded:
             y = ops.add(y, self.biases[0])
         return y if self.activation is None else self.activation(y)
@@ -484,7 +510,9 @@ class ShardedEmbedding(_Sharded, keras.layers.Embedding):
                 local = tf.where(inside, inputs - lo, tf.zeros_like(inputs))
                 rows = tf.gather(table, local)
                 parts.append(rows * tf.cast(inside, rows.dtype)[..., None])
-        return ops.cast(tf.add_n(parts), dtype=self.compute_dtype)
+        # summed on the layer's device (reduce-scattered with sequence parallelism), then cast
+        return _row_output(self, parts, None,
+                           lambda y: ops.cast(y, dtype=self.compute_dtype))
 
     def full_weights(self) -> list[np.ndarray]:
         return [_concat(self.tables, 0)]
@@ -513,54 +541,20 @@ class _ProjectionEntry(keras.layers.Layer):
         self._write([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
 
 
-class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
-    """MultiHeadAttention split by heads: rank t holds heads [lo_t, hi_t) of Q, K, V and
-    the output projection; the output bias sits on the layer's device."""
+class _ShardedHeads(_Sharded):
+    """What attention split by heads shares (MultiHeadAttention, GroupQueryAttention):
+    ``shards`` {"query", "key", "value", "output" and their "_bias"es: one variable per
+    rank}, ``output_bias`` on the layer's device, and the projections' unsplit weights in
+    the unsplit layer's sub-layer entries (``query_dense``, ...)."""
 
-    def __init__(self, num_heads: int, key_dim: int, *, tp_split: str = "heads",
-                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
-        super().__init__(num_heads, key_dim, **kwargs)
-        self._init_tp(tp_split, tp_devices)
+    shards: dict[str, list[Any]]
+    use_bias: bool
 
-    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
-        key_shape = value_shape if key_shape is None else key_shape
-        ranks = {len(query_shape), len(value_shape), len(key_shape)}
-        settings = compat.attention_settings(self)
-        out_shape = settings.output_shape
-        if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
-            out_shape = out_shape[0]
-        if settings.use_gate or ranks != {3} or self.attention_axes not in (
-                None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
-            raise PlannerError(
-                f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
-                "splits attention over inputs of rank 3 (batch, sequence, features), "
-                "without use_gate, custom attention_axes or a multi-axis output_shape. "
-                "Re-plan with that layer replicated (remove it from tp_splits).")
-        out_dim = int(out_shape or query_shape[-1])
-        self.sizes = sizes = shard_sizes(self.num_heads, len(self.tp_devices))
-        b = self.use_bias
-        kw, bw = settings.kernel, settings.bias
-        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
-        kd, vd = self.key_dim, self.value_dim
-        self.shards = {
-            "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
-            "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
-            "value": self._add_shards("value_kernel", [(dv, h, vd) for h in sizes], **kw),
-            "output": self._add_shards("output_kernel", [(h, vd, out_dim) for h in sizes],
-                                       **kw)}
-        if b:
-            self.shards["query_bias"] = self._add_shards("query_bias", [(h, kd) for h in sizes],
-                                                         **bw)
-            self.shards["key_bias"] = self._add_shards("key_bias", [(h, kd) for h in sizes], **bw)
-            self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
-                                                         **bw)
-            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
-        compat.build_attention(self, 4)
+    def _add_projection_entries(self) -> None:
         for part in compat.ATTENTION_PROJECTIONS:
             compat.set_attention_projection(self, part, _ProjectionEntry(
                 lambda part=part: self._projection(part),
                 lambda weights, part=part: self._set_projection(part, weights), name=part))
-        self.built = True
 
     def _projection(self, part: str) -> list[np.ndarray]:
         """One projection's unsplit [kernel, bias] (as the unsplit layer's EinsumDense)."""
@@ -606,6 +600,75 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
         for i, part in enumerate(("query", "key", "value", "output")):
             self._set_projection(part, weights[i * n:(i + 1) * n])
 
+    def _project(self, t: int, query: Any, key: Any, value: Any, whole: Any) -> tuple:
+        """Rank t's projected (query, key, value) of its heads, on the current device;
+        ``whole`` gathers sequence-sharded inputs there (``apply.sequence_parallel``)."""
+        s = self.shards
+        q = ops.einsum("abc,cde->abde", whole(query, t), s["query"][t])
+        k = ops.einsum("abc,cde->abde", whole(key, t), s["key"][t])
+        v = ops.einsum("abc,cde->abde", whole(value, t), s["value"][t])
+        if self.use_bias:
+            q, k, v = q + s["query_bias"][t], k + s["key_bias"][t], v + s["value_bias"][t]
+        return q, k, v
+
+    def _output(self, partial: list[Any], query_mask: Any) -> Any:
+        """The sum of the ranks' output projections plus the output bias (reduce-scattered
+        into sequence pieces with sequence parallelism), carrying ``query_mask``."""
+        bias = self.output_bias if self.use_bias else None
+        if query_mask is not None:  # the mask goes on one whole tensor
+            y = tf.add_n(partial)
+            y = y if bias is None else y + bias
+            compat.set_keras_mask(y, query_mask)
+            return y
+        return _row_output(self, partial, bias)
+
+
+class ShardedMultiHeadAttention(_ShardedHeads, keras.layers.MultiHeadAttention):
+    """MultiHeadAttention split by heads: rank t holds heads [lo_t, hi_t) of Q, K, V and
+    the output projection; the output bias sits on the layer's device."""
+
+    def __init__(self, num_heads: int, key_dim: int, *, tp_split: str = "heads",
+                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(num_heads, key_dim, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+
+    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
+        key_shape = value_shape if key_shape is None else key_shape
+        ranks = {len(query_shape), len(value_shape), len(key_shape)}
+        settings = compat.attention_settings(self)
+        out_shape = settings.output_shape
+        if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
+            out_shape = out_shape[0]
+        if settings.use_gate or ranks != {3} or self.attention_axes not in (
+                None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
+            raise PlannerError(
+                f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
+                "splits attention over inputs of rank 3 (batch, sequence, features), "
+                "without use_gate, custom attention_axes or a multi-axis output_shape. "
+                "Re-plan with that layer replicated (remove it from tp_splits).")
+        out_dim = int(out_shape or query_shape[-1])
+        self.sizes = sizes = shard_sizes(self.num_heads, len(self.tp_devices))
+        b = self.use_bias
+        kw, bw = settings.kernel, settings.bias
+        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
+        kd, vd = self.key_dim, self.value_dim
+        self.shards = {
+            "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
+            "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
+            "value": self._add_shards("value_kernel", [(dv, h, vd) for h in sizes], **kw),
+            "output": self._add_shards("output_kernel", [(h, vd, out_dim) for h in sizes],
+                                       **kw)}
+        if b:
+            self.shards["query_bias"] = self._add_shards("query_bias", [(h, kd) for h in sizes],
+                                                         **bw)
+            self.shards["key_bias"] = self._add_shards("key_bias", [(h, kd) for h in sizes], **bw)
+            self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
+                                                         **bw)
+            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
+        compat.build_attention(self, 4)
+        self._add_projection_entries()
+        self.built = True
+
     def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
              value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
              return_attention_scores: bool = False, training: Any = None,
@@ -617,23 +680,102 @@ class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
             self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask, use_causal_mask=use_causal_mask)
         s, partial, scores = self.shards, [], []
+        whole = Gathered(self.tp_devices)
         for t, d in enumerate(self.tp_devices):
             with tf.device(d):
-                q = ops.einsum("abc,cde->abde", query, s["query"][t])
-                k = ops.einsum("abc,cde->abde", key, s["key"][t])
-                v = ops.einsum("abc,cde->abde", value, s["value"][t])
-                if self.use_bias:
-                    q, k, v = (q + s["query_bias"][t], k + s["key_bias"][t],
-                               v + s["value_bias"][t])
+                q, k, v = self._project(t, query, key, value, whole)
                 out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
                                                      return_attention_scores)
                 partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
                 scores.append(score)
-        y = tf.add_n(partial)
+        y = self._output(partial, query_mask)
+        if return_attention_scores:
+            return y, tf.concat(scores, axis=1)
+        return y
+
+
+class ShardedGroupQueryAttention(_ShardedHeads, keras.layers.GroupQueryAttention):
+    """GroupQueryAttention split by heads: rank t holds num_query_heads/tp query heads and
+    the num_key_value_heads/tp key/value heads they read (Keras repeats key/value head j
+    for query heads j*r .. j*r + r - 1, r = num_query_heads / num_key_value_heads, so
+    contiguous slices of both stay matched), and their slice of the output projection;
+    the output bias sits on the layer's device. tp must divide num_key_value_heads
+    (``sharded_clone`` refuses otherwise). The attention itself is Keras' computation
+    with public ops: ``ops.dot_product_attention`` with scale 1/sqrt(head_dim), or the
+    explicit softmax when the scores are returned."""
+
+    def __init__(self, head_dim: int, num_query_heads: int, num_key_value_heads: int, *,
+                 tp_split: str = "heads", tp_devices: Sequence[str] = (),
+                 **kwargs: Any) -> None:
+        super().__init__(head_dim, num_query_heads, num_key_value_heads, **kwargs)
+        self._init_tp(tp_split, tp_devices)
+
+    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
+        key_shape = value_shape if key_shape is None else key_shape
+        tp = len(self.tp_devices)
+        ranks = {len(query_shape), len(value_shape), len(key_shape)}
+        if self.use_gate or self.dropout > 0 or ranks != {3}:
+            raise PlannerError(
+                f"GroupQueryAttention layer {self.name!r} cannot be split by heads yet: apply "
+                "splits grouped-query attention over inputs of rank 3 (batch, sequence, "
+                "features), without use_gate or dropout. Re-plan with that layer replicated "
+                "(remove it from tp_splits).")
+        q_heads = shard_sizes(self.num_query_heads, tp)
+        kv_heads = shard_sizes(self.num_key_value_heads, tp)
+        self.sizes = q_heads
+        kw = dict(initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
+                  constraint=self.kernel_constraint)
+        bw = dict(initializer=self.bias_initializer, regularizer=self.bias_regularizer,
+                  constraint=self.bias_constraint)
+        hd, out_dim = self.head_dim, int(query_shape[-1])
+        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
+        self.shards = {
+            "query": self._add_shards("query_kernel", [(dq, h, hd) for h in q_heads], **kw),
+            "key": self._add_shards("key_kernel", [(dk, h, hd) for h in kv_heads], **kw),
+            "value": self._add_shards("value_kernel", [(dv, h, hd) for h in kv_heads], **kw),
+            "output": self._add_shards("output_kernel", [(h, hd, out_dim) for h in q_heads],
+                                       **kw)}
         if self.use_bias:
-            y = y + self.output_bias
-        if query_mask is not None:
-            compat.set_keras_mask(y, query_mask)
+            for part, heads in (("query", q_heads), ("key", kv_heads), ("value", kv_heads)):
+                self.shards[part + "_bias"] = self._add_shards(
+                    part + "_bias", [(h, hd) for h in heads], **bw)
+            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
+        self._add_projection_entries()
+        self.built = True
+
+    def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
+             value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
+             return_attention_scores: bool = False, training: Any = None,
+             use_causal_mask: bool = False) -> Any:
+        if key is None:
+            key = value
+        query_mask = compat.get_keras_mask(query) if query_mask is None else query_mask
+        mask = compat.attention_mask(
+            self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        if mask is not None:  # [B or 1, T, S] -> [B or 1, 1, T, S] (all heads)
+            mask = ops.cast(ops.expand_dims(mask, axis=-3), "bool")
+        scale = 1.0 / float(np.sqrt(self.head_dim))
+        repeats = self.num_query_heads // self.num_key_value_heads
+        s, partial, scores = self.shards, [], []
+        whole = Gathered(self.tp_devices)
+        for t, d in enumerate(self.tp_devices):
+            with tf.device(d):
+                q, k, v = self._project(t, query, key, value, whole)
+                k, v = ops.repeat(k, repeats, axis=2), ops.repeat(v, repeats, axis=2)
+                if return_attention_scores:  # Keras' explicit path: softmax(q k / sqrt(h))
+                    score = ops.einsum("bquh,bkuh->buqk", q * scale, k)
+                    if mask is not None:  # as keras.layers.Softmax with a mask
+                        score = ops.where(mask, score, ops.full_like(score, -1e9))
+                    score = ops.softmax(score, axis=-1)
+                    if mask is not None:  # a query row masked whole attends to nothing
+                        score = ops.where(mask, score, ops.zeros_like(score))
+                    out = ops.einsum("buqk,bkuh->bquh", score, v)
+                    scores.append(score)
+                else:
+                    out = ops.dot_product_attention(q, k, v, mask=mask, scale=scale)
+                partial.append(ops.einsum("bquh,uhm->bqm", out, s["output"][t]))
+        y = self._output(partial, query_mask)
         if return_attention_scores:
             return y, tf.concat(scores, axis=1)
         return y
@@ -648,6 +790,7 @@ for _cls, _base in ((ShardedDense, keras.layers.Dense),
                     (ShardedEinsumDense, keras.layers.EinsumDense),
                     (ShardedEmbedding, keras.layers.Embedding),
                     (ShardedMultiHeadAttention, keras.layers.MultiHeadAttention),
+                    (ShardedGroupQueryAttention, keras.layers.GroupQueryAttention),
                     (ShardedConv1D, keras.layers.Conv1D), (ShardedConv2D, keras.layers.Conv2D),
                     (ShardedConv3D, keras.layers.Conv3D)):
     _cls.__name__, _cls.__module__ = _base.__name__, _base.__module__
@@ -657,26 +800,50 @@ SHARDED = {("Dense", "column"): ShardedDense, ("Dense", "row"): ShardedDense,
            ("EinsumDense", "row"): ShardedEinsumDense,
            ("Embedding", "vocab"): ShardedEmbedding,
            ("MultiHeadAttention", "heads"): ShardedMultiHeadAttention,
+           ("GroupedQueryAttention", "heads"): ShardedGroupQueryAttention,
            **{(cls.__name__, split): cls for cls in (ShardedConv1D, ShardedConv2D, ShardedConv3D)
               for split in ("column", "row")}}
 
 
-def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "") -> Any:
-    """A sharded twin of ``layer`` (same config and name), not built yet."""
+# the public Keras class of each kind (GroupQueryAttention's class is GroupedQueryAttention)
+_PUBLIC = {**{kind: getattr(keras.layers, kind) for kind, _ in SHARDED
+              if hasattr(keras.layers, kind)},
+           "GroupedQueryAttention": keras.layers.GroupQueryAttention}
+
+
+def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "", *,
+                  sequence_parallel: bool = False) -> Any:
+    """A sharded twin of ``layer`` (same config and name), not built yet; with
+    ``sequence_parallel`` it gathers sequence-sharded inputs and reduce-scatters partial
+    sums (``apply.sequence_parallel``)."""
     kind = type(layer).__name__
     cls = SHARDED.get((kind, split))
-    if cls is None or type(layer) is not getattr(keras.layers, kind, None):
+    tp = len(devices)
+    if cls is None or type(layer) is not _PUBLIC.get(kind):
         raise PlannerError(
             f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}) by {split!r}; apply "
             f"splits {split!r} only for {SPLITTABLE.get(split, 'no layer type')} layers "
             "(column/row: Dense, EinsumDense, Conv1D, Conv2D, Conv3D; heads: "
-            "MultiHeadAttention; vocab: Embedding). "
+            "MultiHeadAttention, GroupQueryAttention; vocab: Embedding). "
             "Re-plan, or edit the plan's tp_splits to leave that layer replicated.")
-    if split == "heads" and len(devices) > layer.num_heads:
+    if cls is ShardedGroupQueryAttention and layer.num_key_value_heads % tp:
+        fits = [d for d in range(1, layer.num_key_value_heads + 1)
+                if layer.num_key_value_heads % d == 0]
         raise PlannerError(
-            f"Plan {plan_name!r} splits attention layer {layer.name!r} ({layer.num_heads} "
-            f"heads) over tp = {len(devices)} devices; each device needs at least one head. "
+            f"Plan {plan_name!r} splits grouped-query attention layer {layer.name!r} "
+            f"({layer.num_query_heads} query heads, {layer.num_key_value_heads} key/value "
+            f"heads) by heads over tp = {tp} devices; each device must hold whole key/value "
+            f"heads with the query heads that read them, so tp must divide "
+            f"num_key_value_heads = {layer.num_key_value_heads}. Re-plan with tp in {fits}, "
+            "or leave that layer replicated (remove it from tp_splits).")
+    heads = getattr(layer, "num_heads", None) or getattr(layer, "num_query_heads", 0)
+    if split == "heads" and tp > heads:
+        raise PlannerError(
+            f"Plan {plan_name!r} splits attention layer {layer.name!r} ({heads} "
+            f"heads) over tp = {tp} devices; each device needs at least one head. "
             "Re-plan with a smaller tp.")
     config = layer.get_config()
     config.update(tp_split=split, tp_devices=list(devices))
-    return cls.from_config(config)
+    clone = cls.from_config(config)
+    clone.sequence_parallel = bool(sequence_parallel)
+    return clone
