@@ -48,7 +48,8 @@ found and every layer gathers (same numbers, more traffic).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import warnings
+from typing import Any, Callable, Collection, Sequence
 
 import keras
 import tensorflow as tf
@@ -273,3 +274,21 @@ def sequence_layers(layers: Sequence[Any], splits: Any, devices_of: Callable[[st
     return {layer.name: tuple(devices_of(layer.name)) for layer in layers
             if layer.name not in splits and token_wise(layer)}
 
+
+
+def gathered_layers(layers: Sequence[Any], splits: Any) -> set[str]:
+    """Names of the unsplit layers that are not per-token (``token_wise``): with sequence
+    parallelism they read the whole sequence, gathered, on their stage's rank 0."""
+    return {layer.name for layer in layers if layer.name not in splits
+            and not isinstance(layer, keras.layers.InputLayer) and not token_wise(layer)}
+
+
+def warn_gathered(plan_name: str, names: Collection[str]) -> None:
+    """The note that ``names`` run gathered (a UserWarning; nothing is wrong, it costs)."""
+    if names:
+        warnings.warn(
+            f"Plan {plan_name!r} runs sequence parallelism; layers {sorted(names)} are not "
+            "per-token layers (they may mix positions: Flatten, pooling, convolutions, "
+            "position embeddings, unsplit Dense, ...) so they run on the whole sequence, "
+            "gathered on their stage's rank 0, as without it (apply.sequence_parallel). "
+            "Split them in the plan, or accept the all-gather.", stacklevel=3)

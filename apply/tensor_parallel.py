@@ -61,7 +61,8 @@ from tfplan.apply.mode import Processes, run_processes
 from tfplan.apply.pipeline import PlacedModel
 from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
 from tfplan.apply.schedule import schedule_of
-from tfplan.apply.sequence_parallel import sequence_layers, sequence_sharded
+from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
+                                            sequence_sharded, warn_gathered)
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables
 from tfplan.core.errors import PlannerError
@@ -81,15 +82,16 @@ class TensorParallelModel(PlacedModel):
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  tp_devices: Sequence[str] = (),
                  sequence_layers: dict[str, tuple[str, ...]] | None = None,
-                 **kwargs: Any) -> None:
+                 sequence_gathered: Collection[str] = (), **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
         # every device the model touches (compile refuses XLA when there are several)
         self.stage_devices = tuple(dict.fromkeys([*self.stage_devices, *tp_devices]))
         self._others = _Replicas(())
         # sequence parallelism (apply.sequence_parallel): {per-token layer: its tp devices},
-        # and the names of those that ran whole (inputs not [batch, seq, hidden]) when traced
+        # and the unsplit layers that run on the whole sequence: those not per-token, and
+        # per-token ones whose inputs turned out not [batch, seq, hidden] when traced
         self.sequence_layers = dict(sequence_layers or {})
-        self.sequence_gathered: set[str] = set()
+        self.sequence_gathered: set[str] = set(sequence_gathered)
 
     def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
         devices = self.sequence_layers.get(getattr(op, "name", None))
@@ -243,6 +245,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
         models.append(_replica(view, plan, r, {k: shift[d] for k, d in device_of_layer.items()},
                                splits, recompute_layers))
     model = models[0]
+    warn_gathered(plan.name, model.sequence_gathered)
     if dp > 1:
         model._set_replicas(models[1:])
         model.num_replicas = dp  # batches must split in dp x num_microbatches parts
@@ -282,6 +285,7 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
         num_microbatches=plan.strategy.num_microbatches, num_replicas=1,
         recompute_layers=recompute_layers, schedule=schedule_of(plan),  # apply.schedule
         tp_devices=[d for stage in plan.stages for d in stage.devices[r * tp:(r + 1) * tp]],
-        sequence_layers=sequence_layers(view.layers, splits, shard_devices.get) if sp else None)
+        sequence_layers=sequence_layers(view.layers, splits, shard_devices.get) if sp else None,
+        sequence_gathered=gathered_layers(view.layers, splits) if sp else ())
     copy_weights(view, model)
     return model

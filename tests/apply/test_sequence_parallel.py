@@ -11,7 +11,6 @@ around it and inside pipeline stages.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import keras
 import numpy as np
@@ -24,7 +23,8 @@ from tfplan.apply.tensor_parallel import TensorParallelModel
 from tests.apply import helpers
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, step_losses, tp_plan)
-from tests.apply.test_tensor_parallel import _short, assert_placement, assert_replicas_equal
+from tests.apply.test_tensor_parallel import (_short, assert_placement,
+                                              assert_replicas_equal, expected_device)
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
 
@@ -160,8 +160,11 @@ def test_layers_that_mix_positions_run_gathered():
     assert token_wise(model.get_layer("flat")) == "" and token_wise(
         model.get_layer("conv")) == ""
     plan = sp_plan(model, [cpus(0, 1)], (("up", "column"), ("down", "row")))
-    wrapped = apply.wrap(model, plan)
+    with pytest.warns(UserWarning, match=r"layers \['conv', 'embed', 'flat', 'head'\] are "
+                                         r"not per-token layers.*gathered on their stage's rank 0"):
+        wrapped = apply.wrap(model, plan)
     assert set(wrapped.sequence_layers) == {"ln", "res", "drop"}
+    assert wrapped.sequence_gathered == {"embed", "conv", "flat", "head"}
     x = np.random.default_rng(1).integers(0, 10, size=(16, 6)).astype("int32")
     y = np.random.default_rng(2).normal(size=(16, 3)).astype("float32")
     np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
@@ -172,7 +175,7 @@ def test_layers_that_mix_positions_run_gathered():
     # the conv reads the whole sequence: the row layer's pieces joined
     joins = [op for op in ops if op.name.rsplit("/", 1)[-1].startswith(SEQUENCE_SHARDS)]
     assert joins
-    assert wrapped.sequence_gathered == {"drop"}
+    assert wrapped.sequence_gathered == {"embed", "conv", "flat", "head", "drop"}  # drop: traced
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())
     reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
@@ -200,3 +203,41 @@ def test_uneven_sequence_pieces_train_the_same():
     losses = step_losses(wrapped, batches_of(module, STEPS_SP, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, helpers.reference_losses("tiny_transformer", STEPS_SP)[:3])
     assert_placement(wrapped, plan)
+
+
+@pytest.mark.parametrize("path", ["1f1b-m4", "zero1-dp2", "recompute-full", "run-eagerly"])
+def test_other_train_steps_with_sequence_parallelism(path):
+    """1F1B pipeline with 4 micro-batches, ZeRO-1 over dp2, full recomputation and an eager
+    train step: the same losses (recomputed per-token layers hand on their output whole,
+    so the next layer cuts it again; eager steps cannot find the pieces and cut every
+    input: same numbers, more traffic)."""
+    module, model = base_model("tiny_llama")
+    kwargs, compile_kwargs = {}, {}
+    devices = [cpus(0, 1)]
+    if path == "1f1b-m4":
+        devices, kwargs = [cpus(4, 5), cpus(6, 7)], dict(num_microbatches=4)
+    elif path == "zero1-dp2":
+        devices, kwargs = [cpus(0, 1, 2, 3)], dict(dp=2, zero=True)
+    plan = sp_plan(model, devices, SPLITS["tiny_llama"], **kwargs)
+    if path == "1f1b-m4":
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                      schedule="1f1b"))
+    if path == "recompute-full":
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                      recompute="full"))
+    if path == "run-eagerly":
+        compile_kwargs = dict(run_eagerly=True)
+    wrapped = apply.wrap(model, plan)
+    if path == "recompute-full":
+        assert PER_TOKEN["tiny_llama"] <= set(wrapped.recompute_layers)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss, **compile_kwargs)
+    losses = step_losses(wrapped, batches_of(module, STEPS_SP, GLOBAL_BATCH)[:3])
+    assert_losses_match(losses, helpers.reference_losses("tiny_llama", STEPS_SP)[:3])
+    if path != "zero1-dp2":
+        assert_placement(wrapped, plan)
+        return
+    tp = plan.strategy.tp  # ZeRO-1: slots on the owner copies only (tests/apply/test_zero.py)
+    for r, replica in enumerate(wrapped.replica_models()):
+        for layer in replica.layers:
+            for v in layer.weights:
+                assert _short(v.value.device) == expected_device(plan, layer, v, r * tp)
