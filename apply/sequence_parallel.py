@@ -224,11 +224,10 @@ def sequence_sharded(layer: Any, fn: Callable[..., Any], devices: Sequence[str],
             return fn(*args, **kwargs)
         outs = []
         for t, d in enumerate(devices):
+            rank_args, rank_kwargs = keras.tree.map_structure(
+                lambda x, t=t: pieces[id(x)][t] if id(x) in pieces else x, (args, kwargs))
             with tf.device(d), tf.name_scope(f"rank_{t}"):
-                outs.append(fn(*keras.tree.map_structure(
-                    lambda x: pieces[id(x)][t] if id(x) in pieces else x, args),
-                    **keras.tree.map_structure(
-                        lambda x: pieces[id(x)][t] if id(x) in pieces else x, kwargs)))
+                outs.append(fn(*rank_args, **rank_kwargs))
         if not all(isinstance(o, tf.Tensor) for o in outs):
             gathered.add(layer.name)  # not one tensor out: run whole instead
             return fn(*args, **kwargs)

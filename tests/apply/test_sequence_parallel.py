@@ -124,6 +124,13 @@ def test_collectives_at_the_split_layers():
         assert of(row, "SplitV") == cpus(2, 3), row
         assert of(row, "AddN") == cpus(2, 3), row
     assert not of("mlp_down", "StridedSlice")
+    # no op reads a whole sequence-sharded tensor (each join of pieces is unused, so
+    # TensorFlow prunes it): every per-token activation exists only as its tp pieces
+    joins = [op for op in ops if op.name.rsplit("/", 1)[-1].startswith(SEQUENCE_SHARDS)
+             and op.type == "ConcatV2"]
+    assert len(joins) == 8  # embed, attention, mlp_down + 5 per-token layers (not swiglu)
+    assert all(not op.outputs[0].consumers() for op in joins), [
+        (op.name, [c.name for c in op.outputs[0].consumers()]) for op in joins]
     assert [_short(op.device) for op in ops if "/swiglu" in op.name and op.type == "Mul"
             ] == cpus(2, 3)
 
