@@ -19,7 +19,7 @@ its stage, ``apply.tensor_parallel``):
   row layer that reads a column layer's concatenation takes the column shards
   straight from their ranks (the Megatron column -> row pair moves no activation
   between ranks; the concatenation is then unused and pruned by TensorFlow);
-* ``heads`` (MultiHeadAttention): rank t holds its heads' Q, K, V and output
+* ``heads`` (MultiHeadAttention, ``apply.sharded_attention``): rank t holds its heads' Q, K, V and output
   projections and computes their attention (Keras' own ``_compute_attention``);
   the partial outputs are summed on the layer's device, where the output bias is;
   GroupQueryAttention the same, rank t holding num_query_heads/tp query heads and
@@ -64,9 +64,14 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
-from tfplan.apply.sequence_parallel import (ELEMENTWISE, Gathered, elementwise, join,  # noqa: F401
-                                          reduce_scatter, shard_sizes, splittable)
+from tfplan.apply.sequence_parallel import (ELEMENTWISE, Gathered, elementwise,  # noqa: F401
+                                            shard_sizes)
+from tfplan.apply.sharded_attention import (ShardedGroupQueryAttention,
+                                            ShardedMultiHeadAttention)
+from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables, row_output
 from tfplan.core.errors import PlannerError
+
+_Sharded = Sharded  # the base's former name here (tests check isinstance with it)
 
 SPLITTABLE = {"column": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
               "row": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
@@ -105,28 +110,8 @@ def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
     for t, d in enumerate(layer.tp_devices):
         with tf.device(d):
             partial.append(product(parts[t], layer.kernels[t]))
-    return _row_output(layer, partial, layer.biases[0] if layer.biases else None,
+    return row_output(layer, partial, layer.biases[0] if layer.biases else None,
                        layer.activation)
-
-
-def _row_output(layer: Any, partial: list[Any], bias: Any, activation: Any = None, *,
-                per_token: bool = True) -> Any:
-    """The sum of a row split's (or attention's, or an embedding's) ``partial`` outputs,
-    then ``bias`` and ``activation``: on the layer's device, or, with sequence
-    parallelism, reduce-scattered into sequence pieces that each rank finishes."""
-    if not (per_token and layer.sequence_parallel and splittable(partial[0], len(partial))):
-        y = tf.add_n(partial)
-        if bias is not None:
-            y = ops.add(y, bias)
-        return y if activation is None else activation(y)
-    pieces = reduce_scatter(partial, layer.tp_devices)
-    for t, d in enumerate(layer.tp_devices):
-        with tf.device(d):
-            if bias is not None:
-                pieces[t] = ops.add(pieces[t], bias)
-            if activation is not None:
-                pieces[t] = activation(pieces[t])
-    return join(pieces)
 
 
 def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[Any]:
@@ -151,68 +136,7 @@ def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[
     return out
 
 
-class _Sharded:
-    """What every sharded layer shares: its split, its devices and unsplit weights."""
-
-    tp_split: str
-    tp_devices: tuple[str, ...]
-    # sequence parallelism (apply.sequence_parallel): gather sequence-sharded inputs,
-    # reduce-scatter partial sums into sequence pieces; set by sharded_clone
-    sequence_parallel = False
-
-    def _init_tp(self, tp_split: str, tp_devices: Sequence[str]) -> None:
-        self.tp_split = tp_split
-        self.tp_devices = tuple(tp_devices)
-
-    def _add_shards(self, name: str, shapes: Sequence[tuple[int, ...]], initializer: Any,
-                    regularizer: Any = None, constraint: Any = None) -> list[Any]:
-        out = []
-        for t, (shape, d) in enumerate(zip(shapes, self.tp_devices)):
-            with tf.device(d):
-                out.append(self.add_weight(name=f"{name}_{t}", shape=tuple(shape),
-                                           initializer=initializer, regularizer=regularizer,
-                                           constraint=constraint))
-        return out
-
-    # unsplit weights, in the original layer's order ------------------------------------
-    def full_weights(self) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
-        raise NotImplementedError
-
-    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        """Each unsplit weight (``full_weights``' order) as (its shard variables, the axis
-        they are concatenated along, or None for one unsplit variable): how
-        ``apply.checkpoint`` joins and splits their optimizer slots."""
-        raise NotImplementedError
-
-    def get_weights(self) -> list[np.ndarray]:
-        return self.full_weights()
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        self.set_full_weights([np.asarray(w) for w in weights])
-
-    def save_own_variables(self, store: Any) -> None:
-        if self.built:
-            for i, w in enumerate(self.full_weights()):
-                store[str(i)] = w
-
-    def load_own_variables(self, store: Any) -> None:
-        self.set_full_weights([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
-
-
-def _assign_pieces(variables: Sequence[Any], full: np.ndarray, axis: int) -> None:
-    sizes = [v.shape[axis] for v in variables]
-    for v, piece in zip(variables, np.split(full, np.cumsum(sizes)[:-1], axis=axis)):
-        v.assign(piece)
-
-
-def _concat(variables: Sequence[Any], axis: int) -> np.ndarray:
-    return np.concatenate([np.asarray(v.numpy()) for v in variables], axis=axis)
-
-
-class ShardedDense(_Sharded, keras.layers.Dense):
+class ShardedDense(Sharded, keras.layers.Dense):
     """A Dense layer split by column (output units) or row (input features)."""
 
     def __init__(self, units: int, *, tp_split: str = "column",
@@ -249,9 +173,9 @@ class ShardedDense(_Sharded, keras.layers.Dense):
 
     def full_weights(self) -> list[np.ndarray]:
         axis = 1 if self.tp_split == "column" else 0
-        out = [_concat(self.kernels, axis)]
+        out = [concat_variables(self.kernels, axis)]
         if self.biases:
-            out.append(_concat(self.biases, 0) if self.tp_split == "column"
+            out.append(concat_variables(self.biases, 0) if self.tp_split == "column"
                        else self.biases[0].numpy())
         return out
 
@@ -264,15 +188,15 @@ class ShardedDense(_Sharded, keras.layers.Dense):
         return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.kernels, weights[0], 1 if self.tp_split == "column" else 0)
+        assign_pieces(self.kernels, weights[0], 1 if self.tp_split == "column" else 0)
         if self.biases:
             if self.tp_split == "column":
-                _assign_pieces(self.biases, weights[1], 0)
+                assign_pieces(self.biases, weights[1], 0)
             else:
                 self.biases[0].assign(weights[1])
 
 
-class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
+class ShardedEinsumDense(Sharded, keras.layers.EinsumDense):
     """An EinsumDense split along the kernel axis of the output's last axis (column) or
     of the input's last axis, when that axis is contracted (row)."""
 
@@ -353,16 +277,16 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
             # and the bias does not vary along seq
             per_token = len(out) == 3 and inp[:2] == out[:2] and out[1] not in (
                 self.bias_axes or "")
-            return _row_output(self, partial, self.biases[0] if self.biases else None,
+            return row_output(self, partial, self.biases[0] if self.biases else None,
                                self.activation, per_token=per_token)
         if self.biases and not self.bias_sharded:
             y = ops.add(y, self.biases[0])
         return y if self.activation is None else self.activation(y)
 
     def full_weights(self) -> list[np.ndarray]:
-        out = [_concat(self.kernels, self.kernel_axis)]
+        out = [concat_variables(self.kernels, self.kernel_axis)]
         if self.biases:
-            out.append(_concat(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
+            out.append(concat_variables(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
         return out
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
@@ -374,15 +298,15 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
         return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.kernels, weights[0], self.kernel_axis)
+        assign_pieces(self.kernels, weights[0], self.kernel_axis)
         if self.biases:
             if self.bias_sharded:
-                _assign_pieces(self.biases, weights[1], len(self.biases[0].shape) - 1)
+                assign_pieces(self.biases, weights[1], len(self.biases[0].shape) - 1)
             else:
                 self.biases[0].assign(weights[1])
 
 
-class _ShardedConv(_Sharded):
+class _ShardedConv(Sharded):
     """A Keras convolution (Conv1D/2D/3D, channels last) split by column (filters) or row
     (input channels); mixed into a subclass of the Keras class, whose config it keeps."""
 
@@ -442,9 +366,9 @@ class _ShardedConv(_Sharded):
 
     def full_weights(self) -> list[np.ndarray]:
         column = self.tp_split == "column"
-        out = [_concat(self.kernels, -1 if column else -2)]
+        out = [concat_variables(self.kernels, -1 if column else -2)]
         if self.biases:
-            out.append(_concat(self.biases, 0) if column else self.biases[0].numpy())
+            out.append(concat_variables(self.biases, 0) if column else self.biases[0].numpy())
         return out
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
@@ -457,10 +381,10 @@ class _ShardedConv(_Sharded):
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         column = self.tp_split == "column"
-        _assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
+        assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
         if self.biases:
             if column:
-                _assign_pieces(self.biases, weights[1], 0)
+                assign_pieces(self.biases, weights[1], 0)
             else:
                 self.biases[0].assign(weights[1])
 
@@ -484,7 +408,7 @@ ShardedConv2D = _conv_class(keras.layers.Conv2D)
 ShardedConv3D = _conv_class(keras.layers.Conv3D)
 
 
-class ShardedEmbedding(_Sharded, keras.layers.Embedding):
+class ShardedEmbedding(Sharded, keras.layers.Embedding):
     """An Embedding split over the vocabulary: rank t holds rows [lo_t, hi_t)."""
 
     def __init__(self, input_dim: int, output_dim: int, *, tp_split: str = "vocab",
@@ -511,274 +435,17 @@ class ShardedEmbedding(_Sharded, keras.layers.Embedding):
                 rows = tf.gather(table, local)
                 parts.append(rows * tf.cast(inside, rows.dtype)[..., None])
         # summed on the layer's device (reduce-scattered with sequence parallelism), then cast
-        return _row_output(self, parts, None,
+        return row_output(self, parts, None,
                            lambda y: ops.cast(y, dtype=self.compute_dtype))
 
     def full_weights(self) -> list[np.ndarray]:
-        return [_concat(self.tables, 0)]
+        return [concat_variables(self.tables, 0)]
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
         return [(tuple(self.tables), 0)]
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.tables, weights[0], 0)
-
-
-class _ProjectionEntry(keras.layers.Layer):
-    """Stands in, in weight files, for one of MultiHeadAttention's EinsumDense sub-layers
-    (``query_dense``, ...): it saves and loads that projection's unsplit kernel and bias."""
-
-    def __init__(self, read: Any, write: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._read, self._write = read, write  # functions: not tracked by Keras
-        self.built = True
-
-    def save_own_variables(self, store: Any) -> None:
-        for i, w in enumerate(self._read()):
-            store[str(i)] = w
-
-    def load_own_variables(self, store: Any) -> None:
-        self._write([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
-
-
-class _ShardedHeads(_Sharded):
-    """What attention split by heads shares (MultiHeadAttention, GroupQueryAttention):
-    ``shards`` {"query", "key", "value", "output" and their "_bias"es: one variable per
-    rank}, ``output_bias`` on the layer's device, and the projections' unsplit weights in
-    the unsplit layer's sub-layer entries (``query_dense``, ...)."""
-
-    shards: dict[str, list[Any]]
-    use_bias: bool
-
-    def _add_projection_entries(self) -> None:
-        for part in compat.ATTENTION_PROJECTIONS:
-            compat.set_attention_projection(self, part, _ProjectionEntry(
-                lambda part=part: self._projection(part),
-                lambda weights, part=part: self._set_projection(part, weights), name=part))
-
-    def _projection(self, part: str) -> list[np.ndarray]:
-        """One projection's unsplit [kernel, bias] (as the unsplit layer's EinsumDense)."""
-        s, b = self.shards, self.use_bias
-        if part == "output":
-            return [_concat(s["output"], 0)] + ([self.output_bias.numpy()] if b else [])
-        return [_concat(s[part], 1)] + ([_concat(s[part + "_bias"], 0)] if b else [])
-
-    def _set_projection(self, part: str, weights: Sequence[Any]) -> None:
-        s = self.shards
-        if part == "output":
-            _assign_pieces(s["output"], weights[0], 0)
-            if self.use_bias:
-                self.output_bias.assign(weights[1])
-            return
-        _assign_pieces(s[part], weights[0], 1)
-        if self.use_bias:
-            _assign_pieces(s[part + "_bias"], weights[1], 0)
-
-    # weight files: the projections' entries above hold the weights, as in the unsplit layer
-    def save_own_variables(self, store: Any) -> None:
-        pass
-
-    def load_own_variables(self, store: Any) -> None:
-        pass
-
-    def full_weights(self) -> list[np.ndarray]:
-        return [w for part in ("query", "key", "value", "output") for w in self._projection(part)]
-
-    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        s, out = self.shards, []
-        for part in ("query", "key", "value"):
-            out.append((tuple(s[part]), 1))
-            if self.use_bias:
-                out.append((tuple(s[part + "_bias"]), 0))
-        out.append((tuple(s["output"]), 0))
-        if self.use_bias:
-            out.append(((self.output_bias,), None))
-        return out
-
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
-        n = 2 if self.use_bias else 1
-        for i, part in enumerate(("query", "key", "value", "output")):
-            self._set_projection(part, weights[i * n:(i + 1) * n])
-
-    def _project(self, t: int, query: Any, key: Any, value: Any, whole: Any) -> tuple:
-        """Rank t's projected (query, key, value) of its heads, on the current device;
-        ``whole`` gathers sequence-sharded inputs there (``apply.sequence_parallel``)."""
-        s = self.shards
-        q = ops.einsum("abc,cde->abde", whole(query, t), s["query"][t])
-        k = ops.einsum("abc,cde->abde", whole(key, t), s["key"][t])
-        v = ops.einsum("abc,cde->abde", whole(value, t), s["value"][t])
-        if self.use_bias:
-            q, k, v = q + s["query_bias"][t], k + s["key_bias"][t], v + s["value_bias"][t]
-        return q, k, v
-
-    def _output(self, partial: list[Any], query_mask: Any) -> Any:
-        """The sum of the ranks' output projections plus the output bias (reduce-scattered
-        into sequence pieces with sequence parallelism), carrying ``query_mask``."""
-        bias = self.output_bias if self.use_bias else None
-        if query_mask is not None:  # the mask goes on one whole tensor
-            y = tf.add_n(partial)
-            y = y if bias is None else y + bias
-            compat.set_keras_mask(y, query_mask)
-            return y
-        return _row_output(self, partial, bias)
-
-
-class ShardedMultiHeadAttention(_ShardedHeads, keras.layers.MultiHeadAttention):
-    """MultiHeadAttention split by heads: rank t holds heads [lo_t, hi_t) of Q, K, V and
-    the output projection; the output bias sits on the layer's device."""
-
-    def __init__(self, num_heads: int, key_dim: int, *, tp_split: str = "heads",
-                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
-        super().__init__(num_heads, key_dim, **kwargs)
-        self._init_tp(tp_split, tp_devices)
-
-    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
-        key_shape = value_shape if key_shape is None else key_shape
-        ranks = {len(query_shape), len(value_shape), len(key_shape)}
-        settings = compat.attention_settings(self)
-        out_shape = settings.output_shape
-        if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
-            out_shape = out_shape[0]
-        if settings.use_gate or ranks != {3} or self.attention_axes not in (
-                None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
-            raise PlannerError(
-                f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
-                "splits attention over inputs of rank 3 (batch, sequence, features), "
-                "without use_gate, custom attention_axes or a multi-axis output_shape. "
-                "Re-plan with that layer replicated (remove it from tp_splits).")
-        out_dim = int(out_shape or query_shape[-1])
-        self.sizes = sizes = shard_sizes(self.num_heads, len(self.tp_devices))
-        b = self.use_bias
-        kw, bw = settings.kernel, settings.bias
-        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
-        kd, vd = self.key_dim, self.value_dim
-        self.shards = {
-            "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
-            "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
-            "value": self._add_shards("value_kernel", [(dv, h, vd) for h in sizes], **kw),
-            "output": self._add_shards("output_kernel", [(h, vd, out_dim) for h in sizes],
-                                       **kw)}
-        if b:
-            self.shards["query_bias"] = self._add_shards("query_bias", [(h, kd) for h in sizes],
-                                                         **bw)
-            self.shards["key_bias"] = self._add_shards("key_bias", [(h, kd) for h in sizes], **bw)
-            self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
-                                                         **bw)
-            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
-        compat.build_attention(self, 4)
-        self._add_projection_entries()
-        self.built = True
-
-    def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
-             value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
-             return_attention_scores: bool = False, training: Any = None,
-             use_causal_mask: bool = False) -> Any:
-        if key is None:
-            key = value
-        query_mask = compat.get_keras_mask(query)
-        attention_mask = compat.attention_mask(
-            self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
-        s, partial, scores = self.shards, [], []
-        whole = Gathered(self.tp_devices)
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                q, k, v = self._project(t, query, key, value, whole)
-                out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
-                                                     return_attention_scores)
-                partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
-                scores.append(score)
-        y = self._output(partial, query_mask)
-        if return_attention_scores:
-            return y, tf.concat(scores, axis=1)
-        return y
-
-
-class ShardedGroupQueryAttention(_ShardedHeads, keras.layers.GroupQueryAttention):
-    """GroupQueryAttention split by heads: rank t holds num_query_heads/tp query heads and
-    the num_key_value_heads/tp key/value heads they read (Keras repeats key/value head j
-    for query heads j*r .. j*r + r - 1, r = num_query_heads / num_key_value_heads, so
-    contiguous slices of both stay matched), and their slice of the output projection;
-    the output bias sits on the layer's device. tp must divide num_key_value_heads
-    (``sharded_clone`` refuses otherwise). The attention itself is Keras' computation
-    with public ops: ``ops.dot_product_attention`` with scale 1/sqrt(head_dim), or the
-    explicit softmax when the scores are returned."""
-
-    def __init__(self, head_dim: int, num_query_heads: int, num_key_value_heads: int, *,
-                 tp_split: str = "heads", tp_devices: Sequence[str] = (),
-                 **kwargs: Any) -> None:
-        super().__init__(head_dim, num_query_heads, num_key_value_heads, **kwargs)
-        self._init_tp(tp_split, tp_devices)
-
-    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
-        key_shape = value_shape if key_shape is None else key_shape
-        tp = len(self.tp_devices)
-        ranks = {len(query_shape), len(value_shape), len(key_shape)}
-        if self.use_gate or self.dropout > 0 or ranks != {3}:
-            raise PlannerError(
-                f"GroupQueryAttention layer {self.name!r} cannot be split by heads yet: apply "
-                "splits grouped-query attention over inputs of rank 3 (batch, sequence, "
-                "features), without use_gate or dropout. Re-plan with that layer replicated "
-                "(remove it from tp_splits).")
-        q_heads = shard_sizes(self.num_query_heads, tp)
-        kv_heads = shard_sizes(self.num_key_value_heads, tp)
-        self.sizes = q_heads
-        kw = dict(initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
-                  constraint=self.kernel_constraint)
-        bw = dict(initializer=self.bias_initializer, regularizer=self.bias_regularizer,
-                  constraint=self.bias_constraint)
-        hd, out_dim = self.head_dim, int(query_shape[-1])
-        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
-        self.shards = {
-            "query": self._add_shards("query_kernel", [(dq, h, hd) for h in q_heads], **kw),
-            "key": self._add_shards("key_kernel", [(dk, h, hd) for h in kv_heads], **kw),
-            "value": self._add_shards("value_kernel", [(dv, h, hd) for h in kv_heads], **kw),
-            "output": self._add_shards("output_kernel", [(h, hd, out_dim) for h in q_heads],
-                                       **kw)}
-        if self.use_bias:
-            for part, heads in (("query", q_heads), ("key", kv_heads), ("value", kv_heads)):
-                self.shards[part + "_bias"] = self._add_shards(
-                    part + "_bias", [(h, hd) for h in heads], **bw)
-            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
-        self._add_projection_entries()
-        self.built = True
-
-    def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
-             value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
-             return_attention_scores: bool = False, training: Any = None,
-             use_causal_mask: bool = False) -> Any:
-        if key is None:
-            key = value
-        query_mask = compat.get_keras_mask(query) if query_mask is None else query_mask
-        mask = compat.attention_mask(
-            self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
-        if mask is not None:  # [B or 1, T, S] -> [B or 1, 1, T, S] (all heads)
-            mask = ops.cast(ops.expand_dims(mask, axis=-3), "bool")
-        scale = 1.0 / float(np.sqrt(self.head_dim))
-        repeats = self.num_query_heads // self.num_key_value_heads
-        s, partial, scores = self.shards, [], []
-        whole = Gathered(self.tp_devices)
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                q, k, v = self._project(t, query, key, value, whole)
-                k, v = ops.repeat(k, repeats, axis=2), ops.repeat(v, repeats, axis=2)
-                if return_attention_scores:  # Keras' explicit path: softmax(q k / sqrt(h))
-                    score = ops.einsum("bquh,bkuh->buqk", q * scale, k)
-                    if mask is not None:  # as keras.layers.Softmax with a mask
-                        score = ops.where(mask, score, ops.full_like(score, -1e9))
-                    score = ops.softmax(score, axis=-1)
-                    if mask is not None:  # a query row masked whole attends to nothing
-                        score = ops.where(mask, score, ops.zeros_like(score))
-                    out = ops.einsum("buqk,bkuh->bquh", score, v)
-                    scores.append(score)
-                else:
-                    out = ops.dot_product_attention(q, k, v, mask=mask, scale=scale)
-                partial.append(ops.einsum("bquh,uhm->bqm", out, s["output"][t]))
-        y = self._output(partial, query_mask)
-        if return_attention_scores:
-            return y, tf.concat(scores, axis=1)
-        return y
+        assign_pieces(self.tables, weights[0], 0)
 
 
 # Keras names a weight file's entries after each layer's class (``dense``, ``dense_1``,
