@@ -46,6 +46,8 @@ CASES = {
     "transformer-tp2-sp": ("tiny_transformer", [cpus(2, 3)], 1),
     "llama-tp2-sp": ("tiny_llama", [cpus(0, 1)], 1),
     "transformer-dp2-tp2-sp": ("tiny_transformer", [cpus(4, 5, 6, 7)], 2),
+    "llama-dp2-tp2-sp": ("tiny_llama", [cpus(0, 1, 2, 3)], 2),
+    "transformer-pp2-tp2-sp": ("tiny_transformer", [cpus(0, 1), cpus(2, 3)], 1),
     "llama-pp2-tp2-sp": ("tiny_llama", [cpus(4, 5), cpus(6, 7)], 1),
 }
 
