@@ -39,8 +39,11 @@ def unapplied_dimensions(s: Any) -> list[str]:
         out.append(f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}"
                    " sharded over the data-parallel ranks) has no engine in apply yet; "
                    "zero_stage 0 and 1 run")
-    if s.sequence_parallel:
-        out.append("sequence_parallel has no engine in apply yet")
+    # sequence parallelism runs inside the tensor-parallel engine (apply.sequence_parallel),
+    # which every plan with tp > 1 uses (one host, or each worker's part)
+    if s.sequence_parallel and s.tp == 1:
+        out.append("sequence_parallel=True with tp=1 (it cuts the sequence over a "
+                   "tensor-parallel group; there is none) runs only with tp > 1")
     if s.cp > 1 and (s.tp, s.pp, s.zero_stage) != (1, 1, 0):
         out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with "
                    f"data parallelism only (tp = pp = 1, zero_stage 0: "

@@ -19,12 +19,20 @@ its stage, ``apply.tensor_parallel``):
   row layer that reads a column layer's concatenation takes the column shards
   straight from their ranks (the Megatron column -> row pair moves no activation
   between ranks; the concatenation is then unused and pruned by TensorFlow);
-* ``heads`` (MultiHeadAttention): rank t holds its heads' Q, K, V and output
+* ``heads`` (MultiHeadAttention, ``apply.sharded_attention``): rank t holds its heads' Q, K, V and output
   projections and computes their attention (Keras' own ``_compute_attention``);
   the partial outputs are summed on the layer's device, where the output bias is;
+  GroupQueryAttention the same, rank t holding num_query_heads/tp query heads and
+  the num_key_value_heads/tp key/value heads they share (tp must divide
+  num_key_value_heads);
 * ``vocab`` (Embedding): rank t holds a slice of the vocabulary's rows, looks up
   the ids that fall in it (the others read row 0 masked to zero), and the
   lookups are summed on the layer's device.
+
+With sequence parallelism (``sequence_parallel``, ``apply.sequence_parallel``) a
+column or heads layer first all-gathers a sequence-sharded input on each rank, and a
+row, heads or vocab layer reduce-scatters its partial sums into sequence pieces
+[batch, seq/tp, out], rank t adding the bias (and activation) to its own piece.
 
 Shards are nearly equal (``shard_sizes``: the first ones one larger). Every sharded
 layer reads and writes its weights unsplit: ``get_weights``/``set_weights``, weight
@@ -41,7 +49,8 @@ shard uses the layer's own.
 
 Not split yet (a PlannerError says so): convolutions with ``groups`` > 1, channels
 first data or LoRA enabled; attention with a gate, inputs of rank other
-than 3, custom attention axes or a multi-axis output; EinsumDense equations with
+than 3, custom attention axes or a multi-axis output; grouped-query attention with
+dropout; EinsumDense equations with
 ``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
 input axis (row); subclasses of these layers (their ``call`` may differ).
 """
@@ -55,22 +64,18 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
+from tfplan.apply.sequence_parallel import (ELEMENTWISE, Gathered, elementwise,  # noqa: F401
+                                            shard_sizes)
+from tfplan.apply.sharded_attention import (ShardedGroupQueryAttention,
+                                            ShardedMultiHeadAttention)
+from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables, row_output
 from tfplan.core.errors import PlannerError
 
-# activations that act on each element alone, so each column shard may apply its own
-ELEMENTWISE = frozenset((
-    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu", "swish", "tanh",
-    "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "softplus", "softsign",
-    "exponential", "mish", "celu", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh",
-    "soft_shrink", "hard_shrink", "threshold", "log_sigmoid"))
+_Sharded = Sharded  # the base's former name here (tests check isinstance with it)
+
 SPLITTABLE = {"column": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
               "row": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
-              "heads": "MultiHeadAttention", "vocab": "Embedding"}
-
-
-def shard_sizes(n: int, tp: int) -> list[int]:
-    """Sizes of ``tp`` nearly equal slices of ``n`` (the first ones one larger)."""
-    return [n // tp + (1 if t < n % tp else 0) for t in range(tp)]
+              "heads": "MultiHeadAttention, GroupQueryAttention", "vocab": "Embedding"}
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -78,22 +83,21 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return [(int(ends[t]), int(ends[t + 1])) for t in range(len(sizes))]
 
 
-def _elementwise(activation: Any) -> bool:
-    return activation is None or getattr(activation, "__name__", "") in ELEMENTWISE
-
-
 def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
     """A column or row split Dense/Conv forward: ``product(x, kernel)`` on each rank.
 
     Column: rank t computes its output slice (bias and an elementwise activation too),
     concatenated on the last axis. Row: rank t multiplies its input slice, the partial
-    products are summed (``tf.add_n``), then the bias and activation follow."""
-    shard_act = _elementwise(layer.activation)
+    products are summed (``tf.add_n``), then the bias and activation follow. With
+    sequence parallelism a column layer first gathers a sequence-sharded input on each
+    rank, and a row layer reduce-scatters its partial sums into sequence pieces, each
+    rank adding the bias and activation to its own (``apply.sequence_parallel``)."""
+    shard_act = elementwise(layer.activation)
     if layer.tp_split == "column":
-        outs = []
+        outs, whole = [], Gathered(layer.tp_devices)
         for t, d in enumerate(layer.tp_devices):
             with tf.device(d):
-                y = product(inputs, layer.kernels[t])
+                y = product(whole(inputs, t), layer.kernels[t])
                 if layer.biases:
                     y = ops.add(y, layer.biases[t])
                 if shard_act and layer.activation is not None:
@@ -106,10 +110,8 @@ def _column_or_row(layer: Any, inputs: Any, product: Any) -> Any:
     for t, d in enumerate(layer.tp_devices):
         with tf.device(d):
             partial.append(product(parts[t], layer.kernels[t]))
-    y = tf.add_n(partial)
-    if layer.biases:
-        y = ops.add(y, layer.biases[0])
-    return y if layer.activation is None else layer.activation(y)
+    return row_output(layer, partial, layer.biases[0] if layer.biases else None,
+                       layer.activation)
 
 
 def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[Any]:
@@ -134,65 +136,7 @@ def _input_shards(x: Any, sizes: Sequence[int], devices: Sequence[str]) -> list[
     return out
 
 
-class _Sharded:
-    """What every sharded layer shares: its split, its devices and unsplit weights."""
-
-    tp_split: str
-    tp_devices: tuple[str, ...]
-
-    def _init_tp(self, tp_split: str, tp_devices: Sequence[str]) -> None:
-        self.tp_split = tp_split
-        self.tp_devices = tuple(tp_devices)
-
-    def _add_shards(self, name: str, shapes: Sequence[tuple[int, ...]], initializer: Any,
-                    regularizer: Any = None, constraint: Any = None) -> list[Any]:
-        out = []
-        for t, (shape, d) in enumerate(zip(shapes, self.tp_devices)):
-            with tf.device(d):
-                out.append(self.add_weight(name=f"{name}_{t}", shape=tuple(shape),
-                                           initializer=initializer, regularizer=regularizer,
-                                           constraint=constraint))
-        return out
-
-    # unsplit weights, in the original layer's order ------------------------------------
-    def full_weights(self) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
-        raise NotImplementedError
-
-    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        """Each unsplit weight (``full_weights``' order) as (its shard variables, the axis
-        they are concatenated along, or None for one unsplit variable): how
-        ``apply.checkpoint`` joins and splits their optimizer slots."""
-        raise NotImplementedError
-
-    def get_weights(self) -> list[np.ndarray]:
-        return self.full_weights()
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        self.set_full_weights([np.asarray(w) for w in weights])
-
-    def save_own_variables(self, store: Any) -> None:
-        if self.built:
-            for i, w in enumerate(self.full_weights()):
-                store[str(i)] = w
-
-    def load_own_variables(self, store: Any) -> None:
-        self.set_full_weights([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
-
-
-def _assign_pieces(variables: Sequence[Any], full: np.ndarray, axis: int) -> None:
-    sizes = [v.shape[axis] for v in variables]
-    for v, piece in zip(variables, np.split(full, np.cumsum(sizes)[:-1], axis=axis)):
-        v.assign(piece)
-
-
-def _concat(variables: Sequence[Any], axis: int) -> np.ndarray:
-    return np.concatenate([np.asarray(v.numpy()) for v in variables], axis=axis)
-
-
-class ShardedDense(_Sharded, keras.layers.Dense):
+class ShardedDense(Sharded, keras.layers.Dense):
     """A Dense layer split by column (output units) or row (input features)."""
 
     def __init__(self, units: int, *, tp_split: str = "column",
@@ -229,9 +173,9 @@ class ShardedDense(_Sharded, keras.layers.Dense):
 
     def full_weights(self) -> list[np.ndarray]:
         axis = 1 if self.tp_split == "column" else 0
-        out = [_concat(self.kernels, axis)]
+        out = [concat_variables(self.kernels, axis)]
         if self.biases:
-            out.append(_concat(self.biases, 0) if self.tp_split == "column"
+            out.append(concat_variables(self.biases, 0) if self.tp_split == "column"
                        else self.biases[0].numpy())
         return out
 
@@ -244,15 +188,15 @@ class ShardedDense(_Sharded, keras.layers.Dense):
         return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.kernels, weights[0], 1 if self.tp_split == "column" else 0)
+        assign_pieces(self.kernels, weights[0], 1 if self.tp_split == "column" else 0)
         if self.biases:
             if self.tp_split == "column":
-                _assign_pieces(self.biases, weights[1], 0)
+                assign_pieces(self.biases, weights[1], 0)
             else:
                 self.biases[0].assign(weights[1])
 
 
-class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
+class ShardedEinsumDense(Sharded, keras.layers.EinsumDense):
     """An EinsumDense split along the kernel axis of the output's last axis (column) or
     of the input's last axis, when that axis is contracted (row)."""
 
@@ -308,12 +252,12 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
         self.built = True
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        shard_act = _elementwise(self.activation) and (self.bias_sharded or not self.biases)
+        shard_act = elementwise(self.activation) and (self.bias_sharded or not self.biases)
         if self.tp_split == "column":
-            outs = []
+            outs, whole = [], Gathered(self.tp_devices)
             for t, d in enumerate(self.tp_devices):
                 with tf.device(d):
-                    y = ops.einsum(self.equation, inputs, self.kernels[t])
+                    y = ops.einsum(self.equation, whole(inputs, t), self.kernels[t])
                     if self.bias_sharded:
                         y = ops.add(y, self.biases[t])
                     if shard_act and self.activation is not None:
@@ -328,15 +272,21 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
             for t, d in enumerate(self.tp_devices):
                 with tf.device(d):
                     partial.append(ops.einsum(self.equation, parts[t], self.kernels[t]))
-            y = tf.add_n(partial)
+            inp, _, out = self._specs
+            # sequence pieces only when the output keeps the input's [batch, seq] axes
+            # and the bias does not vary along seq
+            per_token = len(out) == 3 and inp[:2] == out[:2] and out[1] not in (
+                self.bias_axes or "")
+            return row_output(self, partial, self.biases[0] if self.biases else None,
+                               self.activation, per_token=per_token)
         if self.biases and not self.bias_sharded:
             y = ops.add(y, self.biases[0])
         return y if self.activation is None else self.activation(y)
 
     def full_weights(self) -> list[np.ndarray]:
-        out = [_concat(self.kernels, self.kernel_axis)]
+        out = [concat_variables(self.kernels, self.kernel_axis)]
         if self.biases:
-            out.append(_concat(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
+            out.append(concat_variables(self.biases, -1) if self.bias_sharded else self.biases[0].numpy())
         return out
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
@@ -348,15 +298,15 @@ class ShardedEinsumDense(_Sharded, keras.layers.EinsumDense):
         return out
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.kernels, weights[0], self.kernel_axis)
+        assign_pieces(self.kernels, weights[0], self.kernel_axis)
         if self.biases:
             if self.bias_sharded:
-                _assign_pieces(self.biases, weights[1], len(self.biases[0].shape) - 1)
+                assign_pieces(self.biases, weights[1], len(self.biases[0].shape) - 1)
             else:
                 self.biases[0].assign(weights[1])
 
 
-class _ShardedConv(_Sharded):
+class _ShardedConv(Sharded):
     """A Keras convolution (Conv1D/2D/3D, channels last) split by column (filters) or row
     (input channels); mixed into a subclass of the Keras class, whose config it keeps."""
 
@@ -416,9 +366,9 @@ class _ShardedConv(_Sharded):
 
     def full_weights(self) -> list[np.ndarray]:
         column = self.tp_split == "column"
-        out = [_concat(self.kernels, -1 if column else -2)]
+        out = [concat_variables(self.kernels, -1 if column else -2)]
         if self.biases:
-            out.append(_concat(self.biases, 0) if column else self.biases[0].numpy())
+            out.append(concat_variables(self.biases, 0) if column else self.biases[0].numpy())
         return out
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
@@ -431,10 +381,10 @@ class _ShardedConv(_Sharded):
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
         column = self.tp_split == "column"
-        _assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
+        assign_pieces(self.kernels, weights[0], self.rank + (1 if column else 0))
         if self.biases:
             if column:
-                _assign_pieces(self.biases, weights[1], 0)
+                assign_pieces(self.biases, weights[1], 0)
             else:
                 self.biases[0].assign(weights[1])
 
@@ -458,7 +408,7 @@ ShardedConv2D = _conv_class(keras.layers.Conv2D)
 ShardedConv3D = _conv_class(keras.layers.Conv3D)
 
 
-class ShardedEmbedding(_Sharded, keras.layers.Embedding):
+class ShardedEmbedding(Sharded, keras.layers.Embedding):
     """An Embedding split over the vocabulary: rank t holds rows [lo_t, hi_t)."""
 
     def __init__(self, input_dim: int, output_dim: int, *, tp_split: str = "vocab",
@@ -484,159 +434,18 @@ class ShardedEmbedding(_Sharded, keras.layers.Embedding):
                 local = tf.where(inside, inputs - lo, tf.zeros_like(inputs))
                 rows = tf.gather(table, local)
                 parts.append(rows * tf.cast(inside, rows.dtype)[..., None])
-        return ops.cast(tf.add_n(parts), dtype=self.compute_dtype)
+        # summed on the layer's device (reduce-scattered with sequence parallelism), then cast
+        return row_output(self, parts, None,
+                           lambda y: ops.cast(y, dtype=self.compute_dtype))
 
     def full_weights(self) -> list[np.ndarray]:
-        return [_concat(self.tables, 0)]
+        return [concat_variables(self.tables, 0)]
 
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
         return [(tuple(self.tables), 0)]
 
     def set_full_weights(self, weights: Sequence[Any]) -> None:
-        _assign_pieces(self.tables, weights[0], 0)
-
-
-class _ProjectionEntry(keras.layers.Layer):
-    """Stands in, in weight files, for one of MultiHeadAttention's EinsumDense sub-layers
-    (``query_dense``, ...): it saves and loads that projection's unsplit kernel and bias."""
-
-    def __init__(self, read: Any, write: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._read, self._write = read, write  # functions: not tracked by Keras
-        self.built = True
-
-    def save_own_variables(self, store: Any) -> None:
-        for i, w in enumerate(self._read()):
-            store[str(i)] = w
-
-    def load_own_variables(self, store: Any) -> None:
-        self._write([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
-
-
-class ShardedMultiHeadAttention(_Sharded, keras.layers.MultiHeadAttention):
-    """MultiHeadAttention split by heads: rank t holds heads [lo_t, hi_t) of Q, K, V and
-    the output projection; the output bias sits on the layer's device."""
-
-    def __init__(self, num_heads: int, key_dim: int, *, tp_split: str = "heads",
-                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
-        super().__init__(num_heads, key_dim, **kwargs)
-        self._init_tp(tp_split, tp_devices)
-
-    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
-        key_shape = value_shape if key_shape is None else key_shape
-        ranks = {len(query_shape), len(value_shape), len(key_shape)}
-        settings = compat.attention_settings(self)
-        out_shape = settings.output_shape
-        if isinstance(out_shape, (tuple, list)) and len(out_shape) == 1:
-            out_shape = out_shape[0]
-        if settings.use_gate or ranks != {3} or self.attention_axes not in (
-                None, (1,), [1]) or not (out_shape is None or isinstance(out_shape, int)):
-            raise PlannerError(
-                f"MultiHeadAttention layer {self.name!r} cannot be split by heads yet: apply "
-                "splits attention over inputs of rank 3 (batch, sequence, features), "
-                "without use_gate, custom attention_axes or a multi-axis output_shape. "
-                "Re-plan with that layer replicated (remove it from tp_splits).")
-        out_dim = int(out_shape or query_shape[-1])
-        self.sizes = sizes = shard_sizes(self.num_heads, len(self.tp_devices))
-        b = self.use_bias
-        kw, bw = settings.kernel, settings.bias
-        dq, dk, dv = int(query_shape[-1]), int(key_shape[-1]), int(value_shape[-1])
-        kd, vd = self.key_dim, self.value_dim
-        self.shards = {
-            "query": self._add_shards("query_kernel", [(dq, h, kd) for h in sizes], **kw),
-            "key": self._add_shards("key_kernel", [(dk, h, kd) for h in sizes], **kw),
-            "value": self._add_shards("value_kernel", [(dv, h, vd) for h in sizes], **kw),
-            "output": self._add_shards("output_kernel", [(h, vd, out_dim) for h in sizes],
-                                       **kw)}
-        if b:
-            self.shards["query_bias"] = self._add_shards("query_bias", [(h, kd) for h in sizes],
-                                                         **bw)
-            self.shards["key_bias"] = self._add_shards("key_bias", [(h, kd) for h in sizes], **bw)
-            self.shards["value_bias"] = self._add_shards("value_bias", [(h, vd) for h in sizes],
-                                                         **bw)
-            self.output_bias = self.add_weight(name="output_bias", shape=(out_dim,), **bw)
-        compat.build_attention(self, 4)
-        for part in compat.ATTENTION_PROJECTIONS:
-            compat.set_attention_projection(self, part, _ProjectionEntry(
-                lambda part=part: self._projection(part),
-                lambda weights, part=part: self._set_projection(part, weights), name=part))
-        self.built = True
-
-    def _projection(self, part: str) -> list[np.ndarray]:
-        """One projection's unsplit [kernel, bias] (as the unsplit layer's EinsumDense)."""
-        s, b = self.shards, self.use_bias
-        if part == "output":
-            return [_concat(s["output"], 0)] + ([self.output_bias.numpy()] if b else [])
-        return [_concat(s[part], 1)] + ([_concat(s[part + "_bias"], 0)] if b else [])
-
-    def _set_projection(self, part: str, weights: Sequence[Any]) -> None:
-        s = self.shards
-        if part == "output":
-            _assign_pieces(s["output"], weights[0], 0)
-            if self.use_bias:
-                self.output_bias.assign(weights[1])
-            return
-        _assign_pieces(s[part], weights[0], 1)
-        if self.use_bias:
-            _assign_pieces(s[part + "_bias"], weights[1], 0)
-
-    # weight files: the projections' entries above hold the weights, as in the unsplit layer
-    def save_own_variables(self, store: Any) -> None:
-        pass
-
-    def load_own_variables(self, store: Any) -> None:
-        pass
-
-    def full_weights(self) -> list[np.ndarray]:
-        return [w for part in ("query", "key", "value", "output") for w in self._projection(part)]
-
-    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        s, out = self.shards, []
-        for part in ("query", "key", "value"):
-            out.append((tuple(s[part]), 1))
-            if self.use_bias:
-                out.append((tuple(s[part + "_bias"]), 0))
-        out.append((tuple(s["output"]), 0))
-        if self.use_bias:
-            out.append(((self.output_bias,), None))
-        return out
-
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
-        n = 2 if self.use_bias else 1
-        for i, part in enumerate(("query", "key", "value", "output")):
-            self._set_projection(part, weights[i * n:(i + 1) * n])
-
-    def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
-             value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
-             return_attention_scores: bool = False, training: Any = None,
-             use_causal_mask: bool = False) -> Any:
-        if key is None:
-            key = value
-        query_mask = compat.get_keras_mask(query)
-        attention_mask = compat.attention_mask(
-            self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask, use_causal_mask=use_causal_mask)
-        s, partial, scores = self.shards, [], []
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                q = ops.einsum("abc,cde->abde", query, s["query"][t])
-                k = ops.einsum("abc,cde->abde", key, s["key"][t])
-                v = ops.einsum("abc,cde->abde", value, s["value"][t])
-                if self.use_bias:
-                    q, k, v = (q + s["query_bias"][t], k + s["key_bias"][t],
-                               v + s["value_bias"][t])
-                out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
-                                                     return_attention_scores)
-                partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
-                scores.append(score)
-        y = tf.add_n(partial)
-        if self.use_bias:
-            y = y + self.output_bias
-        if query_mask is not None:
-            compat.set_keras_mask(y, query_mask)
-        if return_attention_scores:
-            return y, tf.concat(scores, axis=1)
-        return y
+        assign_pieces(self.tables, weights[0], 0)
 
 
 # Keras names a weight file's entries after each layer's class (``dense``, ``dense_1``,
@@ -648,6 +457,7 @@ for _cls, _base in ((ShardedDense, keras.layers.Dense),
                     (ShardedEinsumDense, keras.layers.EinsumDense),
                     (ShardedEmbedding, keras.layers.Embedding),
                     (ShardedMultiHeadAttention, keras.layers.MultiHeadAttention),
+                    (ShardedGroupQueryAttention, keras.layers.GroupQueryAttention),
                     (ShardedConv1D, keras.layers.Conv1D), (ShardedConv2D, keras.layers.Conv2D),
                     (ShardedConv3D, keras.layers.Conv3D)):
     _cls.__name__, _cls.__module__ = _base.__name__, _base.__module__
@@ -657,26 +467,50 @@ SHARDED = {("Dense", "column"): ShardedDense, ("Dense", "row"): ShardedDense,
            ("EinsumDense", "row"): ShardedEinsumDense,
            ("Embedding", "vocab"): ShardedEmbedding,
            ("MultiHeadAttention", "heads"): ShardedMultiHeadAttention,
+           ("GroupedQueryAttention", "heads"): ShardedGroupQueryAttention,
            **{(cls.__name__, split): cls for cls in (ShardedConv1D, ShardedConv2D, ShardedConv3D)
               for split in ("column", "row")}}
 
 
-def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "") -> Any:
-    """A sharded twin of ``layer`` (same config and name), not built yet."""
+# the public Keras class of each kind (GroupQueryAttention's class is GroupedQueryAttention)
+_PUBLIC = {**{kind: getattr(keras.layers, kind) for kind, _ in SHARDED
+              if hasattr(keras.layers, kind)},
+           "GroupedQueryAttention": keras.layers.GroupQueryAttention}
+
+
+def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str = "", *,
+                  sequence_parallel: bool = False) -> Any:
+    """A sharded twin of ``layer`` (same config and name), not built yet; with
+    ``sequence_parallel`` it gathers sequence-sharded inputs and reduce-scatters partial
+    sums (``apply.sequence_parallel``)."""
     kind = type(layer).__name__
     cls = SHARDED.get((kind, split))
-    if cls is None or type(layer) is not getattr(keras.layers, kind, None):
+    tp = len(devices)
+    if cls is None or type(layer) is not _PUBLIC.get(kind):
         raise PlannerError(
             f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}) by {split!r}; apply "
             f"splits {split!r} only for {SPLITTABLE.get(split, 'no layer type')} layers "
             "(column/row: Dense, EinsumDense, Conv1D, Conv2D, Conv3D; heads: "
-            "MultiHeadAttention; vocab: Embedding). "
+            "MultiHeadAttention, GroupQueryAttention; vocab: Embedding). "
             "Re-plan, or edit the plan's tp_splits to leave that layer replicated.")
-    if split == "heads" and len(devices) > layer.num_heads:
+    if cls is ShardedGroupQueryAttention and layer.num_key_value_heads % tp:
+        fits = [d for d in range(1, layer.num_key_value_heads + 1)
+                if layer.num_key_value_heads % d == 0]
         raise PlannerError(
-            f"Plan {plan_name!r} splits attention layer {layer.name!r} ({layer.num_heads} "
-            f"heads) over tp = {len(devices)} devices; each device needs at least one head. "
+            f"Plan {plan_name!r} splits grouped-query attention layer {layer.name!r} "
+            f"({layer.num_query_heads} query heads, {layer.num_key_value_heads} key/value "
+            f"heads) by heads over tp = {tp} devices; each device must hold whole key/value "
+            f"heads with the query heads that read them, so tp must divide "
+            f"num_key_value_heads = {layer.num_key_value_heads}. Re-plan with tp in {fits}, "
+            "or leave that layer replicated (remove it from tp_splits).")
+    heads = getattr(layer, "num_heads", None) or getattr(layer, "num_query_heads", 0)
+    if split == "heads" and tp > heads:
+        raise PlannerError(
+            f"Plan {plan_name!r} splits attention layer {layer.name!r} ({heads} "
+            f"heads) over tp = {tp} devices; each device needs at least one head. "
             "Re-plan with a smaller tp.")
     config = layer.get_config()
     config.update(tp_split=split, tp_devices=list(devices))
-    return cls.from_config(config)
+    clone = cls.from_config(config)
+    clone.sequence_parallel = bool(sequence_parallel)
+    return clone

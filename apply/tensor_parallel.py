@@ -26,6 +26,11 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   files and ``get_weights`` hold one copy, ``trainable_variables`` (what is
   trained, with its optimizer slots) every copy. ``global_clipnorm`` is computed over
   one copy (``apply.clipping``), as on one device.
+* Sequence parallelism (``strategy.sequence_parallel``, Korthikanti et al. 2022, Sec.
+  4.2.2): the unsplit per-token layers (LayerNormalization, residual Adds, Dropout,
+  activations) run once per tensor rank on its 1/tp of the sequence instead of whole
+  on rank 0; split layers all-gather the sequence before and reduce-scatter it after
+  (``apply.sequence_parallel``, which also says what runs gathered).
 * ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
   owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
   its device, is updated, and is copied to the other replicas.
@@ -57,6 +62,8 @@ from tfplan.apply.offload import weights_device
 from tfplan.apply.pipeline import PlacedModel
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.schedule import schedule_of
+from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
+                                            sequence_sharded, warn_gathered)
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables
 from tfplan.core.errors import PlannerError
@@ -74,11 +81,24 @@ class TensorParallelModel(PlacedModel):
     optimizer_sharding = False  # ZeRO-1 across the dp replicas (apply.zero)
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
-                 tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
+                 tp_devices: Sequence[str] = (),
+                 sequence_layers: dict[str, tuple[str, ...]] | None = None,
+                 sequence_gathered: Collection[str] = (), **kwargs: Any) -> None:
         super().__init__(inputs, outputs, name=name, **kwargs)
         # every device the model touches (compile refuses XLA when there are several)
         self.stage_devices = tuple(dict.fromkeys([*self.stage_devices, *tp_devices]))
         self._others = _Replicas(())
+        # sequence parallelism (apply.sequence_parallel): {per-token layer: its tp devices},
+        # and the unsplit layers that run on the whole sequence: those not per-token, and
+        # per-token ones whose inputs turned out not [batch, seq, hidden] when traced
+        self.sequence_layers = dict(sequence_layers or {})
+        self.sequence_gathered: set[str] = set(sequence_gathered)
+
+    def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
+        devices = self.sequence_layers.get(getattr(op, "name", None))
+        if devices:  # a per-token layer: once per tensor rank, on its sequence piece
+            fn = sequence_sharded(op, fn, devices, self.sequence_gathered)
+        return super()._placed(op, fn, trace)
 
     # --- data parallel replicas (dp > 1) ---------------------------------------------------
     def _set_replicas(self, replicas: Sequence[Any]) -> None:
@@ -226,6 +246,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
         models.append(_replica(view, plan, r, {k: shift[d] for k, d in device_of_layer.items()},
                                splits, recompute_layers))
     model = models[0]
+    warn_gathered(plan.name, model.sequence_gathered)
     if dp > 1:
         model._set_replicas(models[1:])
         model.num_replicas = dp  # batches must split in dp x num_microbatches parts
@@ -244,11 +265,14 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
         device = device_of_layer.get(layer.name, "")
         return tf.device(on_host(device) if on_host and device else device)
 
+    sp = plan.strategy.sequence_parallel and tp > 1
+
     def clone_function(layer: Any) -> Any:
         with where(layer):
             split = splits.get(layer.name, "")
             if split:
-                return sharded_clone(layer, split, shard_devices[layer.name], plan.name)
+                return sharded_clone(layer, split, shard_devices[layer.name], plan.name,
+                                     sequence_parallel=sp)
             return clone_layer(layer)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -263,6 +287,8 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
         default_device=stages[0], plan_name=plan.name,
         num_microbatches=plan.strategy.num_microbatches, num_replicas=1,
         recompute_layers=recompute_layers, schedule=schedule_of(plan),  # apply.schedule
-        tp_devices=[d for stage in plan.stages for d in stage.devices[r * tp:(r + 1) * tp]])
+        tp_devices=[d for stage in plan.stages for d in stage.devices[r * tp:(r + 1) * tp]],
+        sequence_layers=sequence_layers(view.layers, splits, shard_devices.get) if sp else None,
+        sequence_gathered=gathered_layers(view.layers, splits) if sp else ())
     copy_weights(view, model)
     return model
