@@ -316,7 +316,8 @@ def test_recomputed_sharded_layers_train_the_same():
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                   recompute="selective"))
     wrapped = apply.wrap(model, plan)
-    assert wrapped.recompute_layers == {"attention"}  # the split attention, recomputed
+    # selective: the split attention's core alone is recomputed (apply.recompute)
+    assert wrapped.recompute_layers == frozenset() and wrapped.recompute_cores == {"attention"}
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS_TP, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer")[:3])
