@@ -6,12 +6,14 @@ no engine here runs is refused with what to change, never trained as something e
 (a ZeRO-3 plan silently trained as ZeRO-1, say). ``apply.auto`` plans only what passes.
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
-when an engine for it lands.
+when an engine for it lands. ZeRO-2 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host
+(``apply.zero``, ``apply.zero3``), not yet across worker processes.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from tfplan.apply.mode import Processes, run_processes
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
 
@@ -21,10 +23,9 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
     s = plan.strategy
     out = []
-    if s.zero_stage >= 2:
-        out.append(f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}"
-                   " sharded over the data-parallel ranks) has no engine in apply yet; "
-                   "zero_stage 0 and 1 run")
+    zero = _zero_rule(plan, mode)
+    if zero:
+        out.append(zero)
     if s.sequence_parallel:
         out.append("sequence_parallel has no engine in apply yet")
     if s.cp > 1:
@@ -32,6 +33,27 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     if s.offload != "none":
         out.append(f"offload={s.offload!r} has no engine in apply yet")
     return out
+
+
+def _zero_rule(plan: Plan, mode: Any) -> str | None:
+    """ZeRO-2 and ZeRO-3 run in one process driving its own devices: ``apply.zero`` and
+    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas (dp > 1; with dp = 1 there is
+    nothing to shard). Across worker processes only stages 0 and 1 run
+    (``apply.zero_workers``)."""
+    s = plan.strategy
+    if s.zero_stage < 2:
+        return None
+    what = f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}" \
+           " sharded over the data-parallel ranks)"
+    processes = mode.processes if mode is not None else run_processes(plan)
+    if processes is not Processes.ONE_HOST:
+        where = ("across worker processes" if processes is Processes.PER_WORKER else
+                 "with replicas spanning worker processes (apply.remote)")
+        return (f"{what} runs on one host only; {where} apply runs zero_stage 0 and 1 "
+                "(ZeRO-1 across workers: apply.zero_workers)")
+    if s.zero_stage == 3:
+        return f"{what} has no engine in apply yet; zero_stage 0, 1 and 2 run"
+    return None
 
 
 def check_applicable(plan: Plan, mode: Any = None) -> None:

@@ -28,7 +28,8 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   one copy (``apply.clipping``), as on one device.
 * ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
   owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
-  its device, is updated, and is copied to the other replicas.
+  its device, is updated, and is copied to the other replicas. ZeRO-2 also reduces
+  each micro-batch's gradients onto the owners (``apply.zero``).
 * Weights are copied from the user's model, so training gives the single-device
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
@@ -57,7 +58,7 @@ from tfplan.apply.pipeline import PlacedModel
 from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
 from tfplan.apply.schedule import schedule_of
 from tfplan.apply.sharded_layers import sharded_clone
-from tfplan.apply.zero import apply_sharded, owned_variables
+from tfplan.apply.zero import apply_sharded, owned_variables, reduce_to_owners
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
@@ -71,6 +72,7 @@ class TensorParallelModel(PlacedModel):
     """
 
     optimizer_sharding = False  # ZeRO-1 across the dp replicas (apply.zero)
+    zero_stage = 0  # 2: gradients accumulated on their owners too (apply.zero)
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  tp_devices: Sequence[str] = (), **kwargs: Any) -> None:
@@ -116,6 +118,12 @@ class TensorParallelModel(PlacedModel):
                 self.trainable_variables, 1 + len(self._others.models)))
             return
         super()._after_compile()
+
+    def _microbatch_gradients(self, gradients: list[Any], variables: list[Any]) -> list[Any]:
+        dp = 1 + len(self._others.models)
+        if dp > 1 and self.optimizer_sharding and self.zero_stage == 2:  # on the owners
+            return reduce_to_owners(gradients, variables, dp)
+        return gradients
 
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
@@ -229,6 +237,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
         model._set_replicas(models[1:])
         model.num_replicas = dp  # batches must split in dp x num_microbatches parts
         model.optimizer_sharding = plan.strategy.optimizer_sharding  # ZeRO-1: apply.zero
+        model.zero_stage = plan.strategy.zero_stage
     return model
 
 
