@@ -51,8 +51,6 @@ def _zero_rule(plan: Plan, mode: Any) -> str | None:
                  "with replicas spanning worker processes (apply.remote)")
         return (f"{what} runs on one host only; {where} apply runs zero_stage 0 and 1 "
                 "(ZeRO-1 across workers: apply.zero_workers)")
-    if s.zero_stage == 3:
-        return f"{what} has no engine in apply yet; zero_stage 0, 1 and 2 run"
     return None
 
 
