@@ -7,7 +7,8 @@ no engine here runs is refused with what to change, never trained as something e
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
 when an engine for it lands. ZeRO-2 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host
-(``apply.zero``, ``apply.zero3``), not yet across worker processes.
+(``apply.zero``, ``apply.zero3``); across worker processes ZeRO-2 runs
+(``apply.zero_workers``), ZeRO-3 not yet.
 """
 from __future__ import annotations
 
@@ -36,21 +37,23 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
 
 
 def _zero_rule(plan: Plan, mode: Any) -> str | None:
-    """ZeRO-2 and ZeRO-3 run in one process driving its own devices: ``apply.zero`` and
-    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas (dp > 1; with dp = 1 there is
-    nothing to shard). Across worker processes only stages 0 and 1 run
-    (``apply.zero_workers``)."""
+    """ZeRO-2 and ZeRO-3 run in one process driving its own devices (``apply.zero`` and
+    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas; with dp = 1 there is nothing
+    to shard); ZeRO-2 also with one program per worker (``apply.zero_workers``). Not
+    yet: ZeRO-3 across worker processes, and either with a replica spanning workers
+    (``apply.remote``)."""
     s = plan.strategy
     if s.zero_stage < 2:
         return None
     what = f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}" \
            " sharded over the data-parallel ranks)"
     processes = mode.processes if mode is not None else run_processes(plan)
-    if processes is not Processes.ONE_HOST:
-        where = ("across worker processes" if processes is Processes.PER_WORKER else
-                 "with replicas spanning worker processes (apply.remote)")
-        return (f"{what} runs on one host only; {where} apply runs zero_stage 0 and 1 "
-                "(ZeRO-1 across workers: apply.zero_workers)")
+    if processes is Processes.PER_WORKER and s.zero_stage == 3:
+        return (f"{what} runs on one host only; across worker processes apply runs "
+                "zero_stage 0, 1 and 2 (apply.zero_workers)")
+    if processes is Processes.REMOTE:
+        return (f"{what} does not run with replicas spanning worker processes "
+                "(apply.remote) yet; there apply runs zero_stage 0 and 1")
     return None
 
 

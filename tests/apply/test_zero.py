@@ -194,9 +194,10 @@ def test_zero2_accumulates_each_gradient_on_its_owner_only():
     assert sum(adds.values()) == n * (m - 1)
 
 
-def test_zero2_across_workers_is_refused_with_the_reason():
-    """ZeRO-2 runs on one host; across worker processes apply.wrap refuses it (before it
-    needs the workers) and says what runs there."""
+def test_zero2_runs_across_workers_but_not_with_a_replica_spanning_them():
+    """ZeRO-2 runs on one host and with one program per worker (apply.zero_workers:
+    tests/apply/test_zero_workers.py); with a replica across workers (apply.remote)
+    apply.wrap refuses it, before it needs the workers, and says what runs there."""
     from tfplan.core.presets import parse_cluster
 
     _, model = base_model("tiny_mlp")
@@ -205,8 +206,44 @@ def test_zero2_across_workers_is_refused_with_the_reason():
     workers = dataclasses.replace(
         zero_plan(model, [[f"/job:worker/task:{w}/device:CPU:0" for w in range(2)]], dp=2,
                   stage=2), cluster=parse_cluster("2xcpu:1"))
-    [reason] = unapplied(workers, execution_mode(workers))
-    assert "zero_stage=2" in reason and "across worker processes" in reason
-    assert "zero_stage 0 and 1" in reason
-    with pytest.raises(PlanMismatchError, match="zero_stage=2 .* runs on one host only"):
-        apply.wrap(model, workers)
+    assert execution_mode(workers).mode == "multi_worker_hybrid"
+    assert unapplied(workers, execution_mode(workers)) == []
+    spanning = dataclasses.replace(  # one replica, a pipeline over both workers
+        zero_plan(model, [[f"/job:worker/task:{w}/device:CPU:0"] for w in range(2)], dp=1,
+                  stage=2), cluster=parse_cluster("2xcpu:1"))
+    assert execution_mode(spanning).remote
+    [reason] = unapplied(spanning, execution_mode(spanning))
+    assert "zero_stage=2" in reason and "apply.remote" in reason
+    with pytest.raises(PlanMismatchError, match="zero_stage=2 .* spanning worker processes"):
+        apply.wrap(model, spanning)
+
+
+def test_zero2_across_workers_keeps_each_reduced_gradient_on_its_owner_only():
+    """apply.zero_workers.reduce_to_owner_workers (one micro-batch's gradients, after the
+    all-reduce; a one-replica context here): worker w keeps the sums of the weights it
+    owns, at the owner copy's position and on its device, and nothing else."""
+    from tfplan.apply.zero_workers import job_weights, reduce_to_owner_workers
+
+    variables = [tf.Variable(tf.fill(shape, float(i)), name=f"w{i}")
+                 for i, shape in enumerate([(4, 3), (3,), (5, 2), (2,), (6,)])]
+    copies = []
+    for r in range(2):  # two local replicas, on CPU:r
+        with tf.device(f"/device:CPU:{r}"):
+            copies += [tf.Variable(v) for v in variables]
+    weights = job_weights(copies, 2, 2)
+    grads = [tf.ones_like(v) * (1 + k) for k, v in enumerate(copies)]
+    n = len(variables)
+    kept = {}
+    for task in range(2):
+        out = reduce_to_owner_workers(grads, weights, task)
+        for w in weights:
+            mine = w.owner_worker == task
+            for r in range(2):
+                g = out[r * n + w.index]
+                assert (g is not None) == (mine and r == w.owner_replica), (task, w.index, r)
+            if mine:
+                g = out[w.owner_replica * n + w.index]
+                assert short_name(g.device) == short_name(w.owner_copy.device)
+                np.testing.assert_array_equal(g.numpy(), grads[w.index] + grads[n + w.index])
+                kept[w.index] = task
+    assert sorted(kept) == list(range(n)) and set(kept.values()) == {0, 1}
