@@ -3,7 +3,8 @@ on the owner ``planner.zero`` names, gather it onto every replica for each layer
 and backward, and train exactly like one device.
 
 Runs on the logical CPU devices of tests/conftest.py with hand-made plans: the tiny MLP and
-the tiny transformer with dp = 4, with one and two micro-batches, and dp = 2 x tp = 2.
+the tiny transformer with dp = 4, with one and two micro-batches, dp = 2 x tp = 2 and a
+dp = 2 x pp = 2 pipeline in 1F1B order.
 Memory is measured on the variables the replicas' layers hold (each distinct variable with
 storage of its own, by its device), not taken from the owners' table.
 """
@@ -34,22 +35,27 @@ STEPS = 10
 MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
               ("head", "row"))
 
-# name: (model file, devices of the stage (dp x tp), micro-batches, dp, splits)
+# name: (model file, devices of each stage (dp x tp), micro-batches, dp, splits)
 CASES = {
-    "mlp-dp4": ("tiny_mlp", cpus(0, 1, 2, 3), 1, 4, ()),
-    "mlp-dp4-m2": ("tiny_mlp", cpus(4, 5, 6, 7), 2, 4, ()),
-    "transformer-dp4": ("tiny_transformer", cpus(0, 1, 2, 3), 1, 4, ()),
-    "transformer-dp4-m2": ("tiny_transformer", cpus(4, 5, 6, 7), 2, 4, ()),
-    "mlp-dp2-tp2": ("tiny_mlp", cpus(4, 5, 6, 7), 1, 2, MLP_SPLITS),
+    "mlp-dp4": ("tiny_mlp", [cpus(0, 1, 2, 3)], 1, 4, ()),
+    "mlp-dp4-m2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 2, 4, ()),
+    "transformer-dp4": ("tiny_transformer", [cpus(0, 1, 2, 3)], 1, 4, ()),
+    "transformer-dp4-m2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 2, 4, ()),
+    "mlp-dp2-tp2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 2, MLP_SPLITS),
+    "transformer-dp2-pp2-1f1b": ("tiny_transformer", [cpus(0, 1), cpus(2, 3)], 2, 2, ()),
 }
 
 
 def zero3_plan(model, devices, *, dp, num_microbatches=1, splits=()):
-    plan = tp_plan(model, [devices], splits, dp=dp, zero=True,
+    """ZeRO-3 over ``devices`` (one stage's dp x tp devices, or a list of stages';
+    several stages run 1F1B)."""
+    stages = devices if isinstance(devices[0], list) else [devices]
+    plan = tp_plan(model, stages, splits, dp=dp, zero=True,
                    num_microbatches=num_microbatches, global_batch=GLOBAL_BATCH,
-                   name=f"zero3 dp={dp} tp={len(devices) // dp} m={num_microbatches}")
-    return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
-                                                                  zero_stage=3))
+                   name=f"zero3 dp={dp} tp={len(stages[0]) // dp} pp={len(stages)} "
+                        f"m={num_microbatches}")
+    return dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, zero_stage=3, schedule="1f1b" if len(stages) > 1 else "none"))
 
 
 def _device(variable) -> str:
@@ -88,12 +94,12 @@ def test_zero3_trains_like_one_device_with_one_copy_of_each_weight(case, recwarn
     # hold them), on the devices of the plan, owners as planner.zero names them
     groups = wrapped.sharded_weights.groups
     n = len(groups)
-    tp = len(devices) // dp
+    tp = len(devices[0]) // dp
     layers = [[v for layer in r.layers for v in layer.trainable_weights] for r in replicas]
     assert [[id(c) for c in g.copies] for g in groups] == [
         [id(layers[r][i]) for r in range(dp)] for i in range(n)]
-    assert {g.devices for g in groups} <= {tuple(devices[r * tp + t] for r in range(dp))
-                                          for t in range(tp)}
+    assert {g.devices for g in groups} <= {tuple(stage[r * tp + t] for r in range(dp))
+                                          for stage in devices for t in range(tp)}
     owners = owners_by_device_group([(g.devices, _nbytes(g.copies[0])) for g in groups])
     assert [g.owner for g in groups] == owners
     # one persistent copy: the owner's, on its device; the others hold nothing
@@ -109,7 +115,7 @@ def test_zero3_trains_like_one_device_with_one_copy_of_each_weight(case, recwarn
     measured = _measured_bytes(replicas)
     assert sum(measured.values()) == total  # one copy in all, not dp
     assert measured == persistent_bytes_by_device(replicas)
-    assert set(measured) == set(devices)  # every device holds a share
+    assert set(measured) == {d for stage in devices for d in stage}  # each holds a share
     for tuple_ in {g.devices for g in groups}:  # the dp devices of one stage and tp rank
         mine = [g for g in groups if g.devices == tuple_]
         loads = [measured[d] for d in tuple_]
