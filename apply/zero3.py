@@ -39,8 +39,10 @@ therefore keeps, between a layer's forward and its backward, the layer's inputs
 (the custom gradient's inputs) and the sources, which are reads of the owner's
 persistent variable on the owner's device; the gathered copies on r's device die
 with their last forward consumer. The forward gather waits for the layer's inputs
-(a control dependency), so replica r holds one layer's gathered weights at a time
-(no prefetch: the next layer's gather does not overlap this layer's compute).
+(a control dependency), so replica r holds the gathered weights of about one layer
+at a time (the previous layer's die as it finishes, which is what makes this one's
+inputs); there is no prefetch: a layer's gather does not overlap the previous
+layer's compute. The re-gather waits for the gradient reaching the layer likewise.
 
 Costs. Each layer's forward runs twice (the backward recomputes it: FSDP keeps the
 layer's activations and re-gathers only; a generic Keras layer has no backward that
