@@ -6,9 +6,9 @@ no engine here runs is refused with what to change, never trained as something e
 (a ZeRO-3 plan silently trained as ZeRO-1, say). ``apply.auto`` plans only what passes.
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
-when an engine for it lands. ZeRO-2 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host
-(``apply.zero``, ``apply.zero3``); across worker processes ZeRO-2 runs
-(``apply.zero_workers``), ZeRO-3 not yet.
+when an engine for it lands. ZeRO-2 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and
+through worker 0 (``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2
+runs (``apply.zero_workers``), ZeRO-3 not yet.
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
 
 
 def _zero_rule(plan: Plan, mode: Any) -> str | None:
-    """ZeRO-2 and ZeRO-3 run in one process driving its own devices (``apply.zero`` and
-    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas; with dp = 1 there is nothing
-    to shard); ZeRO-2 also with one program per worker (``apply.zero_workers``). Not
-    yet: ZeRO-3 across worker processes, and either with a replica spanning workers
-    (``apply.remote``)."""
+    """ZeRO-2 and ZeRO-3 run where one process drives the replicas' devices: one host, or
+    worker 0 driving every worker's (``apply.remote``), with ``apply.zero`` and
+    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas (dp = 1: nothing to shard);
+    ZeRO-2 also with one program per worker (``apply.zero_workers``). ZeRO-3 with one
+    program per worker does not run yet."""
     s = plan.strategy
     if s.zero_stage < 2:
         return None
@@ -49,11 +49,10 @@ def _zero_rule(plan: Plan, mode: Any) -> str | None:
            " sharded over the data-parallel ranks)"
     processes = mode.processes if mode is not None else run_processes(plan)
     if processes is Processes.PER_WORKER and s.zero_stage == 3:
-        return (f"{what} runs on one host only; across worker processes apply runs "
-                "zero_stage 0, 1 and 2 (apply.zero_workers)")
-    if processes is Processes.REMOTE:
-        return (f"{what} does not run with replicas spanning worker processes "
-                "(apply.remote) yet; there apply runs zero_stage 0 and 1")
+        return (f"{what} does not run across worker processes with one program per "
+                "worker yet (there apply runs zero_stage 0, 1 and 2: apply.zero_workers); "
+                "it runs on one host, or with worker 0 driving every worker's devices "
+                "(apply.remote)")
     return None
 
 

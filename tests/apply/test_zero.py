@@ -194,10 +194,11 @@ def test_zero2_accumulates_each_gradient_on_its_owner_only():
     assert sum(adds.values()) == n * (m - 1)
 
 
-def test_zero2_runs_across_workers_but_not_with_a_replica_spanning_them():
-    """ZeRO-2 runs on one host and with one program per worker (apply.zero_workers:
-    tests/apply/test_zero_workers.py); with a replica across workers (apply.remote)
-    apply.wrap refuses it, before it needs the workers, and says what runs there."""
+def test_zero2_and_3_run_on_one_host_per_worker_and_through_worker_0():
+    """ZeRO-2 runs on one host, with one program per worker (apply.zero_workers:
+    tests/apply/test_zero_workers.py) and with a replica spanning workers (apply.remote:
+    tests/apply/test_zero_remote.py); ZeRO-3 on one host and through worker 0, while
+    per worker apply.wrap refuses it (tests/apply/test_zero3.py)."""
     from tfplan.core.presets import parse_cluster
 
     _, model = base_model("tiny_mlp")
@@ -208,14 +209,13 @@ def test_zero2_runs_across_workers_but_not_with_a_replica_spanning_them():
                   stage=2), cluster=parse_cluster("2xcpu:1"))
     assert execution_mode(workers).mode == "multi_worker_hybrid"
     assert unapplied(workers, execution_mode(workers)) == []
-    spanning = dataclasses.replace(  # one replica, a pipeline over both workers
-        zero_plan(model, [[f"/job:worker/task:{w}/device:CPU:0"] for w in range(2)], dp=1,
-                  stage=2), cluster=parse_cluster("2xcpu:1"))
-    assert execution_mode(spanning).remote
-    [reason] = unapplied(spanning, execution_mode(spanning))
-    assert "zero_stage=2" in reason and "apply.remote" in reason
-    with pytest.raises(PlanMismatchError, match="zero_stage=2 .* spanning worker processes"):
-        apply.wrap(model, spanning)
+    for stage in (2, 3):
+        spanning = dataclasses.replace(  # replica r's pipeline over both workers
+            zero_plan(model, [[f"/job:worker/task:{w}/device:CPU:{r}" for r in range(2)]
+                              for w in range(2)], dp=2, stage=stage, num_microbatches=2),
+            cluster=parse_cluster("2xcpu:2"))
+        assert execution_mode(spanning).remote
+        assert unapplied(spanning, execution_mode(spanning)) == []
 
 
 def test_zero2_across_workers_keeps_each_reduced_gradient_on_its_owner_only():

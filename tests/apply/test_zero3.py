@@ -240,7 +240,7 @@ def test_zero3_weight_files_are_the_one_device_models(tmp_path):
         _nbytes(v) for v in model.trainable_weights)
 
 
-def test_zero3_refuses_layers_with_state_and_runs_on_one_host_only():
+def test_zero3_refuses_layers_with_state_and_one_program_per_worker():
     _, bn = base_model("tiny_resnet_bn")
     with pytest.raises(PlannerError, match="stem_norm.*non-trainable variables.*zero_stage 2"):
         apply.wrap(bn, zero3_plan(bn, cpus(0, 1), dp=2))
@@ -252,5 +252,6 @@ def test_zero3_refuses_layers_with_state_and_runs_on_one_host_only():
         cluster=parse_cluster("2xcpu:1"))
     [reason] = unapplied(workers, execution_mode(workers))
     assert "zero_stage=3" in reason and "across worker processes" in reason
-    with pytest.raises(PlanMismatchError, match="zero_stage=3 .* runs on one host only"):
+    assert "zero_stage 0, 1 and 2" in reason and "apply.remote" in reason
+    with pytest.raises(PlanMismatchError, match="zero_stage=3 .* one program per worker"):
         apply.wrap(mlp, workers)
