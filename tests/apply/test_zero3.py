@@ -255,3 +255,29 @@ def test_zero3_refuses_layers_with_state_and_one_program_per_worker():
     assert "zero_stage 0, 1 and 2" in reason and "apply.remote" in reason
     with pytest.raises(PlanMismatchError, match="zero_stage=3 .* one program per worker"):
         apply.wrap(mlp, workers)
+
+
+def test_zero3_gathers_a_nested_model_and_a_layer_called_twice():
+    """A nested model's weights are gathered for the whole nested call, and a layer called
+    twice gathers (and re-gathers) its weights at each call, its gradients summed over
+    both calls and both replicas on the owner: the losses are one device's."""
+    keras.utils.set_random_seed(1)
+    inner_in = keras.Input((8,))
+    trunk = keras.Model(inner_in, keras.layers.Dense(8, activation="relu", name="hidden")(
+        inner_in), name="trunk")
+    x = keras.Input((6,))
+    shared = keras.layers.Dense(8, activation="tanh", name="shared")
+    h = shared(shared(trunk(keras.layers.Dense(8, name="pre")(x))))
+    model = keras.Model(x, keras.layers.Dense(2, name="head")(h), name="nested_shared")
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    plan = zero3_plan(model, cpus(2, 3), dp=2)
+    wrapped = apply.wrap(model, plan)
+    for m in (wrapped, reference):
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    xs = np.random.default_rng(0).normal(size=(STEPS * GLOBAL_BATCH, 6)).astype("float32")
+    batches = [(xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH],
+                2 * xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, :2]) for i in range(STEPS)]
+    assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
+    assert sum(_measured_bytes(wrapped.replica_models()).values()) == sum(
+        _nbytes(v) for v in model.trainable_weights)
