@@ -25,7 +25,6 @@ from tfplan.apply.placement import tf_variable
 from tfplan.apply.tensor_parallel import TensorParallelModel
 from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import execution_mode
-from tfplan.core.errors import PlanMismatchError
 from tfplan.apply.zero import weight_groups
 from tfplan.planner.zero import owners_by_device_group
 from tests.apply import helpers  # noqa: E402
