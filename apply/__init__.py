@@ -10,8 +10,8 @@ plan instead; ``auto_devices()`` before building the model makes its devices).
 How a plan runs is decided once (``apply.mode.execution_mode``).
 Modes: single device and pipeline (``apply.pipeline``), data parallel
 (``apply.data_parallel``), tensor parallel and one-host hybrids
-(``apply.tensor_parallel``, ZeRO-1 in ``apply.zero``), data parallel across worker
-processes (``apply.multi_worker``) and hybrids across them
+(``apply.tensor_parallel``; ZeRO-1 and -2 in ``apply.zero``, ZeRO-3 in ``apply.zero3``),
+data parallel across worker processes (``apply.multi_worker``) and hybrids across them
 (``apply.multi_worker_hybrid``; ``plan launch`` starts the workers). Importing ``apply`` imports TensorFlow and Keras (and
 registers the wrapped model classes, so ``keras.models.load_model`` can read
 files a wrapped model saved).

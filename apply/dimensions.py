@@ -6,13 +6,16 @@ no engine here runs is refused with what to change, never trained as something e
 (a ZeRO-3 plan silently trained as ZeRO-1, say). ``apply.auto`` plans only what passes.
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
-when an engine for it lands. Offload runs on one host (``apply.offload``).
+when an engine for it lands. Offload runs on one host (``apply.offload``). ZeRO-2
+and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
+(``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
+(``apply.zero_workers``), ZeRO-3 not yet.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from tfplan.apply.mode import Mode, Processes
+from tfplan.apply.mode import Mode, Processes, run_processes
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
 
@@ -22,6 +25,9 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
     s = plan.strategy
     out = unapplied_dimensions(s)
+    zero = _zero_rule(plan, mode)
+    if zero:
+        out.append(zero)
     if s.offload != "none" and mode is not None:
         out += _offload_mode_rule(s, mode)
     if s.cp > 1 and mode is not None and not out:
@@ -35,10 +41,6 @@ def unapplied_dimensions(s: Any) -> list[str]:
     ``cp`` and ``offload``); ``apply.auto`` hands ``not unapplied_dimensions(s)`` to the
     search as its ``admissible`` filter."""
     out = []
-    if s.zero_stage >= 2:
-        out.append(f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}"
-                   " sharded over the data-parallel ranks) has no engine in apply yet; "
-                   "zero_stage 0 and 1 run")
     # sequence parallelism runs inside the tensor-parallel engine (apply.sequence_parallel),
     # which every plan with tp > 1 uses (one host, or each worker's part)
     if s.sequence_parallel and s.tp == 1:
@@ -80,6 +82,26 @@ def _offload_mode_rule(s: Any, mode: Any) -> list[str]:
                 f"update); this plan runs as {mode.mode.value} on {mode.processes.value} "
                 "processes"]
     return []
+
+
+def _zero_rule(plan: Plan, mode: Any) -> str | None:
+    """ZeRO-2 and ZeRO-3 run where one process drives the replicas' devices: one host, or
+    worker 0 driving every worker's (``apply.remote``), with ``apply.zero`` and
+    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas (dp = 1: nothing to shard);
+    ZeRO-2 also with one program per worker (``apply.zero_workers``). ZeRO-3 with one
+    program per worker does not run yet."""
+    s = plan.strategy
+    if s.zero_stage < 2:
+        return None
+    what = f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}" \
+           " sharded over the data-parallel ranks)"
+    processes = mode.processes if mode is not None else run_processes(plan)
+    if processes is Processes.PER_WORKER and s.zero_stage == 3:
+        return (f"{what} does not run across worker processes with one program per "
+                "worker yet (there apply runs zero_stage 0, 1 and 2: apply.zero_workers); "
+                "it runs on one host, or with worker 0 driving every worker's devices "
+                "(apply.remote)")
+    return None
 
 
 def check_applicable(plan: Plan, mode: Any = None) -> None:

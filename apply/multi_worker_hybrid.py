@@ -43,7 +43,9 @@ logical devices (``apply.workers.ensure_cluster``).
 
 * ZeRO-1 (``optimizer_sharding``): over every replica of the job, each weight's
   optimizer state on one of them (``apply.zero_workers``: owner update, local copies,
-  an all-gather of each worker's updated weights).
+  an all-gather of each worker's updated weights). ZeRO-2 (``zero_stage == 2``) also
+  accumulates each micro-batch's all-reduced gradient on its owner only
+  (``apply.zero_workers.reduce_to_owner_workers``).
 
 A replica that spans workers (pipeline stages or tp ranks on several workers) is not
 run here but by ``apply.remote`` (worker 0 drives every device).
@@ -56,14 +58,14 @@ from typing import Any, Collection
 import keras
 import tensorflow as tf
 
-from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
+from tfplan.apply.clipping import clipped_over_one_copy, clips_globally, optimizer_clipping_off
 from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import ExecutionMode
 from tfplan.apply.placement import build_optimizer_on_devices, tf_variable, top_level_devices
 from tfplan.apply.tensor_parallel import TensorParallelModel, wrap_tensor_parallel
 from tfplan.apply.workers import get_strategy, read_tf_config
 from tfplan.apply.zero_workers import (JobWeight, apply_job_sharded, gather_slots, job_weights,
-                                       owned_copies)
+                                       owned_copies, reduce_to_owner_workers)
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan, Stage
 
@@ -101,6 +103,7 @@ class MultiWorkerHybridModel(TensorParallelModel):
     num_workers = 1
     task = 0
     zero_across_workers = False  # ZeRO-1 over every replica of the job (apply.zero_workers)
+    zero2_across_workers = False  # ZeRO-2: micro-batch gradients reduced to their owners
     # (gradients, variables) from the replica step to the update; set with
     # object.__setattr__: Keras' attribute tracking would count a list of variables
     # stored on the model as more model variables (trainable_variables grew by them)
@@ -167,10 +170,25 @@ class MultiWorkerHybridModel(TensorParallelModel):
             for v, b, d in zip(metric_vars, before, summed):
                 v.assign(b + d)
 
+    def _microbatch_gradients(self, gradients: list[Any], variables: list[Any]) -> list[Any]:
+        if not self.zero2_across_workers:
+            return super()._microbatch_gradients(gradients, variables)
+        if clips_globally(self.optimizer):
+            raise PlannerError(
+                f"Plan {self.plan_name!r} runs ZeRO-2 across workers with several "
+                "micro-batches, where each worker holds only its own weights' gradients, "
+                "but the optimizer clips by global_clipnorm (a norm over every gradient). "
+                "Use clipnorm (per weight), or zero_stage 1.")
+        # ZeRO-2: all-reduced now, kept by the owner only, accumulated there
+        return reduce_to_owner_workers(gradients, self._job_weights(), self.task)
+
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         if not getattr(self, "_collecting", False):
             raise PlannerError("apply: a multi-worker hybrid model updates its weights only "
                                "inside its own train step (fit/train_on_batch).")
+        if self.zero2_across_workers and self.num_microbatches > 1:  # reduced per micro-batch
+            object.__setattr__(self, "_pending", (list(gradients), list(variables)))
+            return
         dp = 1 + len(self._others.models)
         n = len(variables) // dp
         sums: list[Any] = []
@@ -250,6 +268,7 @@ def wrap_multi_worker_hybrid(view: Any, plan: Plan, mode: ExecutionMode, *,
                                  recompute_layers=recompute_layers)
     model.__class__ = MultiWorkerHybridModel  # replica 0 of this worker drives the step
     model.zero_across_workers = zero
+    model.zero2_across_workers = plan.strategy.zero_stage == 2  # (stage 3: apply.dimensions)
     model.num_workers, model.task = len(workers), task
     model.num_replicas = plan.strategy.dp  # batches split in dp x num_microbatches parts
     model.plan_name = plan.name

@@ -100,6 +100,11 @@ class PlannedModel(compat.functional_class()):
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         self.optimizer.apply_gradients(zip(gradients, variables))
 
+    def _microbatch_gradients(self, gradients: list[Any], variables: list[Any]) -> list[Any]:
+        """One micro-batch's gradients as they are accumulated (ZeRO-2 reduces them onto
+        each weight's owner first: ``apply.zero``); here unchanged."""
+        return gradients
+
     def _uses_microbatch_step(self) -> bool:
         return self.num_microbatches > 1 or self.batch_norm is not None
 
@@ -407,6 +412,8 @@ class PlannedModel(compat.functional_class()):
                     start_microbatch(i)
                 y_pred, loss, grads = self._loss_and_gradients(xi, yi, swi, variables)
                 self._track_loss(loss, xi)
+                if m > 1:
+                    grads = self._microbatch_gradients(grads, variables)
                 total = grads if total is None else [
                     _accumulate(a, g, v) for a, g, v in zip(total, grads, variables)]
                 predictions.append(y_pred)

@@ -33,7 +33,11 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   (``apply.sequence_parallel``, which also says what runs gathered).
 * ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
   owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
-  its device, is updated, and is copied to the other replicas.
+  its device, is updated, and is copied to the other replicas. ZeRO-2 also reduces
+  each micro-batch's gradients onto the owners (``apply.zero``). ZeRO-3 keeps one
+  persistent copy of each weight, the owner's, and gathers it onto each replica for
+  every layer's forward and backward (``apply.zero3``); ``trainable_variables`` are then
+  the owners' copies.
 * Weights are copied from the user's model, so training gives the single-device
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
@@ -60,12 +64,13 @@ from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import Processes, run_processes
 from tfplan.apply.offload import weights_device
 from tfplan.apply.pipeline import PlacedModel
-from tfplan.apply.placement import tf_variable
-from tfplan.apply.schedule import schedule_of
+from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.schedule import active_trace, schedule_of
 from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
                                             sequence_sharded, warn_gathered)
 from tfplan.apply.sharded_layers import sharded_clone
-from tfplan.apply.zero import apply_sharded, owned_variables
+from tfplan.apply.zero import apply_sharded, owned_variables, reduce_to_owners
+from tfplan.apply.zero3 import install as install_zero3
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
@@ -79,6 +84,8 @@ class TensorParallelModel(PlacedModel):
     """
 
     optimizer_sharding = False  # ZeRO-1 across the dp replicas (apply.zero)
+    zero_stage = 0  # 2: gradients accumulated on their owners too (apply.zero)
+    _zero3: Any = None  # ZeRO-3: this replica's apply.zero3.Gathering
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
                  tp_devices: Sequence[str] = (),
@@ -112,7 +119,10 @@ class TensorParallelModel(PlacedModel):
     @property
     def trainable_variables(self) -> list[Any]:
         """Replica 0's trainable variables, then each other replica's, in the same order
-        (what the train step differentiates and the optimizer updates)."""
+        (what the train step differentiates and the optimizer updates); under ZeRO-3 the
+        one persistent copy of each weight, its owner's (``apply.zero3``)."""
+        if self._zero3 is not None and self._others.models:
+            return self._zero3.weights.owner_variables()
         own = list(super().trainable_variables)
         return own + [v for r in self._others.models for v in r.trainable_variables]
 
@@ -131,15 +141,60 @@ class TensorParallelModel(PlacedModel):
             scaled = self._scale_loss(loss)
         return y_pred, loss, scaled
 
+    @property
+    def sharded_weights(self) -> Any:
+        """ZeRO-3: the weight groups (``apply.zero3.ShardedWeights``: each weight's copies,
+        the devices they were planned on, its owner); None otherwise."""
+        return self._zero3.weights if self._zero3 is not None else None
+
+    def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
+        if self._zero3 is not None:  # ZeRO-3: the layer's weights gathered from their owners
+            fn = self._zero3.wrap(op, fn)
+        return super()._placed(op, fn, trace)
+
+    def _loss_and_gradients(self, x: Any, y: Any, sample_weight: Any,
+                            variables: list[Any]) -> tuple[Any, Any, list[Any]]:
+        if self._zero3 is None or not self._others.models:
+            return super()._loss_and_gradients(x, y, sample_weight, variables)
+        # ZeRO-3: gradients of every replica's reads of each weight, summed on its owner
+        sharded = self._zero3.weights
+        with sharded.recording() as reads:
+            if tf.executing_eagerly():
+                with tf.GradientTape() as tape:
+                    y_pred, loss, scaled = self._forward_loss(x, y, sample_weight)
+                grads = tape.gradient(scaled, [s for _, _, s in reads])
+                return y_pred, loss, sharded.reduce(reads, grads)
+            y_pred, loss, scaled = self._forward_loss(x, y, sample_weight)
+        trace = active_trace()  # 1F1B / interleaved, as PlacedModel
+        received = trace.received_activations() if trace is not None else []
+        grads = tf.gradients(scaled, [s for _, _, s in reads] + received,
+                             unconnected_gradients=tf.UnconnectedGradients.NONE)
+        summed = sharded.reduce(reads, grads[:len(reads)])
+        if trace is not None:
+            trace.record_backward(variables, summed, grads[len(reads):])
+        return y_pred, loss, summed
+
     def _after_compile(self) -> None:
+        if self._zero3 is not None:  # ZeRO-3: trainable_variables are the owners
+            super()._after_compile()
+            return
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
             self._build_slots(owned_variables(self.trainable_variables,
                                               1 + len(self._others.models)))
             return
         super()._after_compile()
 
+    def _microbatch_gradients(self, gradients: list[Any], variables: list[Any]) -> list[Any]:
+        dp = 1 + len(self._others.models)
+        if dp > 1 and self.optimizer_sharding and self.zero_stage == 2:  # on the owners
+            return reduce_to_owners(gradients, variables, dp)
+        return gradients
+
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
+        if self._zero3 is not None:  # ZeRO-3: the owners' sums, the owners' update
+            super(TensorParallelModel, self)._apply_gradients(gradients, variables)
+            return
         if dp > 1 and self.optimizer_sharding:  # ZeRO-1: reduce, owner update, copy out
             apply_sharded(super()._apply_gradients, gradients, variables, dp)
             return
@@ -248,9 +303,12 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     model = models[0]
     warn_gathered(plan.name, model.sequence_gathered)
     if dp > 1:
+        if plan.strategy.zero_stage == 3:  # one persistent copy of each weight (apply.zero3)
+            install_zero3(models, plan.name)
         model._set_replicas(models[1:])
         model.num_replicas = dp  # batches must split in dp x num_microbatches parts
         model.optimizer_sharding = plan.strategy.optimizer_sharding  # ZeRO-1: apply.zero
+        model.zero_stage = plan.strategy.zero_stage
     return model
 
 

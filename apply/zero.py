@@ -1,5 +1,5 @@
-"""ZeRO-1 on one host: each data-parallel replica holds and updates its share of the
-optimizer state.
+"""ZeRO-1 and ZeRO-2 on one host: each data-parallel replica holds and updates its share of
+the optimizer state (stage 1), and of the gradients (stage 2).
 
 Pipeline position: ``apply.tensor_parallel`` calls it for a plan with ``dp > 1`` and
 ``strategy.optimizer_sharding`` (``apply.wrap`` routes such plans there, with any tp
@@ -26,6 +26,27 @@ How it works (ZeRO stage 1, P_os: Rajbhandari et al., SC'20, Sec. 5.1 and 7.1):
 
 The same sum in the same order on one device, one update, exact copies: the result
 is the single-device one, and after each step every copy of a weight is equal.
+
+ZeRO stage 2 (P_os+g, Sec. 5.2) also keeps the gradients sharded. What is kept where
+(``reduce_to_owners``, called by ``PlannedModel._microbatch_train_step`` through
+``TensorParallelModel._microbatch_gradients`` for each micro-batch):
+
+* one micro-batch per step: as stage 1 (the replicas' gradients for a weight meet
+  only on its owner's device, summed there, so only the owner ever holds the sum);
+* ``num_microbatches`` m > 1: stage 1 accumulates each replica's own full gradient
+  over the m micro-batches on that replica's devices (a gradient buffer as large as
+  the model on every replica) and reduces once at the end. Stage 2 reduces each
+  micro-batch's gradients onto the owner's device right away (one placed ``add_n``
+  per weight per micro-batch) and accumulates only there: the running sum of weight
+  i lives on its owner's device alone, each replica holding the accumulated
+  gradients of the weights it owns (about 1/dp of them, LPT-balanced as the slots).
+  A replica's own gradient of one micro-batch exists only between its backward op
+  and that reduce (TensorFlow frees a tensor after its last consumer).
+
+The cost: m reduces per step instead of one (the same bytes per micro-batch as one
+all-reduce's reduce-scatter half, m times); ZeRO's paper makes the same trade.
+Summing per micro-batch and then over micro-batches changes the order of the float
+additions, not the sum (equal to one device's within float rounding).
 """
 from __future__ import annotations
 
@@ -106,6 +127,9 @@ def apply_sharded(apply: Callable[[list[Any], list[Any]], None], gradients: Sequ
         if not present:
             sums.append(None)  # not trained by this loss: Keras skips it, nothing to copy
             continue
+        if len(present) == 1 and parts[g.owner] is not None:  # ZeRO-2: reduced already
+            sums.append(parts[g.owner])
+            continue
         with tf.device(tf_variable(g.owner_copy).device):  # a reduce, not an all-reduce
             sums.append(sum_gradients(present))  # in replica order
     apply(sums, [g.owner_copy for g in groups])
@@ -116,6 +140,22 @@ def apply_sharded(apply: Callable[[list[Any], list[Any]], None], gradients: Sequ
         with tf.device(owner.device):
             value = owner.read_value()
         assign_copies(g.copies, value, skip=g.owner)
+
+
+def reduce_to_owners(gradients: Sequence[Any], variables: Sequence[Any], dp: int
+                     ) -> list[Any]:
+    """ZeRO-2: ``gradients`` (one micro-batch's, ``variables``' layout) with each group's
+    sum over the replicas on its owner's device, in the owner's position; None in every
+    other copy's position (no replica but the owner keeps a gradient of that weight)."""
+    groups = weight_groups(variables, dp)
+    n = len(groups)
+    out: list[Any] = [None] * len(gradients)
+    for g in groups:
+        present = [p for p in (gradients[r * n + g.index] for r in range(dp)) if p is not None]
+        if present:
+            with tf.device(tf_variable(g.owner_copy).device):  # the reduce, on the owner
+                out[g.owner * n + g.index] = sum_gradients(present)  # in replica order
+    return out
 
 
 def assign_copies(copies: Sequence[Any], value: Any, skip: int | None) -> None:

@@ -1,4 +1,5 @@
-"""ZeRO-1 across worker processes: each weight's optimizer state on one replica of the job.
+"""ZeRO-1 and ZeRO-2 across worker processes: each weight's optimizer state (and, stage 2,
+its accumulated gradient) on one replica of the job.
 
 Pipeline position: ``apply.multi_worker_hybrid`` uses it for a plan with
 ``strategy.optimizer_sharding`` whose data-parallel replicas are spread over worker
@@ -24,6 +25,18 @@ too). ``apply.zero`` is the one-process version.
   1.5x the bytes of plain data parallelism's all-reduce (ZeRO's reduce-scatter would
   make it 1x: ``tf.distribute`` offers no reduce-scatter). Memory is what ZeRO-1
   promises: optimizer state /W per worker (per replica, with local replicas).
+* ZeRO-2 (``reduce_to_owner_workers``): with several micro-batches, each micro-batch's
+  gradients are summed over the local replicas and all-reduced across the workers at
+  once, and each worker keeps only the sums of the weights it owns (at the owner
+  copy's position, on its device), accumulating those alone: the accumulated
+  gradients are sharded over the job (about 1/W per worker) where ZeRO-1 keeps a
+  full accumulated gradient on every local replica. The substitute for ZeRO's
+  reduce-scatter is the all-reduce: TensorFlow's CPU collectives have no
+  reduce-scatter (``CollectiveReduceScatterV2`` has no CPU implementation that runs
+  here), so every worker receives every sum for an instant and drops those it does
+  not own: 2x the reduce-scatter's bytes per micro-batch, and m all-reduces per step
+  instead of ZeRO-1's one (m = ``num_microbatches``). With one micro-batch, stage 2
+  is stage 1 (the all-reduce's non-owned sums are dropped after it as well).
 """
 from __future__ import annotations
 
@@ -35,6 +48,7 @@ import tensorflow as tf
 
 from tfplan.apply.checkpoint import slot_variables, slots_per_variable
 from tfplan.apply.device_names import short_name
+from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.zero import assign_copies
 from tfplan.core.errors import PlannerError
@@ -117,6 +131,37 @@ def apply_job_sharded(apply: Callable[[list[Any], list[Any]], None], optimizer: 
                 value = tf.reshape(gathered[dtype][start:start + w.count], w.shape)
                 _assign_copies(w, value, skip=None)
                 start += w.count
+
+
+def reduce_to_owner_workers(gradients: Sequence[Any], weights: Sequence[JobWeight],
+                            task: int) -> list[Any]:
+    """ZeRO-2, in the replica context of worker ``task``: one micro-batch's ``gradients``
+    (``job_weights``' layout) summed over the local replicas (on local replica 0's copy's
+    device), all-reduced across the workers, and kept only for the weights this worker
+    owns, at the owner copy's position and on its device; None everywhere else."""
+    n = len(weights)
+    local_dp = len(gradients) // n if n else 1
+    sums: list[Any] = []
+    for w in weights:
+        parts = [gradients[r * n + w.index] for r in range(local_dp)]
+        if any(p is None for p in parts):
+            sums.append(None)
+            continue
+        with tf.device(tf_variable(w.copies[0]).device):
+            sums.append(sum_gradients(parts))
+    present = [s for s in sums if s is not None]
+    reduced = iter(tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, present) if present else [])
+    out: list[Any] = [None] * len(gradients)
+    for w, s in zip(weights, sums):
+        if s is None:
+            continue
+        total = next(reduced)
+        if w.owner_worker == task:  # the others drop it here (no reduce-scatter: docstring)
+            with tf.device(tf_variable(w.owner_copy).device):
+                out[w.owner_replica * n + w.index] = (
+                    total if isinstance(total, tf.IndexedSlices) else tf.identity(total))
+    return out
 
 
 def gather_slots(optimizer: Any, weights: Sequence[JobWeight], task: int, num_workers: int,

@@ -640,3 +640,39 @@ def function_graph(graph: Any, name: str) -> Any:
                                                  "FuncGraph)", e)) from e
         g = getattr(g, "outer_graph", None)
     return None
+
+
+def release_to(copy: Any, owner: Any) -> None:
+    """Drop ``copy``'s own storage (a ``keras.Variable`` of the TensorFlow backend) and make
+    it a view of ``owner`` (a variable of the same shape and dtype): reads give
+    ``owner``'s value, assignments write ``owner``.
+
+    Keras 3 keeps a variable's ``tf.Variable`` in ``Variable._value``; with ``_value``
+    None its ``value`` property calls ``_initializer(shape, dtype)`` (the path of a
+    variable made in a ``StatelessScope``, whose value comes later), and ``assign``
+    calls ``_direct_assign(value)`` outside a ``StatelessScope``. ``apply.zero3`` releases
+    every data-parallel copy but the owner's (ZeRO-3: one persistent copy of each
+    weight), so the layers keep their variables (and weight files, ``get_weights``,
+    ``set_weights`` their behaviour) while only the owner's copy holds memory. Checked
+    on Keras 3.15.1. Without it the non-owner copies would each keep the whole weight.
+    """
+    for attr in ("_value", "_initializer", "_direct_assign"):
+        if not hasattr(copy, attr):
+            raise KerasInternalsError(_moved(f"keras.Variable.{attr} (a variable's storage)",
+                                             AttributeError(attr)))
+    if tuple(copy.shape) != tuple(owner.shape) or copy.dtype != owner.dtype:
+        raise PlannerError(f"Variable {copy.path!r} {tuple(copy.shape)} {copy.dtype} cannot "
+                           f"view {owner.path!r} {tuple(owner.shape)} {owner.dtype}.")
+    copy._value = None
+    copy._initializer = lambda shape=None, dtype=None: owner.value
+    copy._direct_assign = lambda value: owner.assign(value)
+
+
+def holds_storage(variable: Any) -> bool:
+    """Whether a ``keras.Variable`` holds a value of its own (``Variable._value``; False
+    after ``release_to``, or for a variable made in a ``StatelessScope``). Checked on
+    Keras 3.15.1."""
+    if not hasattr(variable, "_value"):
+        raise KerasInternalsError(_moved("keras.Variable._value (a variable's storage)",
+                                         AttributeError("_value")))
+    return variable._value is not None

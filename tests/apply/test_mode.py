@@ -37,6 +37,8 @@ def plan(stage_devices, *, workers: int = 1, **strategy):
     ([cpus(0), cpus(1)], {"placement": "general"}, Mode.PLACEMENT),
     ([cpus(0, 1), cpus(2, 3)], {}, Mode.TENSOR_PARALLEL),  # dp x pp
     ([cpus(0, 1)], {"zero_stage": 1}, Mode.TENSOR_PARALLEL),  # ZeRO-1
+    ([cpus(0, 1)], {"zero_stage": 2}, Mode.TENSOR_PARALLEL),  # ZeRO-2 (apply.zero)
+    ([cpus(0, 1)], {"zero_stage": 3}, Mode.TENSOR_PARALLEL),  # ZeRO-3 (apply.zero3)
     ([cpus(0, 1)], {"dp": 1, "tp": 2}, Mode.TENSOR_PARALLEL),
 ])
 def test_one_host_plans(stage_devices, strategy, expected):

@@ -511,3 +511,18 @@ def test_function_graph_gives_a_while_loops_body_with_shapes():
     assert matmul.outputs[0].shape.as_list() == [2, 3]
     assert len(body.inputs) == len(op.inputs) == len(body.outputs)
     assert compat.function_graph(graph, "no_such_function") is None
+
+
+def test_release_to_makes_a_variable_a_view_of_another_without_storage():
+    owner = keras.Variable(np.arange(6.0, dtype="float32").reshape(2, 3))
+    copy = keras.Variable(np.zeros((2, 3), "float32"))
+    assert compat.holds_storage(copy)
+    compat.release_to(copy, owner)
+    assert not compat.holds_storage(copy) and compat.holds_storage(owner)
+    np.testing.assert_array_equal(copy.numpy(), owner.numpy())  # reads the owner's
+    copy.assign(np.ones((2, 3), "float32"))  # writes the owner
+    np.testing.assert_array_equal(owner.numpy(), np.ones((2, 3)))
+    with keras.StatelessScope(state_mapping=[(copy, tf.fill((2, 3), 5.0))]):
+        np.testing.assert_array_equal(np.asarray(copy.value), np.full((2, 3), 5.0))
+    with pytest.raises(compat.PlannerError, match="cannot view"):
+        compat.release_to(keras.Variable(np.zeros(3, "float32")), owner)

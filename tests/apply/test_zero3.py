@@ -1,0 +1,283 @@
+"""ZeRO-3 (apply.zero3): plans with ``zero_stage=3`` keep one persistent copy of each weight,
+on the owner ``planner.zero`` names, gather it onto every replica for each layer's forward
+and backward, and train exactly like one device.
+
+Runs on the logical CPU devices of tests/conftest.py with hand-made plans: the tiny MLP and
+the tiny transformer with dp = 4, with one and two micro-batches, dp = 2 x tp = 2 and a
+dp = 2 x pp = 2 pipeline in 1F1B order.
+Memory is measured on the variables the replicas' layers hold (each distinct variable with
+storage of its own, by its device), not taken from the owners' table.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfplan import apply, compat
+from tfplan.apply.device_names import short_name
+from tfplan.apply.dimensions import unapplied
+from tfplan.apply.mode import execution_mode
+from tfplan.apply.placement import tf_variable
+from tfplan.apply.tensor_parallel import TensorParallelModel
+from tfplan.apply.zero3 import GATHER, REGATHER, persistent_bytes_by_device
+from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.zero import owners_by_device_group
+from tests.apply import helpers
+from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
+                                 cpus, fresh_optimizer, step_losses, tp_plan)
+
+STEPS = 10
+MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
+              ("head", "row"))
+
+# name: (model file, devices of each stage (dp x tp), micro-batches, dp, splits)
+CASES = {
+    "mlp-dp4": ("tiny_mlp", [cpus(0, 1, 2, 3)], 1, 4, ()),
+    "mlp-dp4-m2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 2, 4, ()),
+    "transformer-dp4": ("tiny_transformer", [cpus(0, 1, 2, 3)], 1, 4, ()),
+    "transformer-dp4-m2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 2, 4, ()),
+    "mlp-dp2-tp2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 2, MLP_SPLITS),
+    "transformer-dp2-pp2-1f1b": ("tiny_transformer", [cpus(0, 1), cpus(2, 3)], 2, 2, ()),
+}
+
+
+def zero3_plan(model, devices, *, dp, num_microbatches=1, splits=()):
+    """ZeRO-3 over ``devices`` (one stage's dp x tp devices, or a list of stages';
+    several stages run 1F1B)."""
+    stages = devices if isinstance(devices[0], list) else [devices]
+    plan = tp_plan(model, stages, splits, dp=dp, zero=True,
+                   num_microbatches=num_microbatches, global_batch=GLOBAL_BATCH,
+                   name=f"zero3 dp={dp} tp={len(stages[0]) // dp} pp={len(stages)} "
+                        f"m={num_microbatches}")
+    return dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, zero_stage=3, schedule="1f1b" if len(stages) > 1 else "none"))
+
+
+def _device(variable) -> str:
+    return short_name(tf_variable(variable).device)
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
+
+
+def _measured_bytes(replicas) -> dict[str, int]:
+    """Bytes of every distinct variable with storage the replicas' layers hold, by the
+    device its tf.Variable lives on."""
+    seen, out = set(), collections.Counter()
+    for model in replicas:
+        for layer in model.layers:
+            for v in layer.weights:
+                if compat.holds_storage(v) and id(v.value) not in seen:
+                    seen.add(id(v.value))
+                    out[short_name(v.value.device)] += _nbytes(v)
+    return dict(out)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_trains_like_one_device_with_one_copy_of_each_weight(case, recwarn):
+    name, devices, m, dp, splits = CASES[case]
+    module, model = base_model(name)
+    plan = zero3_plan(model, devices, dp=dp, num_microbatches=m, splits=splits)
+    assert execution_mode(plan).mode == "tensor_parallel" and unapplied(plan) == []
+    wrapped = apply.wrap(model, plan)
+    assert isinstance(wrapped, TensorParallelModel) and wrapped.zero_stage == 3
+    replicas = wrapped.replica_models()
+    assert len(replicas) == dp
+
+    # the weight groups: every replica's copies (replica r's at position r, as its layers
+    # hold them), on the devices of the plan, owners as planner.zero names them
+    groups = wrapped.sharded_weights.groups
+    n = len(groups)
+    tp = len(devices[0]) // dp
+    layers = [[v for layer in r.layers for v in layer.trainable_weights] for r in replicas]
+    assert [[id(c) for c in g.copies] for g in groups] == [
+        [id(layers[r][i]) for r in range(dp)] for i in range(n)]
+    assert {g.devices for g in groups} <= {tuple(stage[r * tp + t] for r in range(dp))
+                                          for stage in devices for t in range(tp)}
+    owners = owners_by_device_group([(g.devices, _nbytes(g.copies[0])) for g in groups])
+    assert [g.owner for g in groups] == owners
+    # one persistent copy: the owner's, on its device; the others hold nothing
+    for g in groups:
+        for r, copy in enumerate(g.copies):
+            assert compat.holds_storage(copy) == (r == g.owner), (g.path, r)
+            assert _device(copy) == g.owner_device  # a released copy reads its owner's
+    trained = list(wrapped.trainable_variables)
+    assert [id(v) for v in trained] == [id(g.owner_copy) for g in groups]
+
+    # memory between steps, measured: each replica's device ~1/dp of the weight bytes
+    total = sum(_nbytes(v) for v in model.trainable_weights)
+    measured = _measured_bytes(replicas)
+    assert sum(measured.values()) == total  # one copy in all, not dp
+    assert measured == persistent_bytes_by_device(replicas)
+    assert set(measured) == {d for stage in devices for d in stage}  # each holds a share
+    for tuple_ in {g.devices for g in groups}:  # the dp devices of one stage and tp rank
+        mine = [g for g in groups if g.devices == tuple_]
+        loads = [measured[d] for d in tuple_]
+        share = sum(g.size_bytes for g in mine)
+        largest = max(g.size_bytes for g in mine)
+        assert sum(loads) == share  # 1/dp each, up to LPT's bound of one variable
+        assert all(abs(load - share / dp) <= largest for load in loads), (tuple_, loads)
+        assert max(loads) - min(loads) <= largest
+
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
+                        helpers.reference_losses(name, STEPS))
+    optimizer = wrapped.optimizer
+    assert int(optimizer.iterations.numpy()) == STEPS
+    # slots: on the owners only, each on its owner's device; Adam's 2 per weight, once
+    built = {id(v) for v in optimizer._trainable_variables}
+    assert built == {id(g.owner_copy) for g in groups}
+    for g in groups:
+        index = optimizer._get_variable_index(g.owner_copy)
+        for slots in (optimizer._momentums, optimizer._velocities):
+            assert _device(slots[index]) == g.owner_device
+    assert len(optimizer._momentums) == len(optimizer._velocities) == n
+    # still one copy each after training (nothing re-materialised), and the weights are
+    # the one-device model's
+    assert _measured_bytes(replicas) == measured
+    _, reference = helpers.single_device_copy(name)
+    for x, y in batches_of(module, STEPS, GLOBAL_BATCH):
+        reference.train_on_batch(x, y)
+    for mine, theirs in zip(wrapped.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def _owner_reads(graph, concrete, groups):
+    """{id(ReadVariableOp): group} for the reads of each owner variable in ``graph``."""
+    handle_of = {id(tf_variable(g.owner_copy).handle): g for g in groups}
+    placeholder_group = {}
+    for external, internal in concrete.graph.captures:
+        if id(external) in handle_of:
+            placeholder_group[internal.op.name] = handle_of[id(external)]
+    return {id(op): placeholder_group[op.inputs[0].op.name] for op in graph.get_operations()
+            if op.type == "ReadVariableOp" and op.inputs[0].op.name in placeholder_group}
+
+
+def _read_behind(op):
+    """The ReadVariableOp a gather copies (through the read's Identity ops)."""
+    t = op.inputs[0]
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    return t.op
+
+
+def test_zero3_step_gathers_each_layer_from_its_owner_for_forward_and_backward():
+    """In the traced train step every weight is read on its owner's device and copied onto
+    each replica's device twice: once for the forward (``zero3_gather``), once for the
+    backward (``zero3_regather``, after the gradient reaching the layer); each gradient
+    is summed on the owner's device, nowhere else."""
+    module, model = base_model("tiny_mlp")
+    dp = 4
+    wrapped = apply.wrap(model, zero3_plan(model, cpus(0, 1, 2, 3), dp=dp))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    x, y = batches_of(module, 1, GLOBAL_BATCH)[0]
+    step = tf.function(lambda data: wrapped.train_step(data), autograph=False)
+    concrete = step.get_concrete_function((tf.constant(x), tf.constant(y)))
+    graph = concrete.graph
+    groups = wrapped.sharded_weights.groups
+    reads = _owner_reads(graph, concrete, groups)
+    assert reads  # the owners' variables are read in the step
+    for op in graph.get_operations():
+        if id(op) in reads:
+            assert short_name(op.device) == reads[id(op)].owner_device
+    copies = {GATHER: collections.Counter(), REGATHER: collections.Counter()}
+    for op in graph.get_operations():
+        kind = next((k for k in (GATHER, REGATHER) if op.name.split("/")[-1] == k
+                     or op.name.split("/")[-1].startswith(k + "_")), None)
+        if kind is None:
+            continue
+        read = _read_behind(op)
+        assert id(read) in reads, op.name  # a copy of an owner's variable
+        g = reads[id(read)]
+        replica = g.devices.index(short_name(op.device))  # onto one replica's device
+        copies[kind][(g.index, replica)] += 1
+        if kind == REGATHER:  # waits for the backward to reach the layer
+            assert op.control_inputs, op.name
+    expected = {(g.index, r): 1 for g in groups for r in range(dp)}
+    assert dict(copies[GATHER]) == expected  # every weight, every replica, forward
+    assert dict(copies[REGATHER]) == expected  # and again in the backward
+    # the reduce: one AddN per weight over the dp replicas' gradients, on its owner
+    sums = collections.Counter(short_name(op.device) for op in graph.get_operations()
+                               if op.type == "AddN" and op.name.startswith("AddN")
+                               and len(op.inputs) == dp)
+    assert sums == collections.Counter(g.owner_device for g in groups)
+
+
+def test_zero3_weight_files_are_the_one_device_models(tmp_path):
+    """save_weights of a ZeRO-3 model (weights and Adam's state) loads into the plain
+    model as one device's training left it; load_weights reads it back into the owners."""
+    module, model = base_model("tiny_transformer")
+    steps = 3
+    wrapped = apply.wrap(model, zero3_plan(model, cpus(0, 1, 2, 3), dp=4))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    _, reference = helpers.single_device_copy("tiny_transformer")
+    for x, y in batches_of(module, steps, GLOBAL_BATCH):
+        wrapped.train_on_batch(x, y)
+        reference.train_on_batch(x, y)
+    path = str(tmp_path / "zero3.weights.h5")
+    wrapped.save_weights(path)
+    plain = keras.models.clone_model(model)
+    plain.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(path)
+    for mine, theirs in zip(plain.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(plain.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-3, atol=1e-6)
+    # and back into a fresh ZeRO-3 model: the owners get the values
+    again = apply.wrap(model, zero3_plan(model, cpus(4, 5, 6, 7), dp=4))
+    again.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    again.load_weights(path)
+    for mine, theirs in zip(again.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+    assert sum(_measured_bytes(again.replica_models()).values()) == sum(
+        _nbytes(v) for v in model.trainable_weights)
+
+
+def test_zero3_refuses_layers_with_state_and_one_program_per_worker():
+    _, bn = base_model("tiny_resnet_bn")
+    with pytest.raises(PlannerError, match="stem_norm.*non-trainable variables.*zero_stage 2"):
+        apply.wrap(bn, zero3_plan(bn, cpus(0, 1), dp=2))
+    from tfplan.core.presets import parse_cluster
+
+    _, mlp = base_model("tiny_mlp")
+    workers = dataclasses.replace(
+        zero3_plan(mlp, [f"/job:worker/task:{w}/device:CPU:0" for w in range(2)], dp=2),
+        cluster=parse_cluster("2xcpu:1"))
+    [reason] = unapplied(workers, execution_mode(workers))
+    assert "zero_stage=3" in reason and "across worker processes" in reason
+    assert "zero_stage 0, 1 and 2" in reason and "apply.remote" in reason
+    with pytest.raises(PlanMismatchError, match="zero_stage=3 .* one program per worker"):
+        apply.wrap(mlp, workers)
+
+
+def test_zero3_gathers_a_nested_model_and_a_layer_called_twice():
+    """A nested model's weights are gathered for the whole nested call, and a layer called
+    twice gathers (and re-gathers) its weights at each call, its gradients summed over
+    both calls and both replicas on the owner: the losses are one device's."""
+    keras.utils.set_random_seed(1)
+    inner_in = keras.Input((8,))
+    trunk = keras.Model(inner_in, keras.layers.Dense(8, activation="relu", name="hidden")(
+        inner_in), name="trunk")
+    x = keras.Input((6,))
+    shared = keras.layers.Dense(8, activation="tanh", name="shared")
+    h = shared(shared(trunk(keras.layers.Dense(8, name="pre")(x))))
+    model = keras.Model(x, keras.layers.Dense(2, name="head")(h), name="nested_shared")
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    plan = zero3_plan(model, cpus(2, 3), dp=2)
+    wrapped = apply.wrap(model, plan)
+    for m in (wrapped, reference):
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    xs = np.random.default_rng(0).normal(size=(STEPS * GLOBAL_BATCH, 6)).astype("float32")
+    batches = [(xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH],
+                2 * xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, :2]) for i in range(STEPS)]
+    assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
+    assert sum(_measured_bytes(wrapped.replica_models()).values()) == sum(
+        _nbytes(v) for v in model.trainable_weights)
