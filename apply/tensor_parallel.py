@@ -102,6 +102,8 @@ class TensorParallelModel(PlacedModel):
         self.sequence_gathered: set[str] = set(sequence_gathered)
 
     def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
+        if self._zero3 is not None:  # ZeRO-3: the layer's weights gathered from their owners
+            fn = self._zero3.wrap(op, fn)
         devices = self.sequence_layers.get(getattr(op, "name", None))
         if devices:  # a per-token layer: once per tensor rank, on its sequence piece
             fn = sequence_sharded(op, fn, devices, self.sequence_gathered)
@@ -146,11 +148,6 @@ class TensorParallelModel(PlacedModel):
         """ZeRO-3: the weight groups (``apply.zero3.ShardedWeights``: each weight's copies,
         the devices they were planned on, its owner); None otherwise."""
         return self._zero3.weights if self._zero3 is not None else None
-
-    def _placed(self, op: Any, fn: Any, trace: Any) -> Any:
-        if self._zero3 is not None:  # ZeRO-3: the layer's weights gathered from their owners
-            fn = self._zero3.wrap(op, fn)
-        return super()._placed(op, fn, trace)
 
     def _loss_and_gradients(self, x: Any, y: Any, sample_weight: Any,
                             variables: list[Any]) -> tuple[Any, Any, list[Any]]:
