@@ -163,7 +163,7 @@ class Pricer:
             else (False,) * self.n
         cp_group = members_per_node(range(0, cp * tp, tp), cluster.devices_per_node)
         cols: dict[str, list[float]] = {name: [] for name in (
-            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "inp", "layer_in",
+            "fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "inp", "layer_in",
             "param", "cw", "gather", "core_fwd", "core_act", "cpf", "cpb")}
         for i, l in enumerate(self.layers):
             split = splits[i]
@@ -196,7 +196,6 @@ class Pricer:
             gather = (l.compute_weight_bytes or l.param_bytes) / k
             for name, value in (
                     ("fwd", t_fwd), ("bwd", t_bwd), ("tpf", tpf), ("tpb", tpb),
-                    ("state", (l.param_bytes + l.compute_weight_bytes + l.grad_bytes) / k),
                     ("opt", l.optimizer_bytes / k), ("grad", l.grad_bytes / k), ("act", act),
                     ("inp", inp),  # what a stage starting at layer i receives
                     ("layer_in", (l.input_bytes or (self.layers[i - 1].activation_bytes if i
@@ -206,7 +205,7 @@ class Pricer:
                     ("cpf", cpf), ("cpb", cpb)):
                 cols[name].append(value)
         arr = {name: np.array(v, dtype=float) for name, v in cols.items()}
-        for name in ("fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param", "cw",
+        for name in ("fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "param", "cw",
                      "core_fwd", "cpf", "cpb"):
             arr["sum_" + name] = np.concatenate([[0.0], np.cumsum(arr[name])])
         self.cache[key] = arr
@@ -308,7 +307,7 @@ class Pricer:
             return prefix[hi] - prefix[lo]
 
         sums = {name: chunk_sums(name) for name in (
-            "fwd", "bwd", "tpf", "tpb", "state", "opt", "grad", "act", "param", "cw",
+            "fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "param", "cw",
             "core_fwd", "cpf", "cpb")}
         d = {name: per_device(values) for name, values in sums.items()}
         if recompute == "full":
