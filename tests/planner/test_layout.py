@@ -107,7 +107,7 @@ def test_dp_outer_moves_the_allreduce_across_nodes_and_the_sends_inside():
     outer = dataclasses.replace(megatron, layout="tp-pp-dp")
     dm = pricer.devices(1, 4, 2, "none", 1, 4, "tp-dp-pp")
     do = pricer.devices(1, 4, 2, "none", 1, 4, "tp-pp-dp")
-    for key in ("fwd", "bwd", "grad", "state", "kept"):  # only the comm terms differ
+    for key in ("fwd", "bwd", "grad", "param", "cw", "opt", "kept"):  # only the comm terms differ
         assert list(dm[key]) == list(do[key])
     # the one boundary (stage 0 -> 1): across nodes in Megatron's order, inside in dp-outer
     nbytes = 32_768 * 4 / 8  # the boundary activation of a 4-sample micro-batch
