@@ -25,7 +25,7 @@ does not give its batch for this figure, an assumption) are priced with ``fix`` 
 ratio compared; likewise for the 1T GPT on 3072 GPUs (Table 1's plan).
 
 Cases: 7B (h 4096, 32 layers, 32 heads) at global batch 512 on 8 GPUs; 70B (h 8192,
-80 layers, 64 heads) at 512 on 64 and at 1024 on 512; 1T (Table 1's 1008B) at 3072 on 3072.
+80 layers, 64 heads) at 512 on 64; 1T (Table 1's 1008B) at 3072 on 3072.
 
 Run:  .venv/bin/python benchmarks/modern_plans.py [--cases 7b,70b,1t] [--no-published]
 """
@@ -47,7 +47,6 @@ A100_PEAK_TFLOPS = 312.0  # dense float16/bfloat16 (NVIDIA A100 datasheet)
 CASES = {  # name: (layers, hidden, heads, gpus, global batch)
     "7b": (32, 4096, 32, 8, 512),
     "70b": (80, 8192, 64, 64, 512),
-    "70b-512": (80, 8192, 64, 512, 1024),
     "1t": (128, 25600, 160, 3072, 3072),
 }
 # (name, layers, hidden, heads, gpus, batch, tp, pp, published MFU full, published MFU sp+sel)
