@@ -50,7 +50,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.cloning import clone_layer, copy_weights
+from tfplan.apply.cloning import clone_graph, copy_weights
 from tfplan.apply.context_layers import ATTENTION, check_context_parallel_model, group_attention
 from tfplan.apply.joint_forward import Parts
 from tfplan.apply.recompute import recompute_call
@@ -324,19 +324,7 @@ def wrap_context_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str]
 
 def _copy(view: Any, plan: Plan, device_of_layer: dict[str, str],
           recompute_layers: Collection[str]) -> ContextParallelModel:
-    def where(layer: Any) -> Any:
-        return tf.device(device_of_layer.get(layer.name, ""))
-
-    def clone_function(layer: Any) -> Any:
-        with where(layer):
-            return clone_layer(layer)
-
-    def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
-        with where(layer):
-            return layer(*args, **kwargs)
-
-    clone = keras.models.clone_model(view, clone_function=clone_function,
-                                     call_function=call_function)
+    clone = clone_graph(view, device_of_layer)  # each layer built and called on its device
     device = next(iter(device_of_layer.values()))
     model = ContextParallelModel(
         clone.inputs, clone.outputs, name=view.name, device_of_layer=device_of_layer,
