@@ -10,6 +10,7 @@ the optimizer's step counters restored.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -98,18 +99,18 @@ def wrapped(plan_key: str, name: str = "tiny_mlp", plans=PLANS):
     return module, w
 
 
-def interrupted(plan_key: str, backup_dir) -> None:
+def interrupted(plan_key: str, backup_dir, name: str = "tiny_mlp", plans=PLANS) -> None:
     """Train under ``plan_key`` with a backup per epoch until a callback fails in epoch 3."""
-    module, w = wrapped(plan_key)
+    module, w = wrapped(plan_key, name, plans)
     with pytest.raises(RuntimeError, match="failing in epoch 2"):
         _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(backup_dir)),
                                  FailAtEpoch(FAIL_AT)])
     assert int(w.optimizer.iterations.numpy()) == FAIL_AT * STEPS_PER_EPOCH
 
 
-def resumed(plan_key: str, backup_dir):
+def resumed(plan_key: str, backup_dir, name: str = "tiny_mlp", plans=PLANS):
     """A fresh model under ``plan_key`` that resumes from ``backup_dir`` to the end."""
-    module, w = wrapped(plan_key)
+    module, w = wrapped(plan_key, name, plans)
     history = _fit(w, module, EPOCHS, [keras.callbacks.BackupAndRestore(str(backup_dir))])
     assert len(history.history["loss"]) == EPOCHS - FAIL_AT  # epochs 3 and 4 only
     assert int(w.optimizer.iterations.numpy()) == EPOCHS * STEPS_PER_EPOCH
@@ -134,6 +135,40 @@ def test_a_backup_resumes_under_another_plan(written, read, tmp_path):
     w = resumed(read, tmp_path / "backup")
     assert_weights_close(w, reference())
     assert not os.path.exists(tmp_path / "backup")  # deleted when training ends (Keras)
+
+
+def _with(plan, **fields):
+    return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **fields))
+
+
+def _cp2(model):
+    plan = make_plan(model, [cpus(0, 1)])
+    return _with(plan, dp=1, cp=2, microbatch_size=BATCH)
+
+
+# the dimensions issue 14 added: ZeRO-2, ZeRO-3 and offloading (on the MLP), sequence and
+# context parallelism (on the transformer, whose attention they split)
+NEWER_PLANS = {
+    "zero2-dp2": lambda m: _with(_tp(m, [cpus(0, 1)], (), dp=2, zero=True), zero_stage=2),
+    "zero3-dp2": lambda m: _with(_tp(m, [cpus(2, 3)], (), dp=2, zero=True), zero_stage=3),
+    "offload-dp2": lambda m: _with(make_plan(m, [cpus(4, 5)]), offload="optimizer"),
+    "single": PLANS["single"],
+    "tp2-sp": lambda m: _with(_tp(m, [cpus(2, 3)], TRANSFORMER_SPLITS), sequence_parallel=True),
+    "cp2": _cp2,
+}
+NEWER_PAIRS = [("tiny_mlp", "zero2-dp2", "zero3-dp2"), ("tiny_mlp", "zero3-dp2", "offload-dp2"),
+               ("tiny_mlp", "offload-dp2", "zero2-dp2"), ("tiny_transformer", "tp2-sp", "cp2"),
+               ("tiny_transformer", "cp2", "single")]
+
+
+@pytest.mark.parametrize("name, written, read", NEWER_PAIRS,
+                         ids=[f"{n}:{a}->{b}" for n, a, b in NEWER_PAIRS])
+def test_a_backup_resumes_under_the_newer_dimensions(name, written, read, tmp_path):
+    """BackupAndRestore under ZeRO-2/3, offloading, sequence and context parallelism: a
+    backup written under one resumes under another, equal to one device uninterrupted."""
+    interrupted(written, tmp_path / "backup", name, NEWER_PLANS)
+    w = resumed(read, tmp_path / "backup", name, NEWER_PLANS)
+    assert_weights_close(w, reference(name))
 
 
 def test_dp4_backup_resumes_under_pp2_and_under_one_device(tmp_path):
