@@ -426,6 +426,36 @@ def inbound_nodes(layer: Any) -> list[Any]:
     return list(getattr(layer, "_inbound_nodes", ()) or ())
 
 
+def node_call_arguments(node: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``Node.arguments.args`` / ``.kwargs``: the symbolic positional and keyword
+    arguments a layer was called with in a Functional graph.
+
+    ``profiler.signature`` replays a block's call on them (``compute_output_spec``) to
+    learn the order it calls its sub-layers in. Checked on Keras 3.15.1. Without it a
+    block's sub-layers would be listed in the order it made them, which need not be a
+    topological order of the profile's graph.
+    """
+    arguments = getattr(node, "arguments", None)
+    if arguments is None or not hasattr(arguments, "args"):
+        raise KerasInternalsError(_moved("Node.arguments", AttributeError("arguments")))
+    return tuple(arguments.args), dict(arguments.kwargs)
+
+
+def replay_symbolically(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``keras.src.backend.compute_output_spec(fn, *args, **kwargs)``: runs ``fn`` on
+    backend placeholders standing for the KerasTensors in the arguments (TensorFlow: in
+    a scratch FuncGraph), nothing computed and no graph node added.
+
+    ``profiler.signature`` replays a block's ``call`` with it (``Layer.compute_output_spec``
+    skips ``call`` when the layer defines ``compute_output_shape``, as keras_hub's blocks
+    do). Checked on Keras 3.15.1. Without it a block's sub-layers keep the order it made
+    them in.
+    """
+    fn_spec = _private("keras.src.backend", "compute_output_spec", "the backend's "
+                       "symbolic replay")
+    return fn_spec(fn, *args, **kwargs)
+
+
 # --- layer internals ---------------------------------------------------------------------
 
 def analyze_einsum_string(equation: str, bias_axes: str | None, input_shape: Any,

@@ -37,7 +37,18 @@ Per layer (JSON keys are the field names):
   projected keys and values it reads; ``attention_kv_heads``: the layer's key/value
   heads (MultiHeadAttention's heads, GroupQueryAttention's key/value heads). 0 elsewhere;
 * ``calls``: how many times the model calls the layer (a shared layer's numbers
-  are the sum over its calls); ``inputs``: the layers that feed it.
+  are the sum over its calls); ``inputs``: the layers that feed it;
+* ``base_type``: the Keras layer class a subclass derives from (``MultiHeadAttention``
+  for keras_hub's ``CachedMultiHeadAttention``; "" when ``type`` is Keras' own or a
+  plain ``keras.layers.Layer``); ``kind`` is it, or ``type``;
+* ``block``: the outermost block (``profiler.signature.is_block``: a custom layer with
+  sub-layers, e.g. a keras_hub transformer block) this entry belongs to, "" for a
+  top-level layer. A block's own entry has the block's own weights and the ops of its
+  ``call`` outside any sub-layer; its sub-layers follow as ``block/sub`` entries.
+  Pipeline stages never cut a block (``planner.partition``);
+* ``opaque``: why the planner cannot see into this layer (a custom layer that
+  multiplies weights it owns itself, not through Keras layers it could split), ""
+  otherwise; ``ModelProfile.opaque_blocks`` lists them.
 """
 from __future__ import annotations
 
@@ -101,6 +112,15 @@ class LayerProfile:
     # GroupQueryAttention: num_key_value_heads; 0 elsewhere): a GroupQueryAttention
     # split by heads needs the tensor-parallel degree to divide it (``profiler.comm``)
     attention_kv_heads: int = 0
+    base_type: str = ""  # the Keras layer class a subclass derives from ("": type is it)
+    block: str = ""  # the outermost block this entry is part of ("": top level)
+    opaque: str = ""  # why the planner cannot see into this layer ("": it can)
+
+    @property
+    def kind(self) -> str:
+        """The Keras layer class this layer is or derives from (``base_type`` or ``type``):
+        what the planner's split rules go by."""
+        return self.base_type or self.type
 
     @property
     def has_op_classes(self) -> bool:
@@ -144,6 +164,7 @@ class LayerProfile:
             "attention_kv_bytes": self.attention_kv_bytes,
             "attention_kv_heads": self.attention_kv_heads,
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
+            **{n: getattr(self, n) for n in ("base_type", "block", "opaque") if getattr(self, n)},
         }
 
     @classmethod
@@ -174,6 +195,8 @@ class LayerProfile:
             not_counted=_strings(field(d, "not_counted", k, list, where=where, optional=True,
                                        default=[]), f"{k}.{where}.not_counted"),
             output_shape=_output_shape_from(d, where),
+            **{n: field(d, n, k, str, where=where, optional=True, default="")
+               for n in ("base_type", "block", "opaque")},
             **ints,
         )
 
@@ -274,6 +297,17 @@ class ModelProfile:
     def not_counted(self) -> tuple[str, ...]:
         return tuple(f"{l.name}: {what}" for l in self.layers for what in l.not_counted)
 
+    @property
+    def opaque_blocks(self) -> tuple[tuple[str, str], ...]:
+        """(layer, why) for each layer the planner cannot see into (``LayerProfile.opaque``):
+        it stays whole, replicated under tensor parallelism."""
+        return tuple((l.name, l.opaque) for l in self.layers if l.opaque)
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        """The outermost blocks whose sub-layers have their own entries, in order."""
+        return tuple(dict.fromkeys(l.block for l in self.layers if l.block))
+
     # --- identity ---------------------------------------------------------------
     def signature(self) -> tuple[tuple[str, str, int], ...]:
         """(name, type, params) per layer: what a plan checks a model against."""
@@ -305,6 +339,7 @@ class ModelProfile:
             "totals": self.totals(), "layers": [l.to_dict() for l in self.layers],
             "edges": [e.to_dict() for e in self.edges], "warnings": list(self.warnings),
             "not_counted": list(self.not_counted),
+            "opaque_blocks": [{"layer": n, "why": why} for n, why in self.opaque_blocks],
             "measured_device": self.measured_device,
             "measured_batch_size": self.measured_batch_size,
             "measured_step_overhead_s": self.measured_step_overhead_s,

@@ -7,6 +7,12 @@ is asked to wrap). Works on any Keras 3 model object; imports nothing heavy.
 The rule: the layers of ``model.layers`` in order, without ``InputLayer``s,
 with every nested ``keras.Model`` replaced by its own layers (recursively),
 named ``outer/inner`` (``/`` joins the nested model's name and the layer's).
+A *block* -- a layer that is not Keras' own (nor a subclass of one of Keras'
+layers), that owns sub-layers (keras_hub's transformer blocks and attention layers,
+a user's composite layer) -- is listed too, followed by its sub-layers, named
+``block/sub`` (recursively: ``block/attention/query``): the block's entry stands for
+what the block does itself (its own weights, the ops of its ``call`` outside any
+sub-layer); each sub-layer's entry for that sub-layer (``is_block``, ``block_of``).
 A layer reachable twice (shared between models) is listed once, where it is
 first met. A shared layer called several times is one entry.
 
@@ -22,17 +28,104 @@ from typing import Any
 SEPARATOR = "/"
 
 
+def keras_base_type(layer: Any) -> str | None:
+    """The class name of the first of Keras' own layer classes (those ``keras.layers``
+    exports, but ``Layer`` itself) that ``layer`` is or derives from: ``MultiHeadAttention``
+    for keras_hub's ``CachedMultiHeadAttention``, ``Dense`` for a ``Dense``; None for a
+    layer that derives from ``keras.layers.Layer`` only."""
+    import keras
+
+    for cls in type(layer).__mro__:
+        if cls is keras.layers.Layer:
+            return None
+        if getattr(keras.layers, cls.__name__, None) is cls:
+            return cls.__name__
+    return None
+
+
+def sublayers(layer: Any) -> list[Any]:
+    """The layers ``layer`` tracks directly (its attributes, lists and dicts of layers),
+    in the order it made them."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    if flatten is None:
+        return []
+    return list(flatten(include_self=False, recursive=False))
+
+
+def call_order(block: Any) -> dict[int, int]:
+    """{id(layer): rank} of ``block`` and the layers inside it, in the order its call
+    enters them: its call is replayed on the arguments of its first call in the model's
+    graph (``compute_output_spec``: symbolic, nothing runs, no graph node is added).
+    {} when the block has no such call or the replay fails (the declared order is kept)."""
+    import keras
+
+    from tfplan import compat
+
+    nodes = compat.inbound_nodes(block)
+    if not nodes:
+        return {}
+    order: dict[int, int] = {}
+    original = keras.Layer.__call__
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        order.setdefault(id(self), len(order))
+        return original(self, *args, **kwargs)
+
+    try:
+        args, kwargs = compat.node_call_arguments(nodes[0])
+        keras.Layer.__call__ = recording
+        compat.replay_symbolically(block.call, *args, **kwargs)
+    except Exception:  # noqa: BLE001 -- any failure: keep the declared order
+        return {}
+    finally:
+        keras.Layer.__call__ = original
+    return order
+
+
+def is_block(layer: Any) -> bool:
+    """Whether the profile walks into ``layer``: it is not Keras' own (nor a subclass of
+    one of Keras' layers, which the planner and ``apply`` treat as that layer), not a
+    model (a nested model's layers are listed in its place), and owns sub-layers."""
+    import keras
+
+    return (not isinstance(layer, keras.Model) and keras_base_type(layer) is None
+            and bool(sublayers(layer)))
+
+
 def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
     """(qualified name, layer) for each layer a profile and a plan talk about, in order.
 
     Keras 3 ``model.layers`` is a topological order for Functional models and the
     call order for Sequential ones (attribute order for subclassed models); a
-    nested model's layers take its place in that order.
+    nested model's layers take its place in that order; a block's sub-layers follow
+    the block's own entry, in the order the block made them.
     """
     import keras
 
     paths: list[tuple[str, Any]] = []
     seen: set[int] = set()
+    order: dict[int, int] = {}
+
+    def visit_block(block: Any, prefix: str) -> None:
+        names: set[str] = set()
+        inner = sublayers(block)
+        ranked = sorted(range(len(inner)), key=lambda i: (order.get(id(inner[i]), len(order)), i))
+        for layer in (inner[i] for i in ranked):
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            name, k = layer.name, 1
+            while name in names:  # two sub-layers of one block with one name
+                name, k = f"{layer.name}_{k}", k + 1
+            names.add(name)
+            add(prefix + name, layer)
+
+    def add(name: str, layer: Any) -> None:
+        paths.append((name, layer))
+        if is_block(layer):
+            if id(layer) not in order:  # an outermost block: its replay ranks the inner ones
+                order.update(call_order(layer))
+            visit_block(layer, name + SEPARATOR)
 
     def visit(container: Any, prefix: str) -> None:
         for layer in container.layers:
@@ -42,10 +135,42 @@ def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
             if isinstance(layer, keras.Model):
                 visit(layer, f"{prefix}{layer.name}{SEPARATOR}")
             else:
-                paths.append((prefix + layer.name, layer))
+                add(prefix + layer.name, layer)
 
     visit(model, "")
     return paths
+
+
+def block_of(paths: list[tuple[str, Any]]) -> dict[str, str]:
+    """{qualified name: the qualified name of the outermost block it belongs to} for each
+    entry of ``profiled_layer_paths`` that is a block or inside one (a block's own entry
+    maps to itself): a pipeline stage boundary may fall between blocks only."""
+    blocks = {name for name, layer in paths if is_block(layer)}
+    out: dict[str, str] = {}
+    for name, _ in paths:
+        parts = name.split(SEPARATOR)
+        for i in range(1, len(parts) + 1):
+            prefix = SEPARATOR.join(parts[:i])
+            if prefix in blocks:
+                out[name] = prefix
+                break
+    return out
+
+
+def own_weights(layer: Any) -> list[Any]:
+    """The variables of ``layer`` itself: all of them for a layer the profile does not
+    walk into, those not held by a sub-layer for a block (each sub-layer has its entry)."""
+    if not is_block(layer):
+        return list(layer.weights)
+    inner = {id(v) for sub in sublayers(layer) for v in sub.weights}
+    return [v for v in layer.weights if id(v) not in inner]
+
+
+def own_params(layer: Any) -> int:
+    """Parameters of ``own_weights``."""
+    import math
+
+    return sum(math.prod(int(d) for d in v.shape) for v in own_weights(layer))
 
 
 def profiled_layers(model: Any) -> list[Any]:
@@ -55,7 +180,7 @@ def profiled_layers(model: Any) -> list[Any]:
 
 def model_signature(model: Any) -> tuple[tuple[str, str, int], ...]:
     """(qualified name, class name, count_params()) for each profiled layer, in order."""
-    return tuple((name, type(layer).__name__, int(layer.count_params()))
+    return tuple((name, type(layer).__name__, own_params(layer))
                  for name, layer in profiled_layer_paths(model))
 
 

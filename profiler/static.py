@@ -44,7 +44,8 @@ from tfplan.profiler.op_flops import prod
 from tfplan.profiler.op_graph import InputSpec, model_input_specs, trace_training_step
 from tfplan.profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
 from tfplan.profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
-from tfplan.profiler.signature import output_shape, profiled_layer_paths
+from tfplan.profiler.signature import (block_of, is_block, keras_base_type, output_shape,
+                                       own_weights, profiled_layer_paths)
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "float64")
 REPEAT_BLOCKS_MIN_LAYERS = 200
@@ -188,6 +189,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
             f"{override} and the compute weight copies estimated; build the model under that "
             "policy (profile_source does) for exact numbers.")
     sources = source_of(runs)
+    blocks = block_of(paths)
     layers = []
     for key, layer in paths:
         src = sources.get(key, key)
@@ -196,7 +198,8 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
         if got.calls == 0:
             not_counted.append("not called in the model's training step: no activations or "
                                "FLOPs")
-        layers.append(_layer_profile(key, layer, got, not_counted, slots, override))
+        layers.append(_layer_profile(key, layer, got, not_counted, slots, override,
+                                     blocks.get(key, "")))
     names = [key for key, _ in paths]
     edges = _edges(replicate_edges(runs, trace.edges), names, functional)
     inputs = {key: [] for key in names}
@@ -215,9 +218,11 @@ def _has_graph(model: Any) -> bool:
 
 
 def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
-                   slots: OptimizerSlots, override: str | None) -> LayerProfile:
-    trainable = list(layer.trainable_weights)
-    weights = list(layer.weights)
+                   slots: OptimizerSlots, override: str | None, block: str = ""
+                   ) -> LayerProfile:
+    weights = own_weights(layer)  # a block's sub-layers have entries of their own
+    trainable_ids = {id(w) for w in layer.trainable_weights}
+    trainable = [w for w in weights if id(w) in trainable_ids]
     compute = got.compute_weight_bytes
     if override is not None:  # Keras' autocast rule, as if the model had been built so
         compute = 0
@@ -226,7 +231,7 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
                           if _is_float(w.dtype) and getattr(w, "autocast", True)
                           and dtype_bytes(w.dtype) != dtype_bytes(override))
     return LayerProfile(
-        name=key, type=type(layer).__name__, params=int(layer.count_params()),
+        name=key, type=type(layer).__name__, params=sum(prod(w.shape) for w in weights),
         trainable_params=sum(prod(w.shape) for w in trainable),
         param_bytes=sum(prod(w.shape) * dtype_bytes(w.dtype) for w in weights),
         trainable_param_bytes=sum(prod(w.shape) * dtype_bytes(w.dtype) for w in trainable),
@@ -241,7 +246,28 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         output_shape=output_shape(layer),
         attention_core_flops_fwd=got.attention_core_flops_fwd,
         attention_core_saved_bytes=got.attention_core_saved_bytes,
-        attention_kv_bytes=got.attention_kv_bytes, attention_kv_heads=_kv_heads(layer))
+        attention_kv_bytes=got.attention_kv_bytes, attention_kv_heads=_kv_heads(layer),
+        base_type=_base_type(layer), block=block, opaque=_opaque(layer, weights, got))
+
+
+def _base_type(layer: Any) -> str:
+    base = keras_base_type(layer)
+    return base if base and base != type(layer).__name__ else ""
+
+
+def _opaque(layer: Any, weights: Sequence[Any], got: Any) -> str:
+    """Why the planner cannot see into ``layer`` ("" if it can): a layer that is not
+    Keras' own and multiplies weights it holds itself (not through sub-layers)."""
+    if keras_base_type(layer) is not None:
+        return ""
+    matrices = [w for w in weights if len(w.shape) >= 2]
+    if not matrices or not (got.matmul_flops_fwd or got.matmul_flops_bwd):
+        return ""
+    kind = "block" if is_block(layer) else "layer"
+    return (f"custom {kind} {type(layer).__name__} multiplies weights it holds itself "
+            f"({', '.join(getattr(w, 'path', w.name) for w in matrices[:3])}) instead of "
+            "through Keras layers (Dense, EinsumDense, MultiHeadAttention, Embedding, Conv): "
+            "no tensor-parallel split is known for them, so it stays whole (replicated)")
 
 
 def _kv_heads(layer: Any) -> int:

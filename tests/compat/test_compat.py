@@ -366,6 +366,26 @@ def test_inbound_nodes_counts_the_calls_of_a_shared_layer():
 
 # --- layer internals ----------------------------------------------------------------------
 
+def test_node_call_arguments_are_the_symbolic_arguments_of_the_call():
+    inputs = keras.Input((4,), name="x")
+    dense = keras.layers.Dense(3, name="a")
+    out = dense(inputs, training=True)
+    args, kwargs = compat.node_call_arguments(compat.inbound_nodes(dense)[0])
+    assert args[0] is inputs and kwargs == {"training": True}
+    assert out.shape == (None, 3)
+
+
+def test_replay_symbolically_runs_a_call_on_placeholders_and_adds_no_node():
+    inputs = keras.Input((4,), name="x")
+    dense = keras.layers.Dense(3, name="a")
+    dense(inputs)
+    seen = []
+    spec = compat.replay_symbolically(lambda x: seen.append(x) or dense(x) * 2, inputs)
+    assert tuple(spec.shape) == (None, 3) and len(seen) == 1
+    assert not isinstance(seen[0], keras.KerasTensor)  # a backend placeholder
+    assert len(compat.inbound_nodes(dense)) == 1
+
+
 def test_analyze_einsum_string_gives_the_shapes_einsum_dense_builds():
     assert compat.analyze_einsum_string("ab,bc->ac", "c", (None, 4), (3,)) == (
         [4, 3], [3], [None, 3])
