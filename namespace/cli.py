@@ -378,6 +378,8 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         ui.note(f"warning: {w}")
     if profile.not_counted:
         ui.note("* not counted (no FLOP formula): " + "; ".join(profile.not_counted))
+    for name, why in profile.opaque_blocks:
+        ui.note(f"not seen into (kept whole, replicated under tensor parallelism): {name}: {why}")
     if measured is not None:
         from tfplan.reports.tables import MEASURED_HEADER, measured_rows, measured_summary
         ui.table(f"{measured.model_name}: measured on {measured.device}, batch size "
@@ -457,7 +459,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                                      model_source=args.model)
     plan_path, logdir = written.plan_path, written.logdir
 
-    warnings = [*profile.warnings, *input_warnings(result.chosen, args.global_batch)]
+    warnings = [*profile.warnings, *input_warnings(result.chosen, args.global_batch),
+                *split_warnings(result.chosen, profile)]
     from tfplan.planner.batch_stats import describe
     batch_statistics = describe(result.chosen, profile)
     if args.json:
@@ -467,6 +470,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                                    "fingerprint": profile.fingerprint,
                                    "totals": profile.totals()},
                        "warnings": warnings, "not_counted": list(profile.not_counted),
+                       "opaque_blocks": [{"layer": n, "why": why}
+                                         for n, why in profile.opaque_blocks],
                        "batch_statistics": batch_statistics,
                        "files": {"plan": plan_path, "tensorboard": logdir},
                        "run_id": written.run_id})
@@ -485,7 +490,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
         ui.note(layout)
     if batch_statistics is not None:
         ui.note(batch_statistics["text"][0].upper() + batch_statistics["text"][1:] + ".")
-    for line in warning_lines(warnings, profile.not_counted):
+    for line in warning_lines(warnings, profile.not_counted, profile.opaque_blocks):
         ui.note(line)
     ui.note(f"Wrote {plan_path}")
     ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
@@ -513,9 +518,28 @@ def input_warnings(plan: Any, global_batch: int) -> list[str]:
     return out
 
 
-def warning_lines(warnings: Sequence[str], not_counted: Sequence[str]) -> list[str]:
+def split_warnings(plan: Any, profile: Any) -> list[str]:
+    """What the chosen plan's tensor parallelism does not split."""
+    from tfplan.profiler.comm import layer_comm
+
+    s = plan.strategy
+    if s.tp == 1 or plan.tp_splits:
+        return []
+    if any(layer_comm(l, 0).tp_splits for l in profile.layers):
+        why = ("splitting any layer is predicted to cost more in all-reduces than it saves "
+               "at this size")
+    else:
+        why = ("no layer of this model has a tensor-parallel split (Dense, EinsumDense, Conv, "
+               "attention, Embedding, also inside blocks)")
+    return [f"tp={s.tp} splits no layer: {why}, so each of the {s.tp} devices of a group "
+            "computes the whole model (priced so)"]
+
+
+def warning_lines(warnings: Sequence[str], not_counted: Sequence[str],
+                  opaque: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The text block under ``plan analyze``'s table: the warnings, then the ops whose
-    FLOPs are missing from the profile (and so from every predicted time)."""
+    FLOPs are missing from the profile (and so from every predicted time), then the layers
+    the planner cannot see into (kept whole)."""
     lines = []
     if warnings:
         lines.append("Warnings:")
@@ -523,6 +547,9 @@ def warning_lines(warnings: Sequence[str], not_counted: Sequence[str]) -> list[s
     if not_counted:
         lines.append("Not counted (no FLOP formula; predicted times leave them out):")
         lines += [f"  - {n}" for n in not_counted]
+    if opaque:
+        lines.append("Not seen into (kept whole, replicated under tensor parallelism):")
+        lines += [f"  - {name}: {why}" for name, why in opaque]
     return lines
 
 

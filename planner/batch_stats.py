@@ -46,7 +46,7 @@ STAT_BYTES = 4  # float32: Keras computes BatchNormalization's statistics in flo
 
 def batch_norm_layers(profile: ModelProfile) -> list[LayerProfile]:
     """The profile's BatchNormalization layers, in profile order."""
-    return [l for l in profile.layers if l.type in BATCH_NORM_TYPES]
+    return [l for l in profile.layers if l.kind in BATCH_NORM_TYPES]
 
 
 def channels(layer: LayerProfile) -> int:

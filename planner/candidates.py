@@ -126,7 +126,8 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
     Layout: Megatron's tp-dp-pp, and also dp-outer tp-pp-dp where ``dp_outer_differs``.
     ``knobs["layout"]`` fixes it for every shape where the two put devices differently
     (dp > 1 and pp > 1); elsewhere they are the same plan, named tp-dp-pp."""
-    cluster, b, layers = ctx.cluster, ctx.global_batch, len(ctx.names)
+    # pp x v stages cut between units (a block counts as one: graph.pipeline_units)
+    cluster, b, layers = ctx.cluster, ctx.global_batch, len(ctx.pipeline_units)
     n, per_node = cluster.num_devices, cluster.devices_per_node
     if shape is not None:
         shapes = [tuple(shape) + (1,) * (4 - len(shape))]
@@ -134,9 +135,10 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
         shapes = [(n // (tp * pp * cp), tp, pp, cp) for tp in divisors(per_node)
                   for cp in cp_degrees(ctx, per_node // tp, knobs)
                   for pp in divisors(n // (tp * cp)) if pp <= layers]
-    has_attention = any(l.type in HEAD_SPLIT_TYPES for l in ctx.profile.layers)
-    has_sequence_layers = any(l.type in SEQUENCE_LOCAL_TYPES and has_sequence(l)
-                              for l in ctx.profile.layers)
+    has_attention = any(l.kind in HEAD_SPLIT_TYPES for l in ctx.profile.layers)
+    # not inside blocks: their own code between sub-layers runs on whole sequences
+    has_sequence_layers = not ctx.units and any(
+        l.kind in SEQUENCE_LOCAL_TYPES and has_sequence(l) for l in ctx.profile.layers)
     out = []
     for dp, tp, pp, cp in shapes:
         if b % dp:
@@ -206,7 +208,7 @@ def cp_degrees(ctx: SearchContext, room: int, knobs: Mapping[str, Any]) -> list[
     if "cp" in knobs:
         return [knobs["cp"]] if room % knobs["cp"] == 0 else []
     seq = sequence_length(ctx.profile)
-    if not seq or seq < CP_MIN_SEQUENCE:
+    if not seq or seq < CP_MIN_SEQUENCE or ctx.units:  # blocks: see search._fixed
         return [1]
     return [c for c in divisors(room) if c <= MAX_CP and seq % (2 * c) == 0] or [1]
 

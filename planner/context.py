@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlannerError
 from tfplan.planner import cost_model as cm
-from tfplan.planner.graph import input_edges, layer_graph, topological_layers
+from tfplan.planner.graph import input_edges, layer_graph, pipeline_units, topological_layers
 from tfplan.planner.plan import BATCH_NORM, Breakdown, Plan, Prediction, Stage, Strategy
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -36,6 +36,18 @@ class SearchContext:
     # "global" statistics join a pipeline's micro-batches: GPipe order only
     batch_norm: str = "global"
     batch_barrier: bool = False
+    # [start, stop) of each unit a stage boundary may not cut (a block, or one layer:
+    # ``graph.pipeline_units``); () means one unit per layer
+    units: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def pipeline_units(self) -> tuple[tuple[int, int], ...]:
+        return self.units or tuple((i, i + 1) for i in range(len(self.names)))
+
+    def unit_bounds(self, bounds: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        """Stage bounds over units turned into bounds over layers."""
+        units = self.pipeline_units
+        return tuple((units[a][0], units[b - 1][1]) for a, b in bounds)
 
     def layer_times_s(self, samples: float) -> tuple[float, ...]:
         p = self.profile
@@ -60,6 +72,7 @@ class SearchContext:
         return Plan(
             name=name, model_name=p.model_name, model_fingerprint=p.fingerprint,
             model_signature=p.signature(), model_output_shapes=p.output_shapes(),
+            model_input_shapes=p.input_shapes,
             cluster=self.cluster, global_batch=self.global_batch,
             precision=p.precision, optimizer=p.optimizer, strategy=strategy, stages=stages,
             predicted=Prediction(
@@ -92,14 +105,17 @@ def search_context(profile: ModelProfile, cluster: ClusterSpec, global_batch: in
     for edges in by_input.values():  # charged once, to the first layer that reads it
         inputs[min(index[e.dst] for e in edges)] += max(e.bytes for e in edges)
     graph = layer_graph(profile)
+    units = pipeline_units(profile)
+    unit_of = [k for k, (start, stop) in enumerate(units) for _ in range(start, stop)]
     tensors = []
-    for u in names:
-        readers = sorted(index[v] for v in graph.successors(u))
+    for u in names:  # tensors inside a block never cross a stage boundary: left out
+        readers = sorted(index[v] for v in graph.successors(u)
+                         if unit_of[index[v]] != unit_of[index[u]])
         if readers:
-            nbytes = max(graph.edges[u, v]["bytes"] for v in graph.successors(u))
+            nbytes = max(graph.edges[u, names[v]]["bytes"] for v in readers)
             tensors.append((index[u], tuple(readers), nbytes))
     if batch_norm not in BATCH_NORM:
         raise PlannerError(f"batch_norm is {batch_norm!r}; expected one of {BATCH_NORM}.")
-    barrier = batch_norm == "global" and any(l.type in BATCH_NORM_TYPES for l in profile.layers)
+    barrier = batch_norm == "global" and any(l.kind in BATCH_NORM_TYPES for l in profile.layers)
     return SearchContext(profile, cluster, global_batch, names, tuple(inputs), tuple(tensors),
-                         batch_norm, barrier)
+                         batch_norm, barrier, units if len(units) < len(names) else ())

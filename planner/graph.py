@@ -44,12 +44,44 @@ def layer_graph(profile: ModelProfile) -> nx.DiGraph:
     return graph
 
 
+def pipeline_units(profile: ModelProfile) -> tuple[tuple[int, int], ...]:
+    """[start, stop) of each unit a pipeline stage boundary may not cut, in profile order:
+    a block (``LayerProfile.block``: a custom layer with sub-layers, e.g. a transformer
+    block) with all its entries, or one top-level layer. A block's entries exchange
+    tensors both ways (its own code reads its sub-layers' outputs and feeds others), so
+    only whole blocks are placed on stages (``apply`` places a block whole)."""
+    units: list[tuple[int, int]] = []
+    for i, layer in enumerate(profile.layers):
+        if layer.block and units and profile.layers[units[-1][0]].block == layer.block:
+            units[-1] = (units[-1][0], i + 1)
+        else:
+            units.append((i, i + 1))
+    return tuple(units)
+
+
+def _unit_graph(profile: ModelProfile) -> nx.DiGraph:
+    """``layer_graph`` with each block contracted to its first entry (edges inside a block
+    dropped): the graph whose order matters for pipeline stages."""
+    graph = layer_graph(profile)
+    head = {}
+    for start, stop in pipeline_units(profile):
+        for layer in profile.layers[start:stop]:
+            head[layer.name] = profile.layers[start].name
+    out = nx.DiGraph()
+    out.add_nodes_from(dict.fromkeys(head.values()))
+    for u, v in graph.edges:
+        if head[u] != head[v]:
+            out.add_edge(head[u], head[v])
+    return out
+
+
 def topological_layers(profile: ModelProfile) -> tuple[str, ...]:
-    """The profile's own layer order, checked to be a topological order of its graph.
+    """The profile's own layer order, checked to be a topological order of its graph
+    (a block's entries, which feed each other both ways, taken as one node).
 
     Raises SchemaError naming the first edge that points backwards (or the cycle).
     """
-    graph = layer_graph(profile)
+    graph = _unit_graph(profile)
     order = tuple(layer.name for layer in profile.layers)
     position = {name: i for i, name in enumerate(order)}
     if not nx.is_directed_acyclic_graph(graph):

@@ -89,6 +89,8 @@ def placement_plans(ctx: SearchContext, time_limit_s: float) -> list[Plan]:
 def eligible(ctx: SearchContext) -> bool:
     """One node of >= 2 devices, 2..MAX_LAYERS layers, and two layers no path orders."""
     n = len(ctx.names)
+    if ctx.units:  # blocks (placed whole) are not general placement's layers
+        return False
     if ctx.cluster.num_nodes != 1 or ctx.cluster.num_devices < 2 or not 2 <= n <= MAX_LAYERS:
         return False
     closure = nx.transitive_closure_dag(layer_graph(ctx.profile))

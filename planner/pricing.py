@@ -19,7 +19,8 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   ``Pricer.splits_for``), priced with this module's own per-layer times; a tp at
   which no layer is worth splitting is not offered. Each split's Megatron f/g
   all-reduces (``profiler.comm.layer_comm``) run on the intra-node link.
-- Pipeline stages: pp x v contiguous runs of the topological layer order (v model
+- Pipeline stages: pp x v contiguous runs of the topological layer order, cut between
+  blocks only (``graph.pipeline_units``: a custom layer with sub-layers stays whole) (v model
   chunks per device: 1, or 2-4 under the interleaved schedule), run k on pipeline
   device k % pp, balancing the devices' work per micro-batch (min-max bisection,
   exact for v = 1; for v > 1 also an even split, whichever leaves the busiest device
@@ -117,7 +118,7 @@ class Pricer:
         self.b = p.batch_size
         self.n = len(p.layers)
         self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
-        self.attention = np.array([l.type in HEAD_SPLIT_TYPES for l in p.layers])
+        self.attention = np.array([l.kind in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
         self.cache: dict = {}
         self.total_flops = float(p.flops_fwd + p.flops_bwd)
@@ -245,9 +246,14 @@ class Pricer:
             w = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + a["cpf"] + a["cpb"] \
                 + self._recompute_per_layer(a, recompute)
             parts = pp * virtual_stages
-            options = [min_max_partition(tuple(w.tolist()), parts)]
+            # stages cut between units only (a block is placed whole: graph.pipeline_units)
+            starts = [start for start, _ in self.ctx.pipeline_units]
+            uw = tuple(np.add.reduceat(w, starts).tolist()) if len(starts) < len(w) \
+                else tuple(w.tolist())
+            options = [min_max_partition(uw, parts)]
             if virtual_stages > 1:
-                options.append(even_partition(tuple(w.tolist()), parts))
+                options.append(even_partition(uw, parts))
+            options = [self.ctx.unit_bounds(b) for b in options]
             self.cache[key] = min(options, key=lambda b: max(device_loads(w, b, pp)))
         return self.cache[key]
 
@@ -483,6 +489,7 @@ class Pricer:
         return Plan(
             name=c.name, model_name=p.model_name, model_fingerprint=p.fingerprint,
             model_signature=p.signature(), model_output_shapes=p.output_shapes(),
+            model_input_shapes=p.input_shapes,
             cluster=ctx.cluster, global_batch=ctx.global_batch,
             precision=p.precision, optimizer=p.optimizer,
             strategy=Strategy(dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size,

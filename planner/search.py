@@ -43,7 +43,7 @@ priced even when it does not fit (and tp may then span nodes).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from tfplan.core.cluster import ClusterSpec
@@ -120,7 +120,8 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         # hybrids cover pipelines, with every device busy
         pipelines = [(pp, _microbatch_choices(b, pp))
                      for pp in _pipeline_degrees(n if cluster.num_nodes == 1
-                                                 else cluster.devices_per_node, len(ctx.names))]
+                                                 else cluster.devices_per_node,
+                                                 len(ctx.pipeline_units))]
         pipelines = [(pp, ms) for pp, ms in pipelines if ms]
         per_ilp_s = time_limit_s / max(1, sum(len(ms) for _, ms in pipelines))
         plans += [_pipeline(ctx, pp, ms, per_ilp_s) for pp, ms in pipelines]
@@ -271,20 +272,27 @@ def _split_problem(ctx: SearchContext, pp: int, microbatch_size: int, samples_in
     """The pipeline-split problem for pp stages (GPipe: every micro-batch in flight).
 
     A boundary tensor is sent forward and its gradient sent back:
-    2 x p2p_time_s(bytes for one micro-batch) per boundary it crosses.
+    2 x p2p_time_s(bytes for one micro-batch) per boundary it crosses. The problem's
+    items are the pipeline units (``SearchContext.pipeline_units``: a block whole, or one
+    layer); ``SearchContext.unit_bounds`` turns its stages back into layer ranges.
     """
     b = ctx.profile.batch_size
+    units = ctx.pipeline_units
+    unit_of = [k for k, (start, stop) in enumerate(units) for _ in range(start, stop)]
     links = [link_between(ctx.cluster, s, s + 1) for s in range(pp - 1)]
     transfers = tuple(Transfer(
-        src=src, dsts=dsts,
+        src=unit_of[src], dsts=tuple(sorted({unit_of[d] for d in dsts})),
         send_time_s=tuple(2 * coll.p2p_time_s(cm.scaled(nbytes, microbatch_size, b), link)
                           for link in links),
         recv_memory_bytes=cm.with_margin_bytes(cm.scaled(nbytes, samples_in_flight, b)))
         for src, dsts, nbytes in ctx.tensors)
-    return SplitProblem(layer_names=ctx.names, layer_time_s=ctx.layer_times_s(microbatch_size),
-                        layer_memory_bytes=ctx.layer_memories_bytes(samples_in_flight),
-                        transfers=transfers, num_stages=pp,
-                        memory_capacity_bytes=memory_capacity_bytes)
+    times, memories = ctx.layer_times_s(microbatch_size), ctx.layer_memories_bytes(
+        samples_in_flight)
+    return SplitProblem(
+        layer_names=tuple(ctx.names[start] for start, _ in units),
+        layer_time_s=tuple(sum(times[start:stop]) for start, stop in units),
+        layer_memory_bytes=tuple(sum(memories[start:stop]) for start, stop in units),
+        transfers=transfers, num_stages=pp, memory_capacity_bytes=memory_capacity_bytes)
 
 
 def _pipeline(ctx: SearchContext, pp: int, microbatch_counts: list[int], ilp_time_s: float) -> Plan:
@@ -305,6 +313,9 @@ def _pipeline_with(ctx: SearchContext, pp: int, m: int, capacity: float | None, 
     p, device = ctx.profile, ctx.cluster.device
     split: Split = best_split(_split_problem(ctx, pp, ctx.global_batch // m, ctx.global_batch,
                                            capacity), time_limit_s=ilp_time_s)
+    bounds = ctx.unit_bounds(tuple((c.start, c.stop) for c in split.stages))
+    split = replace(split, stages=tuple(replace(c, start=lo, stop=hi)
+                                        for c, (lo, hi) in zip(split.stages, bounds)))
     slow = split.slowest_stage
     optimizer_s = max(cm.optimizer_time_s(
         sum(l.param_bytes for l in p.layers[c.start:c.stop]),
@@ -416,14 +427,23 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
                                              f"model {ctx.profile.model_name!r} has no attention "
                                              "layer with a known sequence length; context "
                                              "parallelism splits attention's sequence."))
+    if ctx.units and (fix.get("sequence_parallel") or cp > 1):
+        raise PlannerError(
+            f"fix asks for {'sequence' if fix.get('sequence_parallel') else 'context'} "
+            f"parallelism, but model {ctx.profile.model_name!r} has blocks (custom layers with "
+            f"sub-layers: {', '.join(ctx.profile.blocks[:3])}...) whose own code between "
+            "sub-layers runs on whole sequences; apply splits sequences only between Keras "
+            "layers. Leave sequence_parallel and cp out of --fix (tensor parallelism splits "
+            "the blocks' projections).")
     if fix.get("sequence_parallel") and tp == 1:
         raise PlannerError("fix asks for sequence parallelism with tp=1; it splits what a "
                            "tensor-parallel group replicates, so it needs tp > 1 (e.g. tp=2).")
     if b % dp:
         raise PlannerError(f"fix asks for dp={dp}, which does not divide the global batch {b}; "
                            "choose a dp that divides it (or change the batch).")
-    if pp > len(ctx.names):
-        raise PlannerError(f"fix asks for pp={pp}, but the model has {len(ctx.names)} layers; "
+    if pp > len(ctx.pipeline_units):
+        raise PlannerError(f"fix asks for pp={pp}, but the model has {len(ctx.pipeline_units)} "
+                           "layers a stage boundary may fall between (a block counts as one); "
                            "use at most one stage per layer.")
     if m is not None and b % m:
         raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
@@ -505,7 +525,7 @@ def _nothing_fits(ctx: SearchContext, ranked: list[Plan], estimates: list[Estima
             f"needs least, {least.name}, needs {fmt_bytes(least.predicted.max_memory_bytes)} "
             "per device.")
     need = least.predicted.max_memory_bytes
-    max_pp = min(cluster.num_devices, len(ctx.names))
+    max_pp = min(cluster.num_devices, len(ctx.pipeline_units))
     if max_pp > 1:  # the most even split of memory over the most stages
         need = min(need, math.ceil(min_max_stage_memory(_split_problem(ctx, max_pp, b, b, cap))[0]))
     if estimates:
@@ -549,7 +569,7 @@ def _largest_batch_that_fits(ctx: SearchContext, upper: int) -> int | None:
     """Largest batch <= upper that some candidate shape could hold (binary search;
     memory grows with the batch)."""
     cap, n = ctx.cluster.device.memory_bytes, ctx.cluster.num_devices
-    max_pp = min(n, len(ctx.names))
+    max_pp = min(n, len(ctx.pipeline_units))
 
     def fits(batch: int) -> bool:
         # data parallel, dp = n: at least one whole sample per device

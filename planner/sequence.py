@@ -41,7 +41,7 @@ def sequence_parallel_layers(profile: ModelProfile, splits: tuple[str, ...]) -> 
     """Per layer: whether sequence parallelism splits it along the sequence (a per-token,
     unsplit layer with a sequence axis), given each layer's tensor-parallel split
     (``""`` = replicated)."""
-    return tuple(not split and l.type in SEQUENCE_LOCAL_TYPES and has_sequence(l)
+    return tuple(not split and l.kind in SEQUENCE_LOCAL_TYPES and has_sequence(l)
                  for l, split in zip(profile.layers, splits))
 
 
@@ -50,7 +50,7 @@ def sequence_length(profile: ModelProfile) -> int | None:
     sequence length; None when the model has no attention layer with a known shape
     (context parallelism then has nothing to split)."""
     for l in profile.layers:
-        if l.type in HEAD_SPLIT_TYPES and has_sequence(l) and l.output_shape[0]:
+        if l.kind in HEAD_SPLIT_TYPES and has_sequence(l) and l.output_shape[0]:
             return int(l.output_shape[0])
     return None
 

@@ -69,7 +69,7 @@ from tfplan.core.errors import SolverError
 from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
 from tfplan.profiler.comm import (COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES,
-                                  layer_comm)
+                                  layer_comm, split_kind)
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 from tfplan.profiler.repeats import MIN_REPEATS
 
@@ -264,7 +264,7 @@ def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
                  memory_capacity_bytes: float | None = None,
                  grad_allreduce_s: Callable[[float], float] | None = None) -> SplitChoice:
     """The splits at degree ``tp`` with their prices (see the module docstring)."""
-    rule = tp_split_rule(tuple(l.type for l in profile.layers),
+    rule = tp_split_rule(tuple(split_kind(l) for l in profile.layers),
                          tuple(l.groups for l in profile.layers))
     rule = tuple("" if k in _refused_splits(l, tp) else k for k, l in zip(rule, profile.layers))
     if tp == 1:

@@ -44,9 +44,25 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
         fail("its model signature differs from the profile's.")
     _check_strategy(plan, fail)
     _check_stages(plan, [name for name, _, _ in signature], fail)
+    if isinstance(model, ModelProfile):
+        _check_blocks(plan, model, fail)
     _check_tp_splits(plan, [name for name, _, _ in signature], fail)
     _check_devices(plan, fail)
     _check_prediction(plan, fail)
+
+
+def _check_blocks(plan: Plan, profile: ModelProfile, fail) -> None:
+    """Every entry of a block (``LayerProfile.block``) in the block's stage: a block is
+    placed whole (``apply`` re-creates it on one stage's devices)."""
+    stage_of = {name: s for s, stage in enumerate(plan.stages) for name in stage.layers}
+    where: dict[str, int] = {}
+    for layer in profile.layers:
+        if layer.block and layer.name in stage_of:
+            s = where.setdefault(layer.block, stage_of[layer.name])
+            if s != stage_of[layer.name]:
+                fail(f"block {layer.block!r} is cut between stages {s} and "
+                     f"{stage_of[layer.name]} (at {layer.name!r}); a block's entries must all be "
+                     "in one stage. Re-plan: stages cut between blocks only.")
 
 
 def _check_strategy(plan: Plan, fail) -> None:

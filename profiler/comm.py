@@ -35,6 +35,11 @@ contributes), not the bytes on the wire.
 - Pipeline parallel: if a stage boundary follows the layer, its output
   activation goes forward to the next stage and a gradient of the same size
   comes back (Huang et al. 2019, "GPipe"), point to point.
+
+Layers go by their Keras class (``split_kind``): a sub-layer inside a block (a custom
+layer with sub-layers, ``LayerProfile.block``) is split like the same layer at the top
+level; a subclass of a Keras layer only where ``apply`` runs its split
+(``SPLIT_SUBCLASSES``).
 """
 from __future__ import annotations
 
@@ -48,6 +53,19 @@ HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
 # a heads split of these needs the degree to divide the key/value heads
 KV_HEAD_GROUPED_TYPES = ("GroupedQueryAttention",)
 VOCAB_SPLIT_TYPES = ("Embedding",)
+# subclasses of those Keras layers that ``apply`` splits as their Keras class (their
+# training call is the base class's): keras_hub's attention with a key/value cache
+# (``cache=None`` in training). Other subclasses stay whole: their ``call`` may differ.
+SPLIT_SUBCLASSES = ("CachedMultiHeadAttention",)
+
+
+def split_kind(layer: LayerProfile) -> str:
+    """The Keras class whose tensor-parallel splits ``layer`` may take: its own type, the
+    Keras class a ``SPLIT_SUBCLASSES`` subclass derives from, or "" (another subclass:
+    replicated)."""
+    if not layer.base_type:
+        return layer.type
+    return layer.base_type if layer.type in SPLIT_SUBCLASSES else ""
 
 
 @dataclass(frozen=True)
@@ -85,12 +103,13 @@ class LayerComm:
 def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
     """The communication ``layer`` implies under each strategy (see the module docstring)."""
     out = layer.activation_bytes
-    if layer.type in COLUMN_ROW_TYPES:
+    kind = split_kind(layer)
+    if kind in COLUMN_ROW_TYPES:
         splits = (TensorSplit("column", 0, input_bytes), TensorSplit("row", out, 0))
-    elif layer.type in HEAD_SPLIT_TYPES:
-        kv_heads = layer.attention_kv_heads if layer.type in KV_HEAD_GROUPED_TYPES else 0
+    elif kind in HEAD_SPLIT_TYPES:
+        kv_heads = layer.attention_kv_heads if kind in KV_HEAD_GROUPED_TYPES else 0
         splits = (TensorSplit("heads", out, input_bytes, kv_heads),)
-    elif layer.type in VOCAB_SPLIT_TYPES:
+    elif kind in VOCAB_SPLIT_TYPES:
         splits = (TensorSplit("vocab", out, 0),)
     else:
         splits = ()

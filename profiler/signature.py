@@ -33,14 +33,26 @@ def keras_base_type(layer: Any) -> str | None:
     exports, but ``Layer`` itself) that ``layer`` is or derives from: ``MultiHeadAttention``
     for keras_hub's ``CachedMultiHeadAttention``, ``Dense`` for a ``Dense``; None for a
     layer that derives from ``keras.layers.Layer`` only."""
-    import keras
-
+    exported = _keras_layer_classes()
     for cls in type(layer).__mro__:
-        if cls is keras.layers.Layer:
-            return None
-        if getattr(keras.layers, cls.__name__, None) is cls:
+        if cls in exported:
             return cls.__name__
     return None
+
+
+_EXPORTED: set[type] = set()
+
+
+def _keras_layer_classes() -> set[type]:
+    """The layer classes ``keras.layers`` exports (under any of their names), but
+    ``Layer`` itself."""
+    if not _EXPORTED:
+        import keras
+
+        _EXPORTED.update(v for v in vars(keras.layers).values()
+                         if isinstance(v, type) and issubclass(v, keras.layers.Layer)
+                         and v is not keras.layers.Layer)
+    return _EXPORTED
 
 
 def sublayers(layer: Any) -> list[Any]:

@@ -133,11 +133,11 @@ def memory_bars(plan: Plan) -> list[tuple[str, int]]:
 
 def layer_positions(profile: ModelProfile) -> dict[str, tuple[int, int]]:
     """(column, row) of each layer: column = longest path from the model's inputs,
-    row = order within the column."""
+    row = order within the column. A block's entries feed each other both ways (its own
+    code reads and feeds its sub-layers): an input listed later in the order is skipped."""
     depth: dict[str, int] = {}
-    names = {l.name for l in profile.layers}
-    for l in profile.layers:  # topological order
-        depth[l.name] = 1 + max((depth[i] for i in l.inputs if i in names), default=-1)
+    for l in profile.layers:  # topological order, but inside blocks
+        depth[l.name] = 1 + max((depth[i] for i in l.inputs if i in depth), default=-1)
     rows: dict[int, int] = {}
     out = {}
     for l in profile.layers:
