@@ -240,6 +240,10 @@ class ModelProfile:
     measured_device: str = ""
     measured_batch_size: int = 0
     measured_step_overhead_s: float = 0.0  # per step, outside the device kernels
+    # (input name, per-sample dims) of each model input, as profiled: the model's own
+    # shapes with its dynamic dimensions filled (``profiler.input_shapes``: --input-shape,
+    # or the model file's sample_batch); () in profiles written before they were recorded
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     # --- totals -----------------------------------------------------------------
@@ -343,6 +347,7 @@ class ModelProfile:
             "measured_device": self.measured_device,
             "measured_batch_size": self.measured_batch_size,
             "measured_step_overhead_s": self.measured_step_overhead_s,
+            "input_shapes": {n: list(dims) for n, dims in self.input_shapes},
         }
 
     @classmethod
@@ -371,7 +376,24 @@ class ModelProfile:
                                       default=0, minimum=0),
             measured_step_overhead_s=field(d, "measured_step_overhead_s", k, float,
                                            optional=True, default=0.0, minimum=0),
+            input_shapes=input_shapes_from(
+                field(d, "input_shapes", k, dict, optional=True, default={}),
+                f"{k}.input_shapes"),
         )
+
+
+def input_shapes_from(raw: Mapping[str, Any], path: str
+                      ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``{input name: [dims]}`` from a profile or plan file as ``(name, dims)`` pairs
+    (``ModelProfile.input_shapes``, ``Plan.model_input_shapes``)."""
+    out = []
+    for name, dims in raw.items():
+        if not (isinstance(dims, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dims)):
+            raise SchemaError(f"{path}[{name!r}] is {dims!r:.80}; expected a list of "
+                              "dimensions (whole numbers >= 1) after the batch one.")
+        out.append((str(name), tuple(dims)))
+    return tuple(out)
 
 
 def fingerprint_of(signature: tuple[tuple[str, str, int], ...]) -> str:

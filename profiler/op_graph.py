@@ -38,8 +38,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from tfplan import compat
 from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler.input_shapes import model_inputs, resolve_input_shapes
 from tfplan.profiler.op_attribution import LOSS, Accounting, Trace
 
 Progress = Callable[[str, int, int], None]
@@ -158,40 +158,22 @@ def _recording(rec: _Recorder) -> Iterator[None]:
 
 
 # --- tracing ---------------------------------------------------------------------------------
-def model_input_specs(model: Any, batch_size: int) -> tuple[Any, list[InputSpec]]:
+def model_input_specs(model: Any, batch_size: int,
+                      input_shapes: Mapping[str, Sequence[int]] | None = None,
+                      fallback: Mapping[str, Sequence[int]] | None = None,
+                      fallback_label: str = "") -> tuple[Any, list[InputSpec]]:
     """(input structure, specs) of a Functional/Sequential model, batch axis set.
 
-    Raises PlannerError naming the input whose other dimensions are unknown.
+    Dynamic dimensions (None after the batch one) are filled from ``input_shapes``
+    (``{input name: per-sample dims}``, ``"*"`` for every dynamic input of that rank),
+    then from ``fallback`` (``profiler.input_shapes.resolve_input_shapes``). Raises
+    PlannerError naming an input whose other dimensions stay unknown (and the
+    ``--input-shape NAME=...`` that fills them), or a shape that does not fit the input.
     """
-    import keras
-
-    structure = None
-    for holder in (compat.inner_functional(model), model):  # Sequential keeps one inside
-        try:
-            structure = holder.input if holder is not None else None
-        except (AttributeError, ValueError):
-            structure = None
-        if structure is not None:
-            break
-    if structure is None:
-        raise ModelLoadError(
-            f"Model {model.name!r} has no symbolic inputs (a subclassed model built by calling "
-            "it), so the profiler cannot tell its input shapes. Pass input_example (a batch "
-            "of inputs) to profile_model, or profile it with profile_source from a model file "
-            "that defines sample_batch(batch_size).")
-    specs = []
-    for i, t in enumerate(keras.tree.flatten(structure)):
-        history = compat.keras_history(t)  # the InputLayer names the input
-        name = getattr(getattr(history, "operation", None), "name", None) or \
-            getattr(t, "name", None) or f"input_{i}"
-        shape = (batch_size,) + tuple(t.shape[1:])
-        if any(d is None for d in shape):
-            raise PlannerError(
-                f"Model input {name!r} has shape {tuple(t.shape)}: the profiler needs every "
-                "dimension but the batch to count FLOPs and bytes exactly. Give keras.Input a "
-                "fixed shape (e.g. the sequence length you train with).")
-        specs.append(InputSpec(name, shape, keras.backend.standardize_dtype(t.dtype)))
-    return structure, specs
+    structure, inputs = model_inputs(model)
+    dims = resolve_input_shapes(inputs, input_shapes, fallback, fallback_label)
+    return structure, [InputSpec(i.name, (batch_size,) + d, i.dtype)
+                       for i, d in zip(inputs, dims)]
 
 
 def trace_training_step(model: Any, keys: Mapping[int, str], structure: Any,

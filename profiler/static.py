@@ -33,10 +33,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings as _warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tfplan import compat
 from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler.input_shapes import (model_inputs, resolve_input_shapes, sample_shapes,
+                                          show_shape, unresolved)
 from tfplan.profiler.loader import ModelSource, build
 from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
 from tfplan.profiler.op_attribution import Trace
@@ -97,9 +99,17 @@ def _resolve_precision(model: Any, precision: str | None) -> tuple[str, str | No
     return precision, keras.DTypePolicy(precision).compute_dtype
 
 
-def _input_specs(model: Any, batch_size: int, given: Any) -> tuple[Any, list[InputSpec]]:
+def _input_specs(model: Any, batch_size: int, given: Any,
+                 input_shapes: Mapping[str, Sequence[int]] | None = None
+                 ) -> tuple[Any, list[InputSpec]]:
     if given is None:
-        return model_input_specs(model, batch_size)
+        return model_input_specs(model, batch_size, input_shapes)
+    if input_shapes:
+        raise PlannerError(
+            f"input_shapes {dict(input_shapes)!r} were given for model {model.name!r}, which "
+            "has no symbolic inputs (a subclassed model): its input shapes come from the "
+            "input example (the model file's sample_batch). Drop --input-shape / "
+            "input_shapes, or make the sample batch of the shape you want.")
     import keras
     import numpy as np
 
@@ -115,7 +125,8 @@ def _input_specs(model: Any, batch_size: int, given: Any) -> tuple[Any, list[Inp
 def profile_model(model: Any, batch_size: int = 1, *, precision: str | None = None,
                   optimizer: Any = None, name: str | None = None,
                   progress: Progress | None = None, input_example: Any = None,
-                  repeat_blocks: bool | None = None) -> ModelProfile:
+                  repeat_blocks: bool | None = None,
+                  input_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelProfile:
     """Profile a built keras.Model for ``batch_size`` samples (see the module docstring).
 
     ``precision``: a dtype policy name (float32, mixed_float16, mixed_bfloat16);
@@ -125,17 +136,21 @@ def profile_model(model: Any, batch_size: int = 1, *, precision: str | None = No
     batch size) giving the input structure, shapes and dtypes of a model that
     has no symbolic inputs (a subclassed model). ``repeat_blocks``: trace
     identical repeated blocks once (None: only for models of at least
-    ``REPEAT_BLOCKS_MIN_LAYERS`` layers).
+    ``REPEAT_BLOCKS_MIN_LAYERS`` layers). ``input_shapes``: ``{input name: per-sample
+    dims}`` for inputs with dynamic dimensions (``"*"``: every such input of that rank;
+    ``profiler.input_shapes``); recorded as ``ModelProfile.input_shapes``.
     """
     return profile_and_trace(model, batch_size, precision=precision, optimizer=optimizer,
                              name=name, progress=progress, input_example=input_example,
-                             repeat_blocks=repeat_blocks)[0]
+                             repeat_blocks=repeat_blocks, input_shapes=input_shapes)[0]
 
 
 def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None = None,
                       optimizer: Any = None, name: str | None = None,
                       progress: Progress | None = None, input_example: Any = None,
-                      repeat_blocks: bool | None = None) -> tuple[ModelProfile, Trace]:
+                      repeat_blocks: bool | None = None,
+                      input_shapes: Mapping[str, Sequence[int]] | None = None
+                      ) -> tuple[ModelProfile, Trace]:
     """``profile_model``, plus the ``Trace`` it was made from (every op, its layer and count).
 
     For tests and tools that compare op by op (e.g. with TensorFlow's own profiler on
@@ -168,7 +183,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
     runs = []
     if repeat_blocks or (repeat_blocks is None and len(paths) >= REPEAT_BLOCKS_MIN_LAYERS):
         runs = find_repeats(model)
-    structure, specs = _input_specs(model, batch_size, input_example)
+    structure, specs = _input_specs(model, batch_size, input_example, input_shapes)
     total_calls = sum(max(1, len(compat.inbound_nodes(layer))) for _, layer in paths)
     trace = trace_training_step(
         model, {id(layer): key for key, layer in paths}, structure, specs,
@@ -210,7 +225,8 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
     return ModelProfile(
         model_name=name or model.name, batch_size=batch_size, precision=policy,
         optimizer=slots.name, optimizer_slots_per_param=slots.slots_per_param,
-        layers=tuple(layers), edges=tuple(edges), warnings=tuple(warnings)), trace
+        layers=tuple(layers), edges=tuple(edges), warnings=tuple(warnings),
+        input_shapes=tuple((s.name, tuple(s.shape[1:])) for s in specs)), trace
 
 
 def _has_graph(model: Any) -> bool:
@@ -335,14 +351,17 @@ def _global_policy(precision: str | None) -> Iterator[None]:
 
 def profile_source(source: ModelSource, batch_size: int = 1, *, precision: str | None = None,
                    optimizer: Any = None, progress: Progress | None = None,
-                   repeat_blocks: bool | None = None) -> ModelProfile:
+                   repeat_blocks: bool | None = None,
+                   input_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelProfile:
     """Build ``source`` in a fresh ``tf.Graph`` (no weights allocated) and profile it.
 
     ``precision``: the model is built under that Keras dtype policy, so its
     casts and activation dtypes are the real ones. ``optimizer`` defaults to the
     source's module-level ``optimizer``. If the model cannot be built in graph
     mode (some user code needs eager tensors), it is built eagerly instead and
-    the profile carries a warning saying so.
+    the profile carries a warning saying so. ``input_shapes``: as ``profile_model``'s;
+    a dynamic input it leaves open takes its dimensions from the source's
+    ``sample_batch`` (by name for a dict batch, by position otherwise), with a warning.
     """
     import tensorflow as tf
 
@@ -350,11 +369,20 @@ def profile_source(source: ModelSource, batch_size: int = 1, *, precision: str |
     if optimizer is None:
         optimizer = source.optimizer
 
+    def sample_x() -> Any:
+        try:
+            batch = source.sample_batch(1)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"sample_batch(1) of {source.origin} raised {type(exc).__name__}: {exc}. Fix "
+                "it, or give the input shapes with --input-shape NAME=D1,... (input_shapes) "
+                "instead.") from exc
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
+
     def example() -> Any:
         if source.sample_batch is None:
             return None
-        batch = source.sample_batch(1)
-        return batch[0] if isinstance(batch, (tuple, list)) else batch
+        return sample_x()
 
     def built() -> Any:
         if progress is not None:
@@ -365,11 +393,35 @@ def profile_source(source: ModelSource, batch_size: int = 1, *, precision: str |
             progress("build", 1, 1)
         return model
 
+    def shapes_for(model: Any) -> tuple[Mapping[str, Sequence[int]] | None, str | None]:
+        """(input shapes to profile with, a warning if some came from sample_batch)."""
+        _, inputs = model_inputs(model)
+        missing = unresolved(inputs, input_shapes)
+        if not missing or source.sample_batch is None:
+            return input_shapes, None
+        sampled = sample_shapes(inputs, sample_x())
+        fallback = {i.name: sampled[i.name] for i in missing if i.name in sampled}
+        if not fallback:
+            return input_shapes, None
+        label = "sample_batch(1)[0]"
+        dims = resolve_input_shapes(inputs, input_shapes, fallback, label)
+        note = ("input shapes taken from the model file's sample_batch (no --input-shape / "
+                "input_shapes for them): " + ", ".join(
+                    f"{n} {show_shape(fallback[n])}" for n in fallback)
+                + "; the profile and plan are for these shapes. Give --input-shape "
+                "NAME=D1,... to plan for others.")
+        return {i.name: d for i, d in zip(inputs, dims)}, note
+
     def profiled(model: Any) -> ModelProfile:
-        given = None if _has_inputs(model) else example()
-        return profile_model(model, batch_size, precision=precision, optimizer=optimizer,
-                             name=source.name, progress=progress, input_example=given,
-                             repeat_blocks=repeat_blocks)
+        has_inputs = _has_inputs(model)
+        given = None if has_inputs else example()
+        shapes, note = shapes_for(model) if has_inputs else (input_shapes, None)
+        profile = profile_model(model, batch_size, precision=precision, optimizer=optimizer,
+                                name=source.name, progress=progress, input_example=given,
+                                repeat_blocks=repeat_blocks, input_shapes=shapes)
+        if note is None:
+            return profile
+        return dataclasses.replace(profile, warnings=profile.warnings + (note,))
 
     with tf.Graph().as_default():
         try:
