@@ -42,6 +42,7 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlanMismatchError, SchemaError
 from tfplan.core.fileset import read_bytes
 from tfplan.core.schema import SCHEMA_VERSION, check_version, decode, field
+from tfplan.profiler.model_profile import input_shapes_from
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 # Strategy.recompute: "selective" is Megatron-LM's selective recomputation of the attention
@@ -323,6 +324,11 @@ class Plan:
     # profile recorded it; () in plans made from profiles without shapes. Part of the
     # structure a model must match (``for_model``).
     model_output_shapes: tuple[Shape | None, ...] = ()
+    # (input name, per-sample dims) the plan was made for (``ModelProfile.input_shapes``:
+    # the model's inputs, dynamic dimensions filled by --input-shape or sample_batch);
+    # ``apply`` refuses training batches that differ where the model leaves a dimension
+    # dynamic. () in plans made from profiles without them: nothing is checked.
+    model_input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema_version: int = dc_field(default=SCHEMA_VERSION)
 
     @property
@@ -362,7 +368,9 @@ class Plan:
                       "layers": [list(x) for x in self.model_signature],
                       **({"output_shapes": [None if sh is None else list(sh)
                                             for sh in self.model_output_shapes]}
-                         if self.model_output_shapes else {})},
+                         if self.model_output_shapes else {}),
+                      **({"input_shapes": {n: list(dims) for n, dims in self.model_input_shapes}}
+                         if self.model_input_shapes else {})},
             "cluster": self.cluster.to_dict(), "global_batch": self.global_batch,
             "precision": self.precision, "optimizer": self.optimizer,
             "strategy": self.strategy.to_dict(),
@@ -409,6 +417,9 @@ class Plan:
             placement=placement,
             tp_splits=_tp_splits_from(d),
             model_output_shapes=_shapes_from(model, len(sig)),
+            model_input_shapes=input_shapes_from(
+                field(model, "input_shapes", k, dict, where="model", optional=True,
+                      default={}), "Plan.model.input_shapes"),
         )
 
     def check_model(self, signature: Signature,
