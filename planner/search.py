@@ -418,6 +418,14 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
     if dp * cp * tp * pp > n:
         raise InfeasiblePlanError(f"fix asks for dp*cp*tp*pp = {dp * cp * tp * pp} devices; "
                                   f"cluster {ctx.cluster.name!r} has {n}. Use a bigger cluster.")
+    if ctx.units and (fix.get("sequence_parallel") or cp > 1):
+        raise PlannerError(
+            f"fix asks for {'sequence' if fix.get('sequence_parallel') else 'context'} "
+            f"parallelism, but model {ctx.profile.model_name!r} has blocks (custom layers with "
+            f"sub-layers: {', '.join(ctx.profile.blocks[:3])}...) whose own code between "
+            "sub-layers runs on whole sequences; apply splits sequences only between Keras "
+            "layers. Leave sequence_parallel and cp out of --fix (tensor parallelism splits "
+            "the blocks' projections).")
     seq = sequence_length(ctx.profile)
     if cp > 1 and (not seq or seq % cp):
         raise PlannerError(
@@ -427,14 +435,6 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
                                              f"model {ctx.profile.model_name!r} has no attention "
                                              "layer with a known sequence length; context "
                                              "parallelism splits attention's sequence."))
-    if ctx.units and (fix.get("sequence_parallel") or cp > 1):
-        raise PlannerError(
-            f"fix asks for {'sequence' if fix.get('sequence_parallel') else 'context'} "
-            f"parallelism, but model {ctx.profile.model_name!r} has blocks (custom layers with "
-            f"sub-layers: {', '.join(ctx.profile.blocks[:3])}...) whose own code between "
-            "sub-layers runs on whole sequences; apply splits sequences only between Keras "
-            "layers. Leave sequence_parallel and cp out of --fix (tensor parallelism splits "
-            "the blocks' projections).")
     if fix.get("sequence_parallel") and tp == 1:
         raise PlannerError("fix asks for sequence parallelism with tp=1; it splits what a "
                            "tensor-parallel group replicates, so it needs tp > 1 (e.g. tp=2).")
