@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -253,6 +254,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", metavar="NAME",
                    help="optimizer whose state to count, e.g. adam, sgd (default: the model "
                         "file's optimizer, else adam)")
+    p.add_argument("--input-shape", action="append", dest="input_shape",
+                   metavar="NAME=D1[,D2,...]",
+                   help="the dimensions after the batch one of model input NAME, for inputs "
+                        "with dynamic (None) dimensions such as a sequence length, e.g. "
+                        "--input-shape token_ids=512 (repeat it per input; '*=D1,...' sets "
+                        "every input still dynamic with that many dimensions; default: the "
+                        "model file's sample_batch)")
 
 
 def _positive_int(text: str) -> int:
@@ -311,6 +319,47 @@ def _global_batch(text: str) -> int:
     return value
 
 
+MAX_INPUT_DIM = 2**31 - 1  # TensorFlow's int32 shape arithmetic on several kernels
+
+
+def parse_input_shapes(values: Sequence[str] | None) -> dict[str, tuple[int, ...]] | None:
+    """['token_ids=16', '*=8,4'] -> {'token_ids': (16,), '*': (8, 4)} (--input-shape).
+
+    PlannerError for a value that is not NAME=D1[,D2,...] with whole numbers >= 1, or a
+    NAME given twice; whether NAME is one of the model's inputs and the dimensions fit it
+    is checked when the model is loaded (``profiler.input_shapes``)."""
+    if not values:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for value in values:
+        name, sep, dims_text = value.partition("=")
+        name = name.strip()
+        parts = [d.strip() for d in dims_text.split(",")]
+        if not sep or not name or not all(re.fullmatch(r"[+-]?[0-9]+", d) for d in parts):
+            raise PlannerError(
+                f"--input-shape {value!r}: expected NAME=D1[,D2,...], a model input's name "
+                "and its dimensions after the batch one as whole numbers, e.g. --input-shape "
+                "token_ids=512 or --input-shape image=224,224,3 ('*=512' for every dynamic "
+                "input of that rank).")
+        dims = tuple(int(d) for d in parts)
+        if any(d < 1 for d in dims):
+            raise PlannerError(
+                f"--input-shape {value!r} has a dimension below 1; every dimension must be a "
+                f"whole number >= 1, e.g. --input-shape {name}="
+                + ",".join(str(max(d, 1)) for d in dims) + ".")
+        if any(d > MAX_INPUT_DIM for d in dims):
+            raise PlannerError(
+                f"--input-shape {value!r} has a dimension above {MAX_INPUT_DIM:,}, beyond "
+                "what one tensor dimension holds here; give the size you train with.")
+        if name in shapes:
+            raise PlannerError(
+                f"--input-shape gives {name!r} twice ({name}="
+                + ",".join(map(str, shapes[name])) + f" and {value.strip()}); give each input "
+                "at most once.")
+        shapes[name] = dims
+    return shapes
+
+
 def parse_fix(text: str | None) -> dict[str, int] | None:
     """'dp=2,pp=2' -> {'dp': 2, 'pp': 2}."""
     if text is None:
@@ -347,7 +396,8 @@ def _profile(args: argparse.Namespace, batch_size: int, status, progress):
         source = load_model_source(args.model)
     with progress(f"Profiling {source.name} (batch {batch_size})") as report:
         return profile_source(source, batch_size=batch_size, precision=args.precision,
-                              optimizer=args.optimizer, progress=report)
+                              optimizer=args.optimizer, progress=report,
+                              input_shapes=getattr(args, "input_shapes", None))
 
 
 def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
@@ -358,8 +408,9 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         # does, and must be chosen before the runtime starts (profiler.peak_memory).
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     _check_optimizer_arg(args)
+    args.input_shapes = parse_input_shapes(args.input_shape)
     profile = _profile(args, args.batch_size, ui.status, ui.progress)
-    measured = _measure(args, ui) if args.measure else None
+    measured = _measure(args, ui, profile.input_shapes) if args.measure else None
     if args.json:
         from tfplan.profiler.comm import profile_comm
 
@@ -390,11 +441,15 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, ui: "UI"):
+def _measure(args: argparse.Namespace, ui: "UI", input_shapes: Sequence[Any] = ()):
     from tfplan.profiler.loader import load_model_source
     from tfplan.profiler.measure import measure_source
 
     source = load_model_source(args.model)
+    if args.input_shapes and source.sample_batch is not None:  # measured on sample_batch
+        from tfplan.profiler.input_shapes import check_sample_batch
+        check_sample_batch(input_shapes, source.sample_batch(args.batch_size),
+                           "--measure trains on the model file's sample_batch")
     with ui.status(f"Measuring {args.steps} training steps of {source.name}"):
         return measure_source(source, args.batch_size, logdir=os.path.abspath(args.logdir),
                               steps=args.steps, optimizer=args.optimizer)
@@ -436,6 +491,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     knobs = {k: v for k, v in knobs.items() if v is not None}
     if knobs:  # with --fix: evaluate that strategy; without: search under these settings
         fix = {**(fix or {}), **knobs}
+    args.input_shapes = parse_input_shapes(args.input_shape)  # before the slow profile, too
     cluster = parse_cluster(args.cluster)  # before the slow profile: fail fast on a typo
     _check_before_profiling(args, fix, cluster)
     from tfplan.core.atomic import check_writable_dir

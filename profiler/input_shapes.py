@@ -225,3 +225,24 @@ def unresolved(inputs: Sequence[ModelInput],
     rank = len(_as_list(wildcard)) if wildcard is not None else None
     return [i for i in inputs if None in i.shape and i.name not in given
             and len(i.shape) != rank]
+
+
+def check_sample_batch(input_shapes: Sequence[tuple[str, Sequence[int]]], batch: Any,
+                       why: str) -> None:
+    """PlannerError when ``batch`` (``sample_batch``'s ``(x, y)`` or ``x``) has other
+    per-sample input shapes than ``input_shapes`` (``ModelProfile.input_shapes``): its
+    inputs by name for a dict, by position otherwise. ``why``: what uses the batch."""
+    if not input_shapes:
+        return
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    inputs = [ModelInput(n, tuple(d), "") for n, d in input_shapes]
+    got = sample_shapes(inputs, x)
+    wrong = [(i.name, i.shape, got[i.name]) for i in inputs
+             if i.name in got and tuple(got[i.name]) != tuple(i.shape)]
+    if wrong:
+        name, want, have = wrong[0]
+        raise PlannerError(
+            f"{why}, whose input {name!r} has shape {show_shape(have)}, but the profile is for "
+            f"{show_shape(want)} (--input-shape): the measured times would be for other "
+            f"shapes. Make sample_batch return {show_shape(want)} for {name!r}, or drop "
+            "--input-shape to profile the sample batch's shapes.")
