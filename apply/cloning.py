@@ -50,9 +50,13 @@ def to_functional(model: Any) -> Any:
 
 
 def clone_layer(layer: Any) -> Any:
-    """A new layer from ``layer``'s config (unbuilt: it builds where it is first called)."""
+    """A new layer from ``layer``'s config (unbuilt: it builds where it is first called);
+    ``profiler.signature.layer_config`` reads the constructor's arguments back where
+    ``get_config`` itself fails."""
+    from tfplan.profiler.signature import layer_config
+
     try:
-        return layer.__class__.from_config(layer.get_config())
+        return layer.__class__.from_config(layer_config(layer))
     except Exception as e:
         raise PlannerError(
             f"apply.wrap re-creates every layer from its config to build it on the plan's "
@@ -62,14 +66,21 @@ def clone_layer(layer: Any) -> Any:
         ) from e
 
 
-def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None) -> Any:
+def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None,
+                device_of_entry: Mapping[str, str] | None = None,
+                weights_device: Any = None) -> Any:
     """Clone ``model`` (Functional) with fresh layers; ``device_of_layer`` places each build.
 
     Layers missing from ``device_of_layer`` (or all of them when it is None) are
-    built in the current device/strategy scope.
+    built in the current device/strategy scope. ``device_of_entry`` (a plan's
+    ``device_of_layer()``: qualified names): the layers of a nested model go to their own
+    devices (``apply.blocks.place_nested``) instead of all on the nested model's, their
+    weights to ``weights_device(device)`` when given (``apply.offload``).
     """
     import keras
     import tensorflow as tf
+
+    from tfplan.apply.blocks import placed_clone
 
     def where(layer: Any) -> Any:
         dev = (device_of_layer or {}).get(layer.name)
@@ -77,7 +88,8 @@ def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None) ->
 
     def clone_function(layer: Any) -> Any:
         with where(layer):
-            return clone_layer(layer)
+            clone = clone_layer(layer)
+        return placed_clone(layer, clone, device_of_entry, weights_device)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
         with where(layer):
@@ -88,9 +100,17 @@ def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None) ->
 
 
 def copy_weights(source: Any, target: Any) -> None:
-    """Copy every layer's weights from ``source`` to the same-named layer of ``target``."""
+    """Copy every layer's weights from ``source`` to the same-named layer of ``target``
+    (unsplit: a layer holding sharded sub-layers takes the user's arrays,
+    ``apply.blocks.set_unsplit_weights``)."""
+    from tfplan.apply.blocks import holds_shards, set_unsplit_weights
+
     for layer in source.layers:
         weights = layer.get_weights()
         if weights:
-            target.get_layer(layer.name).set_weights(weights)
+            twin = target.get_layer(layer.name)
+            if holds_shards(twin):
+                set_unsplit_weights(twin, weights)
+            else:
+                twin.set_weights(weights)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tfplan import compat
+from tfplan.profiler.signature import layer_config
 
 MIN_REPEATS = 4
 
@@ -54,8 +55,8 @@ def _signature(layer: Any, node: Any, index: dict[int, int], i: int) -> str | No
     if isinstance(layer, keras.Model):
         return None
     try:
-        config = dict(layer.get_config())
-    except Exception:
+        config = layer_config(layer)
+    except Exception:  # noqa: BLE001 -- no config: the layer is not compared, traced
         return None
     config.pop("name", None)
 
@@ -154,6 +155,27 @@ def _valid(graph: Any, layers: list[Any], index: dict[int, int], s: int, p: int,
                 if j is not None and s <= j < end - p and not s <= i < end:
                     return False  # a block before the last one feeds a layer after the run
     return not any(id(layers[i]) in outputs for i in range(s, end - p))
+
+
+def with_block_entries(runs: Sequence[RepeatRun], names: Sequence[str]) -> list[RepeatRun]:
+    """``runs`` with each block (a custom layer with sub-layers:
+    ``profiler.signature.is_block``) followed by its sub-layers' entries (``block/...``,
+    in profile order), so that a skipped copy's sub-layers take their numbers and edges
+    from the traced copy's. A run whose copies list different sub-layers is dropped
+    (traced whole)."""
+    listed = set(names)
+    inside: dict[str, list[str]] = {}
+    for name in names:
+        head, sep, _ = name.partition("/")
+        if sep and head in listed:  # a top-level block's entry (not a nested model's layer)
+            inside.setdefault(head, []).append(name)
+    out = []
+    for run in runs:
+        blocks = tuple(tuple(n for top in block for n in (top, *inside.get(top, ())))
+                       for block in run.blocks)
+        if len({len(b) for b in blocks}) == 1:
+            out.append(RepeatRun(blocks))
+    return out
 
 
 def skip_map(runs: Sequence[RepeatRun], layer_of: dict[str, Any]) -> dict[int, int]:

@@ -55,6 +55,41 @@ def _keras_layer_classes() -> set[type]:
     return _EXPORTED
 
 
+def layer_config(layer: Any) -> dict[str, Any]:
+    """``layer.get_config()``; where that raises (keras_hub 0.32's
+    ``LlamaTransformerDecoder.get_config`` reads an attribute its ``__init__`` never sets,
+    ``rope_scaling_factor``), the layer's constructor arguments read back from the
+    attributes of the same names (``__init__``'s parameters that the layer keeps), with
+    Keras' own ``name``, ``trainable`` and ``dtype``. Raises the original error when
+    neither gives a config."""
+    import inspect
+
+    import keras
+
+    def plain(value: Any) -> Any:  # Keras objects (initializers, activations) serialized
+        if callable(value) or hasattr(value, "get_config"):
+            return keras.saving.serialize_keras_object(value)
+        return value
+
+    try:
+        return dict(layer.get_config())
+    except Exception as error:  # noqa: BLE001 -- the fallback below, or this error
+        try:
+            params = inspect.signature(type(layer).__init__).parameters
+        except (TypeError, ValueError):
+            raise error from None
+        config: dict[str, Any] = {"name": layer.name, "trainable": layer.trainable,
+                                  "dtype": plain(layer.dtype_policy)}
+        for name, p in params.items():
+            if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if hasattr(layer, name):
+                config[name] = plain(getattr(layer, name))
+            elif p.default is p.empty:
+                raise error from None  # a required argument the layer does not keep
+        return config
+
+
 def sublayers(layer: Any) -> list[Any]:
     """The layers ``layer`` tracks directly (its attributes, lists and dicts of layers),
     in the order it made them."""
@@ -64,11 +99,12 @@ def sublayers(layer: Any) -> list[Any]:
     return list(flatten(include_self=False, recursive=False))
 
 
-def call_order(block: Any) -> dict[int, int]:
+def call_order(block: Any, problems: list[str] | None = None) -> dict[int, int]:
     """{id(layer): rank} of ``block`` and the layers inside it, in the order its call
     enters them: its call is replayed on the arguments of its first call in the model's
     graph (``compute_output_spec``: symbolic, nothing runs, no graph node is added).
-    {} when the block has no such call or the replay fails (the declared order is kept)."""
+    {} when the block has no such call or the replay fails (the declared order is kept,
+    and ``problems`` gets a line saying so)."""
     import keras
 
     from tfplan import compat
@@ -83,11 +119,22 @@ def call_order(block: Any) -> dict[int, int]:
         order.setdefault(id(self), len(order))
         return original(self, *args, **kwargs)
 
+    def dense(x: Any) -> Any:  # Keras marks some op outputs sparse=True (Multiply)
+        if isinstance(x, keras.KerasTensor) and x.sparse:
+            return keras.KerasTensor(x.shape, x.dtype, name=x.name)
+        return x
+
     try:
         args, kwargs = compat.node_call_arguments(nodes[0])
+        args, kwargs = keras.tree.map_structure(dense, (args, kwargs))
         keras.Layer.__call__ = recording
         compat.replay_symbolically(block.call, *args, **kwargs)
-    except Exception:  # noqa: BLE001 -- any failure: keep the declared order
+    except Exception as e:  # noqa: BLE001 -- any failure: keep the declared order, say so
+        if problems is not None:
+            problems.append(
+                f"block {block.name} ({type(block).__name__}): replaying its call to learn the "
+                f"order of its sub-layers failed ({type(e).__name__}: {str(e)[:200]}); they are "
+                "listed in the order it made them, which may not be the order it calls them")
         return {}
     finally:
         keras.Layer.__call__ = original
@@ -104,7 +151,8 @@ def is_block(layer: Any) -> bool:
             and bool(sublayers(layer)))
 
 
-def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
+def profiled_layer_paths(model: Any, problems: list[str] | None = None
+                         ) -> list[tuple[str, Any]]:
     """(qualified name, layer) for each layer a profile and a plan talk about, in order.
 
     Keras 3 ``model.layers`` is a topological order for Functional models and the
@@ -136,7 +184,7 @@ def profiled_layer_paths(model: Any) -> list[tuple[str, Any]]:
         paths.append((name, layer))
         if is_block(layer):
             if id(layer) not in order:  # an outermost block: its replay ranks the inner ones
-                order.update(call_order(layer))
+                order.update(call_order(layer, problems))
             visit_block(layer, name + SEPARATOR)
 
     def visit(container: Any, prefix: str) -> None:

@@ -407,12 +407,6 @@ def test_gemma_params_flops_and_structure(gemma):
                    if l.name == p or l.name.startswith(p + "/"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "profiler.signature.call_order replays GemmaDecoderBlock.call on the KerasTensor that "
-    "feeds it, which Keras' Multiply spec marks sparse=True (x * a tf.Tensor: the tensor "
-    "has no .sparse, taken as True); RMSNormalization's ops.square fails on the sparse "
-    "placeholder, the replay's exception is swallowed and the declared order is kept "
-    "(query, key, value, dropout, attention_output, softmax, rotary_embedding)"))
 def test_gemma_sub_layers_in_call_order(gemma):
     profile, _, listed = gemma
     assert [l.name for l in profile.layers] == [n for n, _, _ in listed]
