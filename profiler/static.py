@@ -45,7 +45,8 @@ from tfplan.profiler.op_attribution import Trace
 from tfplan.profiler.op_flops import prod
 from tfplan.profiler.op_graph import InputSpec, model_input_specs, trace_training_step
 from tfplan.profiler.optimizer_slots import DEFAULT_OPTIMIZER, OptimizerSlots, optimizer_slots
-from tfplan.profiler.repeats import find_repeats, replicate_edges, skip_map, source_of
+from tfplan.profiler.repeats import (find_repeats, replicate_edges, skip_map, source_of,
+                                     with_block_entries)
 from tfplan.profiler.signature import (block_of, is_block, keras_base_type, output_shape,
                                        own_weights, profiled_layer_paths)
 
@@ -170,7 +171,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
     warnings: list[str] = []
     policy, override = _resolve_precision(model, precision)
     slots = _resolve_optimizer(optimizer, model, warnings)
-    paths = profiled_layer_paths(model)
+    paths = profiled_layer_paths(model, warnings)
     layer_of = {key: layer for key, layer in paths}
     functional = _has_graph(model)
     if not functional:
@@ -182,7 +183,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
             "order are left out. Write it as a Functional model for a plannable graph.")
     runs = []
     if repeat_blocks or (repeat_blocks is None and len(paths) >= REPEAT_BLOCKS_MIN_LAYERS):
-        runs = find_repeats(model)
+        runs = with_block_entries(find_repeats(model), [key for key, _ in paths])
     structure, specs = _input_specs(model, batch_size, input_example, input_shapes)
     total_calls = sum(max(1, len(compat.inbound_nodes(layer))) for _, layer in paths)
     trace = trace_training_step(
