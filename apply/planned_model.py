@@ -8,7 +8,10 @@ order as the user's model, so weight files load either way) that adds:
 * batch checks: every training batch must split evenly into
   ``dp * num_microbatches`` parts; ``fit``/``train_on_batch`` check array and
   ``tf.data`` inputs before training starts, and the train step checks again
-  when it is traced (a PlanMismatchError either way, before any update);
+  when it is traced (a PlanMismatchError either way, before any update); every
+  batch's inputs must have the per-sample shape the plan was made for where the model
+  leaves a dimension dynamic (``apply.input_shapes``: checked the same ways, in the
+  train, test and predict steps);
 * GPipe-style gradient accumulation (``num_microbatches > 1``, and always in
   placed models): the batch is split into equal micro-batches, each one's mean
   loss and gradients are computed, the gradients are averaged and applied in one
@@ -51,6 +54,7 @@ from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK,
                                   split_microbatches)
 from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
                                      save_atomically)
+from tfplan.apply.input_shapes import RUNTIME_SHAPE_CHECK, check_input_shapes, runtime_error
 from tfplan.apply.joint_forward import joint_forward
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import on_variable_device
@@ -237,6 +241,51 @@ class PlannedModel(compat.functional_class()):
         if size is not None and size % self.batch_multiple:
             raise self._batch_error(size, what)
 
+    # --- input shapes against the plan's (apply.input_shapes) ---------------------------
+    def _check_input_shapes(self, x: Any, what: str) -> list[Any]:
+        """PlanMismatchError if inputs ``x`` (arrays, tensors, a dataset) differ from the
+        plan's input shapes where the model leaves a dimension dynamic; the run-time
+        assertions for dimensions not known yet (traced steps only)."""
+        if isinstance(x, tf.data.Dataset):
+            x = keras.utils.unpack_x_y_sample_weight(x.element_spec)[0]
+        return check_input_shapes(self, getattr(self, "plan", None), x, what)
+
+    @contextlib.contextmanager
+    def _shape_checked(self, data: Any, what: str) -> Any:
+        """Around a step: its batch checked first (``_check_input_shapes``)."""
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        checks = self._check_input_shapes(x, what)
+        with tf.control_dependencies(checks) if checks else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def _runtime_shape_errors(self) -> Any:
+        """A failed run-time input-shape assertion as the PlanMismatchError it stands for."""
+        try:
+            yield
+        except tf.errors.InvalidArgumentError as e:
+            if RUNTIME_SHAPE_CHECK not in str(e):
+                raise
+            raise runtime_error(self.plan_name, str(e)) from None
+
+    def test_step(self, data: Any) -> Any:
+        with self._shape_checked(data, "A batch given to evaluate"):
+            return super().test_step(data)
+
+    def predict_step(self, data: Any) -> Any:
+        with self._shape_checked(data, "A batch given to predict"):
+            return super().predict_step(data)
+
+    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The data given to evaluate")
+        with self._runtime_shape_errors():
+            return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The data given to predict")
+        with self._runtime_shape_errors():
+            return super().predict(x, *args, **kwargs)
+
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
             *args: Any, **kwargs: Any) -> Any:
         self._check_fit_input(x, batch_size, kwargs.get("validation_split", 0.0),
@@ -251,6 +300,8 @@ class PlannedModel(compat.functional_class()):
         try:
             return super().fit(x, y, batch_size, *args, **kwargs)
         except tf.errors.InvalidArgumentError as e:  # the step's own check (unknown shapes)
+            if RUNTIME_SHAPE_CHECK in str(e):
+                raise runtime_error(self.plan_name, str(e)) from None
             if RUNTIME_BATCH_CHECK not in str(e):
                 raise
             raise PlanMismatchError(
@@ -269,6 +320,7 @@ class PlannedModel(compat.functional_class()):
         variable with an eager op before every call, a fixed cost that a loop of
         ``train_on_batch`` calls pays each time."""
         self._check_batch(leading_dim(x), "The batch given to train_on_batch")
+        self._check_input_shapes(x, "The batch given to train_on_batch")
         compat.assert_compile_called(self, "train_on_batch")
         if class_weight is not None:
             if sample_weight is not None:
@@ -313,11 +365,13 @@ class PlannedModel(compat.functional_class()):
 
             cached = _OneBatchFunction(key, tf.function(reset_and_step, reduce_retracing=True))
             setattr(self, f"_one_batch_{kind}", cached)
-        return cached.function(data)
+        with self._runtime_shape_errors():  # a retrace for new shapes checks at run time
+            return cached.function(data)
 
 
     def _check_fit_input(self, x: Any, batch_size: int | None, validation_split: float,
                          steps_per_epoch: int | None) -> None:
+        self._check_input_shapes(x, "The data given to fit")
         if isinstance(x, tf.data.Dataset):
             self._check_batch(leading_dim(x.element_spec), "Each batch of the dataset")
             return
@@ -352,6 +406,10 @@ class PlannedModel(compat.functional_class()):
             sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
 
     def train_step(self, data: Any) -> Any:
+        with self._shape_checked(data, "A training batch"):  # apply.input_shapes
+            return self._planned_train_step(data)
+
+    def _planned_train_step(self, data: Any) -> Any:
         if not self._uses_microbatch_step():
             return super().train_step(data)
         with stepping(self.batch_norm) as stats:  # apply.batch_stats
