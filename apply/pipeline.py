@@ -188,16 +188,19 @@ class PlacedModel(PlannedModel):
 def wrap_placed(view: Any, device_of_layer: Mapping[str, str], *, plan_name: str,
                 num_microbatches: int, recompute_layers: Collection[str] = (),
                 schedule: PipelineSchedule | None = None,
-                weights_device: Callable[[str], str] | None = None) -> PlacedModel:
+                weights_device: Callable[[str], str] | None = None,
+                device_of_entry: Mapping[str, str] | None = None) -> PlacedModel:
     """Clone ``view`` (an uncompiled Functional) onto the devices; copy its weights.
 
     ``schedule`` (``apply.schedule.schedule_of(plan)``): a 1F1B or interleaved order to
     enforce; None trains without one (GPipe). ``weights_device``: where a layer planned
-    on a device builds its weights (``apply.offload.weights_device``; None: there)."""
+    on a device builds its weights (``apply.offload.weights_device``; None: there).
+    ``device_of_entry`` (``plan.device_of_layer()``): where each layer inside a nested
+    model goes (``apply.blocks.place_nested``; None: with its nested model)."""
     stages = tuple(dict.fromkeys(device_of_layer.values()))
     build = device_of_layer if weights_device is None else {
         name: weights_device(d) for name, d in device_of_layer.items()}
-    clone = clone_graph(view, build)
+    clone = clone_graph(view, build, device_of_entry, weights_device)
     model = PlacedModel(clone.inputs, clone.outputs, name=view.name,
                         device_of_layer=device_of_layer, default_device=stages[0],
                         plan_name=plan_name, num_microbatches=num_microbatches,

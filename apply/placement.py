@@ -220,20 +220,23 @@ def variable_devices(model: Any) -> dict[str, list[str]]:
 def top_level_devices(plan: Plan) -> dict[str, str]:
     """Device of each top-level layer of the model (replica 0).
 
-    Plans name a nested model's layers ``outer/inner`` (``profiler.signature``);
-    ``apply`` places whole top-level operations, so a nested model goes where all
-    its layers are planned. A stage boundary inside a nested model cannot be
-    applied yet and is refused rather than silently placed elsewhere.
+    Plans name a nested model's layers ``outer/inner`` and a block's sub-layers
+    ``block/sub`` (``profiler.signature``). A block (an entry of its own) is placed
+    whole: its sub-layers on another device than the block are refused. A nested model
+    goes where its first layer is planned; its layers on other stages are placed there
+    when it is re-created (``apply.blocks.place_nested``).
     """
-    devices: dict[str, set[str]] = {}
-    for name, device in plan.device_of_layer().items():
-        devices.setdefault(name.split("/", 1)[0], set()).add(device)
-    split = {top: sorted(d) for top, d in devices.items() if len(d) > 1}
-    if split:
-        top, where = next(iter(split.items()))
-        raise PlannerError(
-            f"Plan {plan.name!r} splits nested model {top!r} across devices {where}; apply "
-            "places a nested model as a whole, so a stage boundary inside it cannot be "
-            "applied yet. Re-plan with the pipeline cut outside it (e.g. --fix with fewer "
-            "stages) or flatten the model.")
-    return {top: d.pop() for top, d in devices.items()}
+    entries = plan.device_of_layer()
+    devices: dict[str, list[str]] = {}
+    for name, device in entries.items():
+        devices.setdefault(name.split("/", 1)[0], []).append(device)
+        parts = name.split("/")
+        for i in range(1, len(parts)):  # a block (an entry of its own) holding this one
+            block = "/".join(parts[:i])
+            if block in entries and entries[block] != device:
+                raise PlannerError(
+                    f"Plan {plan.name!r} puts block {block!r} (a layer with sub-layers) on "
+                    f"{entries[block]} and its sub-layer {name!r} on {device}; apply places "
+                    "a block whole on one stage (its own code calls its sub-layers). "
+                    "Re-plan with the stage boundary before or after the block.")
+    return {top: where[0] for top, where in devices.items()}

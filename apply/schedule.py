@@ -121,9 +121,23 @@ def schedule_of(plan: Any) -> PipelineSchedule | None:
     if s.schedule not in SCHEDULED or s.pp < 2:
         return None
     stage_of_layer: dict[str, int] = {}
+    spanning: set[str] = set()
+    entries = {name for stage in plan.stages for name in stage.layers}
     for k, stage in enumerate(plan.stages):
         for name in stage.layers:
-            stage_of_layer.setdefault(name.split("/", 1)[0], k)  # apply places top level
+            top = name.split("/", 1)[0]  # apply places top level
+            if stage_of_layer.setdefault(top, k) != k and top not in entries:
+                spanning.add(top)  # a nested model on several stages
+    if spanning:
+        import warnings
+
+        warnings.warn(
+            f"Plan {plan.name!r} has a {s.schedule} schedule, but nested model(s) "
+            f"{sorted(spanning)} run on several of its stages, and the schedule orders "
+            "whole top-level layers; the micro-batches run in GPipe order (all forwards, "
+            "then all backwards). Build the model from the nested model's layers to keep "
+            f"{s.schedule}.", stacklevel=3)
+        return None
     schedule = PipelineSchedule(kind=s.schedule, pp=s.pp, virtual_stages=s.virtual_stages,
                                 num_microbatches=s.num_microbatches,
                                 stage_of_layer=tuple(stage_of_layer.items()))

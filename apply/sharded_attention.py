@@ -279,3 +279,47 @@ class ShardedGroupQueryAttention(_ShardedHeads, keras.layers.GroupQueryAttention
         if return_attention_scores:
             return y, tf.concat(scores, axis=1)
         return y
+
+
+class ShardedCachedMultiHeadAttention(ShardedMultiHeadAttention):
+    """keras_hub's ``CachedMultiHeadAttention`` (a MultiHeadAttention whose ``call`` takes
+    the block's ``attention_mask`` as it is, without Keras masks, and a key/value cache
+    for generation) split by heads as ``ShardedMultiHeadAttention``. Training calls it with
+    ``cache=None, cache_update_index=None``, which is all it runs: a cache (generation)
+    is refused with a PlannerError; generate with the user's model and the weights the
+    wrapped one saves."""
+
+    def call(self, query: Any, value: Any, key: Any = None, attention_mask: Any = None,
+             cache: Any = None, cache_update_index: Any = None,
+             return_attention_scores: bool = False, training: Any = None) -> Any:
+        if cache is not None or cache_update_index is not None:
+            raise PlannerError(
+                f"Attention layer {self.name!r} (keras_hub CachedMultiHeadAttention) is split "
+                "by heads and was called with a key/value cache (generation); apply's split "
+                "attention runs training and evaluation calls (cache=None, "
+                "cache_update_index=None) only. Generate with the user's model: load the "
+                "wrapped model's save_weights file into it.")
+        if key is None:
+            key = value
+        s, partial, scores = self.shards, [], []
+        whole = Gathered(self.tp_devices)
+        for t, d in enumerate(self.tp_devices):
+            with tf.device(d):
+                q, k, v = self._project(t, query, key, value, whole)
+                out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
+                                                     return_attention_scores)
+                partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
+                scores.append(score)
+        y = self._output(partial, None)
+        if return_attention_scores:
+            return y, tf.concat(scores, axis=1)
+        return y
+
+
+CACHED_ATTENTION = ("keras_hub.src.layers.modeling.cached_multi_head_attention",
+                    "CachedMultiHeadAttention")
+"""(module, class) of keras_hub's CachedMultiHeadAttention, split by
+``ShardedCachedMultiHeadAttention`` (matched by module and name: apply does not import
+keras_hub)."""
+ShardedCachedMultiHeadAttention.__module__, ShardedCachedMultiHeadAttention.__name__ = \
+    CACHED_ATTENTION

@@ -66,7 +66,8 @@ from keras import ops
 from tfplan import compat
 from tfplan.apply.sequence_parallel import (ELEMENTWISE, Gathered, elementwise,  # noqa: F401
                                             shard_sizes)
-from tfplan.apply.sharded_attention import (ShardedGroupQueryAttention,
+from tfplan.apply.sharded_attention import (CACHED_ATTENTION, ShardedCachedMultiHeadAttention,
+                                            ShardedGroupQueryAttention,
                                             ShardedMultiHeadAttention)
 from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables, row_output
 from tfplan.core.errors import PlannerError
@@ -75,7 +76,17 @@ _Sharded = Sharded  # the base's former name here (tests check isinstance with i
 
 SPLITTABLE = {"column": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
               "row": "Dense, EinsumDense, Conv1D, Conv2D, Conv3D",
-              "heads": "MultiHeadAttention, GroupQueryAttention", "vocab": "Embedding"}
+              "heads": "MultiHeadAttention, GroupQueryAttention, keras_hub's "
+                       "CachedMultiHeadAttention", "vocab": "Embedding"}
+
+
+def is_cached_attention(layer: Any) -> bool:
+    """Whether ``layer`` is keras_hub's CachedMultiHeadAttention (split by heads as
+    ``apply.sharded_attention.ShardedCachedMultiHeadAttention``)."""
+    cls = type(layer)
+    return ((cls.__module__, cls.__name__) == CACHED_ATTENTION
+            and isinstance(layer, keras.layers.MultiHeadAttention)
+            and not isinstance(layer, Sharded))
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -486,13 +497,21 @@ def sharded_clone(layer: Any, split: str, devices: Sequence[str], plan_name: str
     kind = type(layer).__name__
     cls = SHARDED.get((kind, split))
     tp = len(devices)
-    if cls is None or type(layer) is not _PUBLIC.get(kind):
+    if split == "heads" and is_cached_attention(layer):  # keras_hub's, same weights
+        cls = ShardedCachedMultiHeadAttention
+    elif cls is None or type(layer) is not _PUBLIC.get(kind):
+        subclass = "" if cls is None else (
+            f", a subclass of {_PUBLIC[kind].__name__} whose call may differ" if kind in
+            _PUBLIC else ", not Keras' own class of that name")
         raise PlannerError(
-            f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}) by {split!r}; apply "
-            f"splits {split!r} only for {SPLITTABLE.get(split, 'no layer type')} layers "
+            f"Plan {plan_name!r} splits layer {layer.name!r} ({kind}{subclass}) by "
+            f"{split!r}; apply splits {split!r} only for "
+            f"{SPLITTABLE.get(split, 'no layer type')} layers "
             "(column/row: Dense, EinsumDense, Conv1D, Conv2D, Conv3D; heads: "
-            "MultiHeadAttention, GroupQueryAttention; vocab: Embedding). "
-            "Re-plan, or edit the plan's tp_splits to leave that layer replicated.")
+            "MultiHeadAttention, GroupQueryAttention and keras_hub's "
+            "CachedMultiHeadAttention; vocab: Embedding; Keras' own classes, not "
+            "subclasses). Re-plan, or edit the plan's tp_splits to leave that layer "
+            "replicated.")
     if cls is ShardedGroupQueryAttention and layer.num_key_value_heads % tp:
         fits = [d for d in range(1, layer.num_key_value_heads + 1)
                 if layer.num_key_value_heads % d == 0]

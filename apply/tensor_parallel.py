@@ -57,6 +57,9 @@ import tensorflow as tf
 
 from tfplan import compat
 from tfplan.apply.batches import concat_batches, split_microbatches
+from tfplan.apply.blocks import (InnerSplit, holds_shards, placed_clone, resolve_splits,
+                                 set_unsplit_weights, shard_inside, unsplit_layout,
+                                 unsplit_weights)
 from tfplan.apply.checkpoint import CanonicalWeight, merged_copies, plain_layout
 from tfplan.apply.clipping import clipped_over_one_copy, optimizer_clipping_off
 from tfplan.apply.cloning import clone_layer, copy_weights
@@ -68,6 +71,7 @@ from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
 from tfplan.apply.schedule import active_trace, schedule_of
 from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
                                             sequence_sharded, warn_gathered)
+from tfplan.apply.sharded_base import Sharded
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables, reduce_to_owners
 from tfplan.apply.zero3 import install as install_zero3
@@ -211,18 +215,21 @@ class TensorParallelModel(PlacedModel):
             return
         super()._apply_gradients(gradients, variables)
 
-    # the user's model's weights, in its order and shapes (layer by layer, unsplit)
+    # the user's model's weights, in its order and shapes (layer by layer, unsplit; a block
+    # or nested model holding split sub-layers through apply.blocks)
     def get_weights(self) -> list[np.ndarray]:
-        return [w for layer in self.layers for w in layer.get_weights()]
+        return [w for layer in self.layers for w in _unsplit(layer)]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         weights, start = list(weights), 0
-        counts = [len(layer.get_weights()) for layer in self.layers]
+        counts = [len(_unsplit(layer)) for layer in self.layers]
         if sum(counts) != len(weights):
             raise ValueError(f"Model {self.name!r} has {sum(counts)} weight arrays (unsplit, "
                              f"as the original model); set_weights received {len(weights)}.")
         for layer, n in zip(self.layers, counts):
-            if n:
+            if n and holds_shards(layer) and not isinstance(layer, Sharded):
+                set_unsplit_weights(layer, weights[start:start + n])
+            elif n:
                 layer.set_weights(weights[start:start + n])
             start += n
         self._sync_replicas()
@@ -244,6 +251,14 @@ class TensorParallelModel(PlacedModel):
                 theirs.assign(mine)
 
 
+def _unsplit(layer: Any) -> list[np.ndarray]:
+    """``layer.get_weights()`` of the user's layer (``apply.blocks.unsplit_weights`` for a
+    block or nested model holding split sub-layers)."""
+    if holds_shards(layer) and not isinstance(layer, Sharded):
+        return unsplit_weights(layer)
+    return layer.get_weights()
+
+
 def _replica_layout(model: Any) -> list[CanonicalWeight]:
     out: list[CanonicalWeight] = []
     for layer in model.layers:
@@ -251,6 +266,8 @@ def _replica_layout(model: Any) -> list[CanonicalWeight]:
             if layer.trainable:
                 out += [CanonicalWeight((tuple(shards),), axis)
                         for shards, axis in layer.full_pieces()]
+        elif holds_shards(layer):  # a block or nested model with split sub-layers
+            out += unsplit_layout(layer)
         else:
             out += plain_layout(layer.trainable_weights)
     return out
@@ -281,22 +298,13 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
             f"Plan {plan.name!r} keeps each replica inside one worker process; it runs "
             "through apply.wrap (apply.multi_worker_hybrid builds each worker's part), not "
             "wrap_tensor_parallel on the whole plan.")
-    splits = dict(plan.tp_splits)
-    nested = [name for name in splits if "/" in name]
-    if nested:
-        raise PlannerError(
-            f"Plan {plan.name!r} splits layer {nested[0]!r} inside a nested model; apply "
-            "splits top-level layers only. Flatten the model or leave that layer replicated.")
-    names = {layer.name for layer in view.layers}
-    missing = [name for name in splits if name not in names]
-    if missing:
-        raise PlannerError(f"Plan {plan.name!r} splits layer {missing[0]!r}, which model "
-                           f"{view.name!r} does not have. Re-plan for this model.")
+    # top-level splits, and splits of sub-layers inside blocks (apply.blocks)
+    splits, inner = resolve_splits(view, plan)
     models = []
     for r in range(dp):
         shift = {stage.devices[0]: stage.devices[r * tp] for stage in plan.stages}
         models.append(_replica(view, plan, r, {k: shift[d] for k, d in device_of_layer.items()},
-                               splits, recompute_layers))
+                               splits, inner, recompute_layers))
     model = models[0]
     warn_gathered(plan.name, model.sequence_gathered)
     if dp > 1:
@@ -310,10 +318,12 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
 
 
 def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
-             splits: dict[str, str], recompute_layers: Collection[str]) -> TensorParallelModel:
+             splits: dict[str, str], inner: dict[str, list[InnerSplit]],
+             recompute_layers: Collection[str]) -> TensorParallelModel:
     tp = plan.strategy.tp
     shard_devices = {name: tuple(stage.devices[r * tp:(r + 1) * tp])
                      for stage in plan.stages for name in stage.layers}
+    device_of_entry = {name: devices[0] for name, devices in shard_devices.items()}
     on_host = weights_device(plan)  # "optimizer+weights": built on the host (apply.offload)
 
     def where(layer: Any) -> Any:
@@ -328,11 +338,19 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
             if split:
                 return sharded_clone(layer, split, shard_devices[layer.name], plan.name,
                                      sequence_parallel=sp)
-            return clone_layer(layer)
+            clone = clone_layer(layer)
+        # a nested model's layers on their own stages (apply.blocks)
+        return placed_clone(layer, clone, device_of_entry, on_host)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
         with where(layer):
-            return layer(*args, **kwargs)
+            out = layer(*args, **kwargs)  # builds it (a nested model is built already)
+        if layer.name in inner and id(layer) not in swapped:  # once, at its first call
+            swapped.add(id(layer))  # its split sub-layers, swapped in place (apply.blocks)
+            shard_inside(layer, inner[layer.name], shard_devices.__getitem__, plan.name)
+        return out
+
+    swapped: set[int] = set()
 
     clone = keras.models.clone_model(view, clone_function=clone_function,
                                      call_function=call_function)

@@ -144,7 +144,8 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         wrapped = wrap_placed(view, top_level_devices(plan), plan_name=plan.name,
                               num_microbatches=m, recompute_layers=recompute,
                               schedule=schedule_of(plan),  # 1F1B/interleaved order
-                              weights_device=weights_device(plan))  # apply.offload
+                              weights_device=weights_device(plan),  # apply.offload
+                              device_of_entry=plan.device_of_layer())  # nested models
     wrapped.plan = plan
     recompute_attention_cores(wrapped, cores)  # "selective" (apply.recompute)
     offload_state(wrapped, plan)  # optimizer state on the host (apply.offload)

@@ -620,6 +620,93 @@ def set_attention_projection(layer: Any, part: str, entry: Any) -> None:
     setattr(layer, f"_{part}_dense", entry)
 
 
+def build_arguments(layer: Any) -> dict[str, Any]:
+    """``Layer._build_shapes_dict``: the shape arguments ``layer.build`` was called with,
+    by parameter name (``{"input_shape": (None, 8)}``; MultiHeadAttention's
+    ``{"query_shape": ..., "value_shape": ...}``), recorded by Keras' build wrapper.
+
+    ``apply.blocks`` builds a block's sharded sub-layer with the arguments its unsplit
+    twin was built with: a block's ``build`` (keras_hub's) calls ``sub.build(shape)``
+    itself, so nothing else records them. Checked on Keras 3.15.1. Without it a
+    sub-layer could only be built by calling the block again, where its symbolic call
+    may never run the sub-layer's ``call``."""
+    if not hasattr(layer, "_build_shapes_dict"):
+        raise KerasInternalsError(_moved("Layer._build_shapes_dict (a layer's build "
+                                         "arguments)", AttributeError("_build_shapes_dict")))
+    shapes = layer._build_shapes_dict
+    if not layer.built or shapes is None:
+        raise PlannerError(f"Layer {layer.name!r} ({type(layer).__name__}) was not built "
+                           "through its build() method, so the shapes it was built for are "
+                           "unknown.")
+    return dict(shapes)
+
+
+def replace_tracked_layer(parent: Any, old: Any, new: Any) -> None:
+    """``parent._tracker.replace_tracked_value("layers", old, new)``: sub-layer ``new``
+    takes ``old``'s place in the layers ``parent`` tracks (``_layers``, the list behind
+    ``weights``, ``variables``, ``_flatten_layers``), at the same position, even after
+    ``parent`` was built (Keras then refuses new state, ``Tracker.lock``).
+
+    ``apply.blocks`` swaps a block's sub-layer for its sharded twin in place. Checked on
+    Keras 3.15.1. Without it the block would keep tracking the unsplit sub-layer (its
+    weights trained and saved instead of the shards), or refuse the new one."""
+    tracker = getattr(parent, "_tracker", None)
+    replace = getattr(tracker, "replace_tracked_value", None)
+    if replace is None:
+        raise KerasInternalsError(_moved("Layer._tracker.replace_tracked_value (a layer's "
+                                         "tracked sub-layers)", AttributeError("_tracker")))
+    replace("layers", old, new)
+
+
+def move_variable(variable: Any, device: str) -> None:
+    """Re-create ``variable``'s storage (a ``keras.Variable`` of the TensorFlow backend:
+    its ``tf.Variable``, ``Variable._value``) on ``device``, with its value, name,
+    trainability, aggregation and synchronization, through Keras' own
+    ``Variable._initialize`` (which takes a ready ``tf.Variable``).
+
+    ``apply.blocks`` moves the weights of a nested model's layers to the stages a plan
+    puts them on: a nested model (a keras_hub backbone) is re-created whole from its
+    config, whose constructor builds every layer in one device scope. Checked on Keras
+    3.15.1. Without it those weights would stay on the first stage's device, read
+    across devices at every step."""
+    import tensorflow as tf
+
+    old = getattr(variable, "_value", None)
+    initialize = getattr(variable, "_initialize", None)
+    if old is None or initialize is None:
+        raise KerasInternalsError(_moved("keras.Variable._value / _initialize (a "
+                                         "variable's storage)", AttributeError("_value")))
+    with tf.init_scope(), tf.device(device):
+        new = tf.Variable(old.read_value(), dtype=old.dtype, trainable=old.trainable,
+                          name=variable.name, aggregation=old.aggregation,
+                          synchronization=old.synchronization)
+    initialize(new)
+
+
+def place_operations(functional: Any, wrap: Callable[[Any, Callable[..., Any]],
+                                                     Callable[..., Any]]) -> None:
+    """Make this instance of a Functional model run each operation of its graph through
+    ``wrap(operation, call)`` (a call of the operation, e.g. under its ``tf.device``), by
+    an instance attribute over ``RUN_THROUGH_GRAPH``, which ``Functional.call`` looks up
+    on the instance. Its class (a keras_hub backbone's, which names its weight-file
+    entries) stays.
+
+    ``apply.blocks`` places the layers of a nested model whose layers a plan puts on
+    several devices. Checked on Keras 3.15.1 (``overrides_run_through_graph``'s check
+    of the method's parameters runs here too). Without it every operation of the nested
+    model would run on the device of its first layer."""
+    overrides_run_through_graph(type("_Check", (functional_class(),),
+                                     {RUN_THROUGH_GRAPH: lambda self: None}))
+    original = getattr(functional, RUN_THROUGH_GRAPH)
+
+    def run(inputs: Any, operation_fn: Any = lambda op: op, call_fn: Any = None) -> Any:
+        if call_fn is not None:  # clone_model(..., call_function=...): not a forward pass
+            return original(inputs, operation_fn=operation_fn, call_fn=call_fn)
+        return original(inputs, operation_fn=lambda op: wrap(op, operation_fn(op)))
+
+    setattr(functional, RUN_THROUGH_GRAPH, run)
+
+
 # --- TensorFlow ----------------------------------------------------------------------------
 
 class LocalDevice(NamedTuple):

@@ -38,9 +38,37 @@ def test_nested_model_layers_are_named_outer_inner_and_placed_together():
     assert all(d.endswith("CPU:0") for d in devices["embed/kernel"]), devices
 
 
-def test_a_stage_boundary_inside_a_nested_model_is_refused():
+def test_a_stage_boundary_inside_a_nested_model_places_its_layers_on_their_stages():
     model = _nested_model()
     plan = make_plan(model, [cpus(0), cpus(1)],
                      stage_layers=[["embed", "trunk/proj"], ["trunk/hidden", "head"]])
-    with pytest.raises(PlannerError, match="splits nested model 'trunk'"):
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer="sgd", loss="mse")
+    wrapped = apply.wrap(model, plan)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 2)).astype(
+            "float32")
+        np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y),
+                                   rtol=1e-5)
+    trunk = wrapped.get_layer("trunk")
+    for name, device in (("proj", "CPU:0"), ("hidden", "CPU:1")):
+        for v in trunk.get_layer(name).weights:
+            assert v.value.device.endswith(device), (v.path, v.value.device)
+    # the nested model keeps its class and weight-file layout: the user's model loads it
+    for got, want in zip(wrapped.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_stage_boundary_inside_a_block_is_refused():
+    from tests.apply.helpers import load_model_file
+
+    model = load_model_file("tiny_block").build_model()
+    plan = make_plan(model, [cpus(0), cpus(1)],
+                     stage_layers=[["embed", "block_0", "block_0/up"],
+                                   ["block_0/down", "block_1", "block_1/up", "block_1/down",
+                                    "head"]])
+    with pytest.raises(PlannerError, match="block 'block_0'.*whole on one stage"):
         apply.wrap(model, plan)

@@ -533,6 +533,87 @@ def test_function_graph_gives_a_while_loops_body_with_shapes():
     assert compat.function_graph(graph, "no_such_function") is None
 
 
+class _Pair(keras.layers.Layer):
+    """A block whose build builds its sub-layers itself (as keras_hub's do)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(3, name="first")
+        self.second = keras.layers.Dense(2, name="second")
+
+    def build(self, input_shape):
+        self.first.build(input_shape)
+        self.second.build((*input_shape[:-1], 3))
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def test_build_arguments_are_the_shapes_a_sub_layer_was_built_with():
+    pair = _Pair()
+    pair.build((None, 5))
+    assert compat.build_arguments(pair.first) == {"input_shape": (None, 5)}
+    attention = keras.layers.MultiHeadAttention(2, 4)
+    attention.build(query_shape=(None, 6, 8), value_shape=(None, 6, 8))
+    assert compat.build_arguments(attention) == {"query_shape": (None, 6, 8),
+                                                 "value_shape": (None, 6, 8)}
+    with pytest.raises(compat.PlannerError, match="was not built"):
+        compat.build_arguments(keras.layers.Dense(2))
+
+
+def test_replace_tracked_layer_puts_the_new_sub_layer_in_the_old_ones_place():
+    pair = _Pair()
+    pair.build((None, 5))
+    new = keras.layers.Dense(3, name="new")
+    new.build((None, 5))
+    compat.replace_tracked_layer(pair, pair.first, new)
+    pair.first = new  # already tracked: a built (locked) layer accepts it
+    assert pair._flatten_layers(include_self=False, recursive=False) == [new, pair.second]
+    assert [v.path.rsplit("/", 2)[-2:] for v in pair.weights] == [
+        ["new", "kernel"], ["new", "bias"], ["second", "kernel"], ["second", "bias"]]
+    assert pair(np.ones((1, 5), "float32")).shape == (1, 2)
+
+
+def test_move_variable_recreates_its_storage_on_another_device():
+    with tf.device("/device:CPU:0"):
+        v = keras.Variable(np.arange(6.0, dtype="float32").reshape(2, 3), name="w")
+    compat.move_variable(v, "/device:CPU:1")
+    assert v.value.device.endswith("CPU:1")
+    np.testing.assert_array_equal(v.numpy(), np.arange(6.0).reshape(2, 3))
+    v.assign(np.ones((2, 3), "float32"))
+    np.testing.assert_array_equal(v.numpy(), np.ones((2, 3)))
+    assert v.name == "w" and v.trainable
+
+
+def test_place_operations_runs_each_operation_of_one_instance_through_the_wrapper():
+    model, other = _mlp(), _mlp("other")
+    seen: list[str] = []
+
+    def wrap(op, fn):
+        def run(*args, **kwargs):
+            seen.append(op.name)
+            with tf.device("/device:CPU:1" if op.name == "b" else "/device:CPU:0"):
+                return fn(*args, **kwargs)
+        return run
+
+    compat.place_operations(model, wrap)
+    outer_in = keras.Input((4,))
+    outer = keras.Model(outer_in, model(outer_in))
+
+    @tf.function
+    def forward(x):
+        return outer(x)
+
+    graph = forward.get_concrete_function(tf.TensorSpec((2, 4))).graph
+    assert "a" in seen and "b" in seen
+    devices = {op.device for op in graph.get_operations() if op.type == "MatMul"}
+    assert any(d.endswith("CPU:1") for d in devices), devices
+    assert any(d.endswith("CPU:0") for d in devices), devices
+    seen.clear()
+    other(np.ones((2, 4), "float32"))  # another instance of the class: unchanged
+    assert not seen
+
+
 def test_release_to_makes_a_variable_a_view_of_another_without_storage():
     owner = keras.Variable(np.arange(6.0, dtype="float32").reshape(2, 3))
     copy = keras.Variable(np.zeros((2, 3), "float32"))

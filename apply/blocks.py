@@ -1,0 +1,380 @@
+"""Inside blocks and nested models: sub-layers split in place, and nested layers placed.
+
+Pipeline position: under ``apply.tensor_parallel`` and ``apply.pipeline``, after the
+plan has been matched to the model (``Plan.for_model``). A plan names what sits inside
+a top-level layer by path (``profiler.signature``): ``block/sub`` for the sub-layers
+of a *block* (a custom layer with sub-layers: keras_hub's transformer blocks and
+attention layers, a user's composite layer), ``model/layer`` for the layers of a
+nested model (a keras_hub backbone called inside a Functional model). Here:
+
+* **Splits inside blocks** (``resolve_splits``, ``shard_inside``): a ``tp_splits``
+  entry may name a block's sub-layer at any depth (``llama/transformer_layer_0/
+  self_attention/query``). Once the block's clone is built (from its config, or inside
+  its nested model's clone, on its stage's device), the sub-layer is replaced by its
+  sharded twin (``apply.sharded_layers.sharded_clone``: same config, shards on the
+  stage's tensor ranks) *in place*: in the parent's attribute, list or dict that held
+  it (found by identity in the user's model, followed by name in the clone) and in
+  the layers Keras tracks for the parent (``compat.replace_tracked_layer``: same
+  position, so ``weights`` keep their order). The twin is built with the shapes the
+  unsplit sub-layer was built with (``compat.build_arguments``). The block's own code
+  runs unchanged on its stage's rank 0: a column-split sub-layer gives it the whole
+  (concatenated) output, a row-split one reads a column split's shards in place when
+  its input is that concatenation and slices its input otherwise, attention split by
+  heads sums its ranks' outputs. A direct layer of a nested model cannot be split
+  (the nested model's graph holds it); the error says so.
+* **Unsplit weights** (``unsplit_weights``, ``set_unsplit_weights``,
+  ``unsplit_layout``): a layer that holds sharded twins reads, writes and lays out its
+  weights as the user's layer (each twin's unsplit arrays where the unsplit sub-layer's
+  were), so ``get_weights``/``set_weights`` and checkpoints match the user's model.
+  Weight files match by themselves: a twin sits under the parent's attribute name and
+  saves its unsplit arrays.
+* **Nested models across stages** (``place_nested``): a nested model is re-created
+  whole from its config (keras_hub's blocks need not re-create from theirs) on the
+  device of its first stage; the weights of its layers planned on other stages are
+  then moved there (``compat.move_variable``), and, when it spans devices, each of its
+  operations runs on its layer's device (``compat.place_operations``). Each top-level
+  layer of a nested model (a block with its sub-layers) sits on one stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from tfplan import compat
+from tfplan.apply.device_names import short_name
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import Plan
+from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
+
+Step = tuple  # ("layer", name) in a model; ("attr", name) or ("item", name, key) in a block
+
+
+@dataclass(frozen=True)
+class InnerSplit:
+    """A ``tp_splits`` entry that names a sub-layer inside top-level layer ``top``:
+    ``steps`` lead from ``top`` to the sub-layer's parent (last step: the sub-layer)."""
+
+    name: str
+    top: str
+    steps: tuple[Step, ...]
+    split: str
+
+
+def resolve_splits(view: Any, plan: Plan) -> tuple[dict[str, str], dict[str, list[InnerSplit]]]:
+    """(``{top-level layer: split}``, ``{top-level layer: [InnerSplit, ...]}``) of
+    ``plan.tp_splits`` on ``view``; PlannerError for a name the model does not have or
+    a layer directly inside a nested model."""
+    import keras
+
+    entries = dict(profiled_layer_paths(view))
+    top_splits: dict[str, str] = {}
+    inner: dict[str, list[InnerSplit]] = {}
+    for name, split in plan.tp_splits:
+        if name not in entries:
+            raise PlannerError(f"Plan {plan.name!r} splits layer {name!r}, which model "
+                               f"{view.name!r} does not have. Re-plan for this model.")
+        if SEPARATOR not in name:
+            top_splits[name] = split
+            continue
+        chain = _chain(view, entries, name)
+        parent = chain[-2]
+        if isinstance(parent, keras.Model):
+            raise PlannerError(
+                f"Plan {plan.name!r} splits layer {name!r}, a layer of nested model "
+                f"{parent.name!r}; apply splits top-level layers and the sub-layers of "
+                "blocks (custom layers such as transformer blocks), not a nested model's "
+                "own layers (its graph holds them). Leave that layer replicated (remove it "
+                "from tp_splits), or build the model from the nested model's layers.")
+        top = name.split(SEPARATOR, 1)[0]
+        steps = tuple(_step(p, c) for p, c in zip(chain[1:-1], chain[2:]))
+        inner.setdefault(top, []).append(InnerSplit(name, top, steps, split))
+    return top_splits, inner
+
+
+def _chain(view: Any, entries: Mapping[str, Any], name: str) -> list[Any]:
+    """[view, each layer on the way to ``name`` (nested models and blocks), the layer]."""
+    parts = name.split(SEPARATOR)
+    chain = [view]
+    for i in range(1, len(parts) + 1):
+        found = entries.get(SEPARATOR.join(parts[:i]))
+        if found is None:  # a nested model: not an entry of its own
+            found = chain[-1].get_layer(parts[i - 1])
+        chain.append(found)
+    return chain
+
+
+def _step(parent: Any, child: Any) -> Step:
+    """How ``parent`` holds ``child``: by name in a model, else the attribute (or the
+    attribute's list index / dict key) that holds it, found by identity."""
+    import keras
+
+    if isinstance(parent, keras.Model):
+        return ("layer", child.name)
+    found = _references(parent, child)
+    if not found:
+        raise PlannerError(
+            f"Layer {child.name!r} is tracked by block {parent.name!r} but held by none of "
+            "its attributes, lists or dicts, so apply cannot put a split twin in its place. "
+            "Leave it replicated (remove it from tp_splits).")
+    return found[0]
+
+
+def _references(parent: Any, child: Any) -> list[Step]:
+    """Every attribute of ``parent`` (and entry of an attribute's list or dict) that is
+    ``child``, attributes first."""
+    out: list[Step] = []
+    items: list[Step] = []
+    for key, value in vars(parent).items():
+        if value is child:
+            out.append(("attr", key))
+        elif isinstance(value, (list, tuple)):
+            items += [("item", key, i) for i, v in enumerate(value) if v is child]
+        elif isinstance(value, dict):
+            items += [("item", key, k) for k, v in value.items() if v is child]
+    return out + items
+
+
+def follow(obj: Any, step: Step) -> Any:
+    """The layer ``step`` leads to from ``obj``."""
+    if step[0] == "layer":
+        return obj.get_layer(step[1])
+    value = getattr(obj, step[1])
+    return value if step[0] == "attr" else value[step[2]]
+
+
+def swap_in(parent: Any, old: Any, new: Any) -> None:
+    """Put ``new`` wherever ``parent`` holds ``old`` (attributes, lists, dicts) and in the
+    layers Keras tracks for it, at ``old``'s position."""
+    refs = _references(parent, old)
+    if not refs:
+        raise PlannerError(f"Block {parent.name!r} holds layer {old.name!r} in none of its "
+                           "attributes, lists or dicts; apply cannot replace it.")
+    compat.replace_tracked_layer(parent, old, new)
+    for ref in refs:
+        if ref[0] == "attr":
+            setattr(parent, ref[1], new)  # already tracked: Keras adds nothing
+            continue
+        holder = getattr(parent, ref[1])
+        if isinstance(holder, tuple):
+            setattr(parent, ref[1], type(holder)(new if v is old else v for v in holder))
+        else:
+            holder[ref[2]] = new
+
+
+def shard_inside(top: Any, splits: Sequence[InnerSplit],
+                 devices_of: Callable[[str], Sequence[str]], plan_name: str) -> None:
+    """Replace, inside ``top`` (a built clone of a block or nested model), each split
+    sub-layer by its sharded twin on ``devices_of(name)`` (its stage's tp devices of this
+    replica), built on rank 0 with the unsplit sub-layer's build shapes."""
+    import tensorflow as tf
+
+    from tfplan.apply.sharded_layers import sharded_clone
+
+    for s in splits:
+        parent = top
+        for step in s.steps[:-1]:
+            parent = follow(parent, step)
+        old = follow(parent, s.steps[-1])
+        devices = tuple(devices_of(s.name))
+        try:
+            shapes = compat.build_arguments(old)
+        except PlannerError as e:
+            raise PlannerError(f"Plan {plan_name!r} splits layer {s.name!r}: {e} Leave it "
+                               "replicated (remove it from tp_splits).") from e
+        twin = sharded_clone(old, s.split, devices, plan_name)
+        with tf.device(devices[0]), _scopes_of(old):  # variable paths as the unsplit's
+            twin.build(**shapes)
+        swap_in(parent, old, twin)
+
+
+@contextlib.contextmanager
+def _scopes_of(layer: Any) -> Iterator[None]:
+    """The name scopes ``layer`` was built in (its path but its own name), so that a twin
+    built here names its variables ``block/sub/kernel_0`` as the unsplit one's
+    ``block/sub/kernel``."""
+    import keras
+
+    with contextlib.ExitStack() as stack:
+        for part in (getattr(layer, "path", None) or "").split(SEPARATOR)[:-1]:
+            if part:
+                stack.enter_context(keras.name_scope(part))
+        yield
+
+
+def holds_shards(layer: Any) -> bool:
+    """Whether ``layer`` is, or holds at any depth, a sharded twin."""
+    from tfplan.apply.sharded_base import Sharded
+
+    if isinstance(layer, Sharded):
+        return True
+    return any(holds_shards(sub) for sub in _sublayers(layer))
+
+
+# --- unsplit weights -------------------------------------------------------------------------
+
+def _sublayers(layer: Any) -> list[Any]:
+    flatten = getattr(layer, "_flatten_layers", None)
+    return list(flatten(include_self=False, recursive=False)) if flatten else []
+
+
+def _handles(layer: Any, seen: set[int]) -> list[tuple[Any, int | None]]:
+    """``layer.weights`` in Keras' order (its own variables, then each tracked sub-layer's,
+    depth first, each once) with every sharded twin's shards replaced by its unsplit
+    weights: (variable, None) or (twin, index into its ``full_weights``)."""
+    from tfplan.apply.sharded_base import Sharded
+
+    if isinstance(layer, Sharded):
+        if id(layer) in seen:
+            return []
+        seen.add(id(layer))
+        return [(layer, i) for i in range(len(layer.full_pieces()))]
+    subs = _sublayers(layer)
+    inner = {id(v) for sub in subs for v in sub.weights}
+    out: list[tuple[Any, int | None]] = []
+    for v in layer.weights:
+        if id(v) not in inner and id(v) not in seen:
+            seen.add(id(v))
+            out.append((v, None))
+    for sub in subs:
+        out += _handles(sub, seen)
+    return out
+
+
+def _trainable(handle: tuple[Any, int | None], layer_trainable: bool) -> bool:
+    obj, i = handle
+    if not layer_trainable:
+        return False
+    if i is None:
+        return bool(obj.trainable)
+    return bool(obj.trainable) and bool(obj.full_pieces()[i][0][0].trainable)
+
+
+def unsplit_weights(layer: Any) -> list[np.ndarray]:
+    """``layer.get_weights()`` of the user's layer (sharded twins read unsplit)."""
+    out = []
+    for obj, i in _handles(layer, set()):
+        out.append(obj.numpy() if i is None else obj.full_weights()[i])
+    return out
+
+
+def set_unsplit_weights(layer: Any, weights: Sequence[Any]) -> None:
+    """``layer.set_weights`` with the user's layer's arrays (split onto the twins)."""
+    handles = _handles(layer, set())
+    if len(handles) != len(weights):
+        raise ValueError(f"Layer {layer.name!r} has {len(handles)} weight arrays (unsplit, as "
+                         f"the original layer); set_weights received {len(weights)}.")
+    pending: dict[int, tuple[Any, list[Any]]] = {}
+    for (obj, i), w in zip(handles, weights):
+        if i is None:
+            obj.assign(np.asarray(w))
+        else:
+            pending.setdefault(id(obj), (obj, []))[1].append(np.asarray(w))
+    for twin, arrays in pending.values():
+        twin.set_full_weights(arrays)
+
+
+def unsplit_layout(layer: Any) -> list[Any]:
+    """One ``apply.checkpoint.CanonicalWeight`` per trainable weight of the user's layer, in
+    its order: a twin's shards with their concatenation axis (``full_pieces``)."""
+    from tfplan.apply.checkpoint import CanonicalWeight
+
+    out = []
+    trainable = bool(getattr(layer, "trainable", True))
+    for obj, i in _handles(layer, set()):
+        if not _trainable((obj, i), trainable):
+            continue
+        if i is None:
+            out.append(CanonicalWeight(((obj,),)))
+        else:
+            shards, axis = obj.full_pieces()[i]
+            out.append(CanonicalWeight((tuple(shards),), axis))
+    return out
+
+
+# --- nested models across stages ---------------------------------------------------------------
+
+def nested_spans(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """{nested model (top-level name): its devices in stage order} for each nested model
+    whose layers the plan puts on several devices (replica 0's)."""
+    entries = plan.device_of_layer()
+    devices: dict[str, list[str]] = {}
+    for name, device in entries.items():
+        top = name.split(SEPARATOR, 1)[0]
+        if top not in entries:  # a nested model (a block is an entry of its own)
+            devices.setdefault(top, []).append(device)
+    return {top: tuple(dict.fromkeys(ds)) for top, ds in devices.items()
+            if len(set(ds)) > 1}
+
+
+def place_nested(original: Any, clone: Any, device_of_entry: Mapping[str, str],
+                 prefix: str, weights_device: Callable[[str], str] | None = None) -> None:
+    """Move the weights of ``clone`` (a nested model re-created whole from ``original``'s
+    config) to the devices ``device_of_entry`` gives its layers (qualified names,
+    ``prefix`` + name; ``weights_device(device)`` when given: ``apply.offload``), nested
+    models inside it too, and run each of its operations on its layer's device when they
+    are several."""
+    import keras
+
+    from tfplan.apply.placement import operation_devices
+
+    own: dict[str, str] = {}
+    for layer in original.layers:
+        if type(layer).__name__ == "InputLayer":
+            continue
+        twin = clone.get_layer(layer.name)
+        name = prefix + layer.name
+        if isinstance(layer, keras.Model):
+            place_nested(layer, twin, device_of_entry, name + SEPARATOR, weights_device)
+            device = next((d for n, d in device_of_entry.items()
+                           if n.startswith(name + SEPARATOR)), None)
+        else:
+            device = device_of_entry.get(name)
+            if device is not None:
+                _move_variables(layer, twin, weights_device(device) if weights_device
+                                else device)
+        if device is not None:
+            own[layer.name] = device
+    if len(set(own.values())) > 1:
+        first = next(iter(own.values()))
+        devices = operation_devices(clone, own, first)
+        compat.place_operations(clone, lambda op, fn: _on(devices.get(id(op)), fn))
+
+
+def _move_variables(layer: Any, twin: Any, device: str) -> None:
+    mine, theirs = list(layer.variables), list(twin.variables)
+    if [tuple(v.shape) for v in mine] != [tuple(v.shape) for v in theirs]:
+        raise PlannerError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) re-created from its nested "
+            "model's config does not have the same variables as the original, so apply "
+            "cannot place it.")
+    want = short_name(device)
+    for v in theirs:
+        if short_name(v.value.device) != want:
+            compat.move_variable(v, device)
+
+
+def _on(device: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+    import tensorflow as tf
+
+    if device is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tf.device(device):
+            return fn(*args, **kwargs)
+    return run
+
+
+def placed_clone(layer: Any, clone: Any, device_of_entry: Mapping[str, str] | None,
+                 weights_device: Callable[[str], str] | None = None) -> Any:
+    """``clone`` (a nested model re-created from ``layer``) with ``place_nested`` applied
+    when ``device_of_entry`` is given and ``layer`` is a model; else ``clone``."""
+    import keras
+
+    if device_of_entry and isinstance(layer, keras.Model):
+        place_nested(layer, clone, device_of_entry, layer.name + SEPARATOR, weights_device)
+    return clone
+
