@@ -448,8 +448,13 @@ def _measure(args: argparse.Namespace, ui: "UI", input_shapes: Sequence[Any] = (
     source = load_model_source(args.model)
     if args.input_shapes and source.sample_batch is not None:  # measured on sample_batch
         from tfplan.profiler.input_shapes import check_sample_batch
-        check_sample_batch(input_shapes, source.sample_batch(args.batch_size),
-                           "--measure trains on the model file's sample_batch")
+        try:
+            batch = source.sample_batch(args.batch_size)
+        except Exception:  # noqa: BLE001  (measure_source reports the user's error)
+            batch = None
+        if batch is not None:
+            check_sample_batch(input_shapes, batch,
+                               "--measure trains on the model file's sample_batch")
     with ui.status(f"Measuring {args.steps} training steps of {source.name}"):
         return measure_source(source, args.batch_size, logdir=os.path.abspath(args.logdir),
                               steps=args.steps, optimizer=args.optimizer)
