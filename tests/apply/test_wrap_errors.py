@@ -142,13 +142,13 @@ def test_layer_that_cannot_be_recreated_is_named():
     class Box:  # not serializable, so Keras cannot record Scale's config by itself
         value = 2.0
 
-    class Scale(keras.layers.Layer):
+    class Scale(keras.layers.Layer):  # nor does it keep its argument under its own name
         def __init__(self, factor, **kwargs):
             super().__init__(**kwargs)
-            self.factor = factor
+            self._factor = factor
 
         def call(self, x):
-            return x * self.factor.value
+            return x * self._factor.value
 
     inputs = keras.Input(shape=(3,))
     model = keras.Model(inputs, Scale(Box(), name="scale")(keras.layers.Dense(3)(inputs)))
