@@ -62,7 +62,8 @@ PROFILE_BATCH_SIZE = 1  # as `plan analyze`: the cost model scales per sample
 
 def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str | None = None,
          logdir: str | os.PathLike | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-         cluster: ClusterSpec | str | None = None, batch_norm: str = "global") -> Any:
+         cluster: ClusterSpec | str | None = None, batch_norm: str = "global",
+         input_shapes: Any = None) -> Any:
     """Plan ``model`` for this process's devices and return it wrapped (see the module doc).
 
     ``global_batch``: samples per training step (every batch given to ``fit``
@@ -75,7 +76,10 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
     ClusterSpec or ``parse_cluster`` text instead of the devices found
     (``local_cluster()``); the plan's devices must still exist here. ``batch_norm``:
     BatchNormalization statistics, "global" (equal to one device) or "local" (per
-    replica and micro-batch; ``planner.batch_stats``).
+    replica and micro-batch; ``planner.batch_stats``). ``input_shapes``: {input name:
+    per-sample dims} for inputs with dynamic dimensions (a keras_hub backbone's sequence
+    length: ``{"token_ids": (2048,), "padding_mask": (2048,)}``; ``"*"`` for every such
+    input), as ``plan analyze --input-shape``; the wrapped model refuses other shapes.
     """
     _check_global_batch_value(global_batch)
     plan_file = os.environ.get(PLAN_FILE_ENV)
@@ -94,7 +98,7 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
             cluster = parse_cluster(cluster)
         plan = plan_for(model, cluster, global_batch, optimizer=optimizer,
                         precision=precision, time_limit_s=time_limit_s,
-                        batch_norm=batch_norm)
+                        batch_norm=batch_norm, input_shapes=input_shapes)
         if len(workers) > 1:
             check_same_plan(plan)
     check_global_batch(plan, global_batch)
@@ -137,7 +141,7 @@ def auto_devices(cpus: int | None = None) -> tuple[str, ...]:
 
 def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: Any = None,
              precision: str | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-             batch_norm: str = "global") -> Plan:
+             batch_norm: str = "global", input_shapes: Any = None) -> Plan:
     """Profile ``model``, search ``cluster`` and return the plan ``apply.wrap`` will run.
 
     Prints the choice and its reason to stderr.
@@ -148,7 +152,7 @@ def plan_for(model: Any, cluster: ClusterSpec, global_batch: int, *, optimizer: 
     if optimizer is None and getattr(model, "compiled", False):
         optimizer = getattr(model, "optimizer", None)
     profile = profile_model(model, PROFILE_BATCH_SIZE, precision=precision,
-                            optimizer=optimizer)
+                            optimizer=optimizer, input_shapes=input_shapes)
     result = search(profile, cluster, global_batch, time_limit_s=time_limit_s,
                     batch_norm=batch_norm,  # only strategies apply.wrap has engines for
                     admissible=lambda c: not unapplied_dimensions(c))

@@ -239,3 +239,21 @@ def test_gpu_cluster_takes_the_matching_preset(monkeypatch, capsys, name, capabi
     assert cluster.device_names() == ("/device:GPU:0", "/device:GPU:1")
     unknown = "no cluster preset names GPU" in capsys.readouterr().err
     assert unknown == (kind == "NVIDIA-H200")
+
+
+def test_auto_plans_a_model_with_a_dynamic_sequence_for_the_shapes_given(capsys):
+    """A model whose inputs leave the sequence length open is planned for ``input_shapes``
+    (as ``plan analyze --input-shape``); the wrapped model trains on that length and
+    refuses another."""
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(16, 8, name="embed")(ids)
+    model = keras.Model(ids, keras.layers.Dense(4, name="head")(x))
+    with pytest.raises(PlannerError, match="ids"):
+        apply.auto(model, 8, cluster=cpu_cluster(2))
+    wrapped = apply.auto(model, 8, cluster=cpu_cluster(2), input_shapes={"*": (6,)})
+    assert wrapped.plan.model_input_shapes == (("ids", (6,)),)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    wrapped.train_on_batch(rng.integers(0, 16, (8, 6)), rng.normal(size=(8, 6, 4)))
+    with pytest.raises(PlanMismatchError, match="ids"):
+        wrapped.train_on_batch(rng.integers(0, 16, (8, 5)), rng.normal(size=(8, 5, 4)))
