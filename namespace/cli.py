@@ -542,6 +542,11 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     ui.note(f"Model {profile.model_name}: {t['params']:,} params ({fmt_bytes(t['param_bytes'])}), "
             f"{fmt_count(t['flops_fwd'])}FLOP forward + {fmt_count(t['flops_bwd'])}FLOP "
             f"backward per sample, optimizer {profile.optimizer}.")
+    if profile.input_shapes:
+        ui.note("Planned for inputs " + ", ".join(
+            f"{name} (batch, {', '.join(str(d) for d in dims)})"
+            for name, dims in profile.input_shapes) + ": apply refuses batches of other shapes "
+            "where the model leaves a dimension open.")
     ui.table(f"Strategies for {cluster.name}, global batch {args.global_batch} "
              "(ranked by predicted step time; * = chosen)",
              CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen), left_columns=3)
