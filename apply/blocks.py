@@ -47,7 +47,8 @@ from tfplan import compat
 from tfplan.apply.device_names import short_name
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
-from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
+from tfplan.profiler.signature import (SEPARATOR, block_of, keras_base_type,
+                                       profiled_layer_paths)
 
 Step = tuple  # ("layer", name) in a model; ("attr", name) or ("item", name, key) in a block
 
@@ -67,27 +68,29 @@ def resolve_splits(view: Any, plan: Plan) -> tuple[dict[str, str], dict[str, lis
     """(``{top-level layer: split}``, ``{top-level layer: [InnerSplit, ...]}``) of
     ``plan.tp_splits`` on ``view``; PlannerError for a name the model does not have or
     a layer directly inside a nested model."""
-    import keras
+    from tfplan.apply.dimensions import split_refusal
 
-    entries = dict(profiled_layer_paths(view))
+    paths = profiled_layer_paths(view)
+    entries = dict(paths)
+    blocks = block_of(paths)
     top_splits: dict[str, str] = {}
     inner: dict[str, list[InnerSplit]] = {}
     for name, split in plan.tp_splits:
         if name not in entries:
             raise PlannerError(f"Plan {plan.name!r} splits layer {name!r}, which model "
                                f"{view.name!r} does not have. Re-plan for this model.")
+        layer = entries[name]
+        why = split_refusal(name, type(layer).__name__, keras_base_type(layer) or "",
+                            blocks.get(name, ""), split)
+        if why:
+            raise PlannerError(
+                f"Plan {plan.name!r} splits layer {name!r} ({type(layer).__name__}) by "
+                f"{split!r}, which apply cannot run: {why}. Leave that layer replicated (remove it from tp_splits) or "
+                "re-plan.")
         if SEPARATOR not in name:
             top_splits[name] = split
             continue
         chain = _chain(view, entries, name)
-        parent = chain[-2]
-        if isinstance(parent, keras.Model):
-            raise PlannerError(
-                f"Plan {plan.name!r} splits layer {name!r}, a layer of nested model "
-                f"{parent.name!r}; apply splits top-level layers and the sub-layers of "
-                "blocks (custom layers such as transformer blocks), not a nested model's "
-                "own layers (its graph holds them). Leave that layer replicated (remove it "
-                "from tp_splits), or build the model from the nested model's layers.")
         top = name.split(SEPARATOR, 1)[0]
         steps = tuple(_step(p, c) for p, c in zip(chain[1:-1], chain[2:]))
         inner.setdefault(top, []).append(InnerSplit(name, top, steps, split))

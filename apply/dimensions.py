@@ -128,3 +128,53 @@ def _context_mode_rule(s: Any, mode: Any) -> list[str]:
 
 def _one_host(mode: Any) -> bool:
     return mode is None or mode.processes is Processes.ONE_HOST
+
+
+# --- tensor-parallel splits: which entries of a profile a plan may split ---------------------
+
+SPLIT_TYPES = {"column": ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D"),
+               "row": ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D"),
+               "heads": ("MultiHeadAttention", "GroupedQueryAttention"),
+               "vocab": ("Embedding",)}
+"""The Keras classes (``type(layer).__name__``; ``keras.layers.GroupQueryAttention``'s
+class is ``GroupedQueryAttention``) each split runs on (``apply.sharded_layers``)."""
+
+SPLIT_SUBCLASSES = {"heads": (("CachedMultiHeadAttention", "MultiHeadAttention"),)}
+"""(class, the Keras class it derives from) of the subclasses a split runs on too:
+keras_hub's CachedMultiHeadAttention, whose training call is MultiHeadAttention's on the
+block's mask (``apply.sharded_attention.ShardedCachedMultiHeadAttention``). Any other
+subclass may compute something else in its ``call`` and is refused."""
+
+
+def split_refusal(name: str, type_name: str, base_type: str, block: str,
+                  split: str) -> str | None:
+    """Why ``apply`` cannot split profile entry ``name`` by ``split``, or None when it can
+    (as far as the entry's place and class tell; the layer's configuration is checked when
+    the twin is built: ``apply.sharded_layers``). Pure: the arguments are a
+    ``profiler.model_profile.LayerProfile``'s ``name``, ``type``, ``base_type`` and
+    ``block``, so a search can filter on the same rule.
+
+    * Place: a top-level layer (no ``/`` in its name) or a sub-layer of a block at any
+      depth (``block`` set, ``name`` not the block's own entry). A nested model's own
+      layers (``/`` in the name, no block) are refused: the nested model's graph holds
+      them.
+    * Class: ``SPLIT_TYPES[split]`` exactly (``base_type`` empty or the class itself), or
+      a pair of ``SPLIT_SUBCLASSES[split]``.
+    """
+    if split not in SPLIT_TYPES:
+        return (f"{split!r} is not a split apply runs (column, row, heads, vocab)")
+    if name == block:
+        return (f"it is a block (a {type_name} with sub-layers, run by its own code); "
+                "split its sub-layers instead")
+    if "/" in name and not block:
+        return ("it is a layer of a nested model (the nested model's graph holds it); apply "
+                "splits top-level layers and the sub-layers of blocks")
+    own = base_type in ("", type_name)
+    if own and type_name in SPLIT_TYPES[split]:
+        return None
+    if (type_name, base_type) in SPLIT_SUBCLASSES.get(split, ()):
+        return None
+    kinds = ", ".join(SPLIT_TYPES[split] + tuple(c for c, _ in SPLIT_SUBCLASSES.get(split, ())))
+    what = type_name if own else f"{type_name}, a subclass of {base_type}"
+    return (f"it is a {what}; apply splits {split!r} for {kinds} only (Keras' own classes: "
+            "a subclass's call may compute something else)")

@@ -1,0 +1,284 @@
+"""apply.wrap with plans whose stages list blocks and their sub-layers (``apply.blocks``):
+tensor-parallel splits of a block's sub-layers swapped in place, blocks whole on a pipeline
+stage, nested models (keras_hub backbones) placed across stages; 10 steps equal to one
+device, every weight, shard and optimizer slot on its planned device.
+
+Models: ``tests/apply/tiny_block.py`` (a user's composite layer ``x + down(up(x))`` used
+twice) and ``tests/apply/tiny_hub.py`` (keras_hub GPT-2, Llama 3 and Gemma backbones with
+random weights in a Functional model with fixed inputs and a Dense head). Runs on the 8
+logical CPU devices of tests/conftest.py.
+"""
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfplan import apply
+from tfplan.apply.dimensions import split_refusal
+from tfplan.apply.placement import devices_of
+from tfplan.apply.sharded_base import Sharded
+from tfplan.core.errors import PlannerError
+from tfplan.planner.plan import Plan
+from tfplan.profiler.signature import (block_of, model_signature, own_weights,
+                                       profiled_layer_paths)
+from tests.apply import helpers
+from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
+                                 cpus, fresh_optimizer, load_model_file, make_plan,
+                                 step_losses, tp_plan)
+
+STEPS = 10
+pytest.importorskip("keras_hub")
+
+
+def _short(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
+def _stage_of(plan: Plan, name: str, blocks: dict[str, str]) -> int:
+    for k, stage in enumerate(plan.stages):
+        if name in stage.layers:
+            return k
+    # a weightless sub-layer a block makes in its build (Keras names it anew in a clone)
+    return _stage_of(plan, blocks[name.rsplit("/", 1)[0]], blocks)
+
+
+def assert_placement(wrapped, plan: Plan) -> None:
+    """Every weight of every replica on the device the plan names for its entry (a shard
+    t of a split sub-layer on its stage's tensor rank t, anything else on rank 0), every
+    device of the plan used, and each Adam slot beside its variable."""
+    tp = max(1, plan.strategy.tp)
+    splits = dict(plan.tp_splits)
+    used = set()
+    replicas = wrapped.replica_models() if hasattr(wrapped, "replica_models") else (wrapped,)
+    for r, replica in enumerate(replicas):
+        paths = profiled_layer_paths(replica)
+        blocks = {name: block for name, block in block_of(paths).items()}
+        for name, layer in paths:
+            assert isinstance(layer, Sharded) == (name in splits), name
+            if not own_weights(layer):
+                continue
+            stage = plan.stages[_stage_of(plan, name, blocks)]
+            for v in own_weights(layer):
+                if isinstance(v.value, tf.distribute.DistributedValues):  # MirroredStrategy
+                    assert devices_of(v) == list(stage.devices), (name, v.path)
+                    used.update(stage.devices)
+                    continue
+                match = re.search(r"_(\d+)$", v.name)
+                rank = int(match.group(1)) if isinstance(layer, Sharded) and match else 0
+                want = stage.devices[r * tp + rank]
+                assert _short(v.value.device) == want, (r, name, v.path, v.value.device)
+                used.add(want)
+    assert used == set(plan.devices)
+    optimizer = wrapped.optimizer
+    variables = wrapped.trainable_variables
+    for slots in (optimizer._momentums, optimizer._velocities):
+        assert len(slots) == len(variables)
+        for v, slot in zip(variables, slots):
+            assert devices_of(slot) == devices_of(v), (slot.path, v.path)
+
+
+# --- a user's block ----------------------------------------------------------------------------
+BLOCK_SPLITS = (("block_0/up", "column"), ("block_0/down", "row"),
+                ("block_1/up", "column"), ("block_1/down", "row"))
+BLOCK_STAGES = [["embed", "block_0", "block_0/up", "block_0/down"],
+                ["block_1", "block_1/up", "block_1/down", "head"]]
+
+
+def _block_plan(case: str, model) -> Plan:
+    if case == "single":
+        return make_plan(model, [cpus(1)])
+    if case == "dp2":
+        return make_plan(model, [cpus(0, 1)])
+    if case == "tp2":
+        return tp_plan(model, [cpus(0, 1)], BLOCK_SPLITS)
+    if case == "pp2":
+        return make_plan(model, [cpus(2), cpus(3)], stage_layers=BLOCK_STAGES,
+                         num_microbatches=2)
+    if case == "pp2-tp2":  # stages cut in halves: BLOCK_STAGES
+        plan = tp_plan(model, [cpus(0, 1), cpus(2, 3)], BLOCK_SPLITS)
+        assert [list(s.layers) for s in plan.stages] == BLOCK_STAGES
+        return plan
+    assert case == "dp2-tp2"
+    return tp_plan(model, [cpus(4, 5, 6, 7)], BLOCK_SPLITS, dp=2)
+
+
+def test_the_block_and_its_sub_layers_are_entries():
+    _, model = base_model("tiny_block")
+    names = [n for n, _, _ in model_signature(model)]
+    assert names == ["embed", "block_0", "block_0/up", "block_0/down", "block_1", "block_1/up",
+                     "block_1/down", "head"]
+
+
+@pytest.mark.parametrize("case", ["single", "dp2", "tp2", "pp2", "pp2-tp2", "dp2-tp2"])
+def test_user_block_trains_like_one_device(case):
+    module, model = base_model("tiny_block")
+    plan = _block_plan(case, model)
+    wrapped = apply.wrap(model, plan)
+    batches = batches_of(module, STEPS, GLOBAL_BATCH)
+    x = batches[0][0]
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-5)
+    for got, want in zip(wrapped.get_weights(), model.get_weights()):  # read back unsplit
+        np.testing.assert_array_equal(got, want)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    assert_losses_match(step_losses(wrapped, batches),
+                        helpers.reference_losses("tiny_block", STEPS))
+    assert_placement(wrapped, plan)
+    if plan.strategy.tp > 1:  # the twin sits where the Dense was, in the block's tracking
+        block = wrapped.get_layer("block_0")
+        assert isinstance(block.up, Sharded) and isinstance(block.down, Sharded)
+        assert block._flatten_layers(include_self=False, recursive=False) == [block.up,
+                                                                              block.down]
+
+
+def test_row_sub_layer_reads_the_column_sub_layers_shards_in_place():
+    module, model = base_model("tiny_block")
+    wrapped = apply.wrap(model, tp_plan(model, [cpus(2, 3)], BLOCK_SPLITS))
+    x, _ = module.sample_batch(GLOBAL_BATCH)
+    graph = tf.function(lambda t: wrapped(t)).get_concrete_function(tf.constant(x)).graph
+    ops = graph.get_operations()  # named <model>/block_0[_k]/down[_k]/MatMul, ...
+    down = [op for op in ops if re.search(r"/block_0(_\d+)?/down(_\d+)?/", op.name)]
+    assert sorted(_short(op.device) for op in down if op.type == "MatMul") == cpus(2, 3)
+    assert not [op for op in down if op.type == "StridedSlice"]  # no slicing: in place
+    # the block's own code (the residual add) on its stage's rank 0
+    residual = [op for op in ops if re.search(r"/block_0(_\d+)?/add$", op.name)]
+    assert residual and {_short(op.device) for op in residual} == {cpus(2)[0]}
+
+
+def test_block_weight_files_are_the_users(tmp_path):
+    module, model = base_model("tiny_block")
+    wrapped = apply.wrap(model, tp_plan(model, [cpus(0, 1)], BLOCK_SPLITS))
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    batches = batches_of(module, 2, GLOBAL_BATCH)
+    step_losses(wrapped, batches)
+    path = str(tmp_path / "tp.weights.h5")
+    wrapped.save_weights(path)
+    plain = keras.models.clone_model(model)
+    plain.load_weights(path)
+    x = batches[0][0]
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), plain.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-6)
+    model.save_weights(str(tmp_path / "plain.weights.h5"))
+    wrapped.load_weights(str(tmp_path / "plain.weights.h5"))
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
+    _, model = base_model("tiny_block")
+    with pytest.raises(PlannerError, match=r"'block_0' \(Residual\) by 'column'.*is a block"):
+        apply.wrap(model, tp_plan(model, [cpus(0, 1)], (("block_0", "column"),)))
+    assert split_refusal("gpt2/token_embedding", "ReversibleEmbedding", "Embedding", "",
+                         "vocab").startswith("it is a layer of a nested model")
+    assert "subclass of Embedding" in split_refusal(
+        "block/emb", "ReversibleEmbedding", "Embedding", "block", "vocab")
+    assert split_refusal("llama/transformer_layer_0/self_attention/query", "EinsumDense", "",
+                         "llama/transformer_layer_0", "column") is None
+    assert split_refusal("gpt2/transformer_layer_0/self_attention", "CachedMultiHeadAttention",
+                         "MultiHeadAttention", "gpt2/transformer_layer_0", "heads") is None
+
+
+# --- keras_hub backbones -----------------------------------------------------------------------
+HUB = load_model_file("tiny_hub")
+BLOCK_NAME = {"gpt2": "transformer_layer", "llama": "transformer_layer", "gemma": "decoder_block"}
+# Megatron's pattern inside each block, as far as apply runs it (module docstring of
+# apply.blocks): GPT-2's attention by heads, Llama's and Gemma's projections column/row
+HUB_SPLITS = {
+    "gpt2": (("self_attention", "heads"), ("feedforward_intermediate_dense", "column"),
+             ("feedforward_output_dense", "row")),
+    "llama": (("self_attention/query", "column"), ("self_attention/key", "column"),
+              ("self_attention/value", "column"), ("self_attention/attention_output", "row"),
+              ("feedforward_gate_dense", "column"),
+              ("feedforward_intermediate_dense", "column"),
+              ("feedforward_output_dense", "row")),
+    "gemma": (("attention/query", "column"), ("attention/key", "column"),
+              ("attention/value", "column"), ("attention/attention_output", "row"),
+              ("ffw_gating", "column"), ("ffw_gating_2", "column"), ("ffw_linear", "row")),
+}
+_HUB: dict[str, tuple] = {}
+
+
+def hub(kind: str):
+    """(model, batches, one-device losses) for backbone ``kind``, made once."""
+    if kind not in _HUB:
+        keras.utils.set_random_seed(0)
+        model = HUB.build_model(kind)
+        x, y = HUB.sample_batch(STEPS * GLOBAL_BATCH)
+        batches = [({k: v[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for k, v in x.items()},
+                    y[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]) for i in range(STEPS)]
+        reference = keras.models.clone_model(model)
+        reference.set_weights(model.get_weights())
+        reference.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+        _HUB[kind] = (model, batches, step_losses(reference, batches))
+    return _HUB[kind]
+
+
+def hub_plan(kind: str, case: str, model) -> Plan:
+    names = [n for n, _, _ in model_signature(model)]
+    splits = tuple((f"{kind}/{BLOCK_NAME[kind]}_{i}/{sub}", split)
+                   for i in range(2) for sub, split in HUB_SPLITS[kind])
+    if case == "dp2":
+        return make_plan(model, [cpus(0, 1)])
+    if case == "tp2":
+        return tp_plan(model, [cpus(0, 1)], splits)
+    if case == "dp2-tp2":
+        return tp_plan(model, [cpus(4, 5, 6, 7)], splits, dp=2)
+    assert case == "pp2"  # the cut between the two blocks, inside the nested backbone
+    cut = names.index(f"{kind}/{BLOCK_NAME[kind]}_1")
+    return make_plan(model, [cpus(2), cpus(3)], stage_layers=[names[:cut], names[cut:]],
+                     num_microbatches=2)
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
+@pytest.mark.parametrize("case", ["dp2", "tp2", "pp2", "dp2-tp2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma"])
+def test_keras_hub_backbone_trains_like_one_device(kind, case):
+    model, batches, reference = hub(kind)
+    plan = hub_plan(kind, case, model)
+    wrapped = apply.wrap(model, plan)
+    x = batches[0][0]
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-4, atol=1e-5)
+    wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+    assert_losses_match(step_losses(wrapped, batches), reference)
+    assert_placement(wrapped, plan)
+    for got, want in zip(wrapped.get_weights(), model.get_weights()):  # unsplit, in order
+        assert got.shape == want.shape
+
+
+def test_keras_hub_weight_files_load_both_ways(tmp_path):
+    model, batches, _ = hub("llama")
+    x = batches[0][0]
+    plain_file = str(tmp_path / "plain.weights.h5")
+    model.save_weights(plain_file)
+    wrapped = apply.wrap(HUB.build_model("llama"), hub_plan("llama", "tp2", model))
+    wrapped.load_weights(plain_file)  # a keras_hub checkpoint into the split model
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-4, atol=1e-5)
+    wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+    step_losses(wrapped, batches[:2])
+    split_file = str(tmp_path / "split.weights.h5")
+    wrapped.save_weights(split_file)
+    plain = HUB.build_model("llama")  # other random weights, then the trained ones
+    plain.load_weights(split_file)
+    np.testing.assert_allclose(plain.predict_on_batch(x), wrapped.predict_on_batch(x),
+                               rtol=1e-4, atol=1e-5)
+    for got, want in zip(plain.get_weights(), wrapped.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_gpt2_split_attention_refuses_a_cache():
+    model, batches, _ = hub("gpt2")
+    wrapped = apply.wrap(model, hub_plan("gpt2", "tp2", model))
+    attention = wrapped.get_layer("gpt2").get_layer("transformer_layer_0")._self_attention_layer
+    assert isinstance(attention, Sharded) and type(attention).__name__ == (
+        "CachedMultiHeadAttention")
+    h = tf.zeros((2, 8, 16))
+    cache = tf.zeros((2, 2, 8, 4, 4))
+    with pytest.raises(PlannerError, match="key/value cache"):
+        attention(h, h, cache=cache, cache_update_index=0)
