@@ -173,6 +173,12 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
     _, model = base_model("tiny_block")
     with pytest.raises(PlannerError, match=r"'block_0' \(Residual\) by 'column'.*is a block"):
         apply.wrap(model, tp_plan(model, [cpus(0, 1)], (("block_0", "column"),)))
+    inner = keras.Input((4,))
+    trunk = keras.Model(inner, keras.layers.Dense(8, name="proj")(inner), name="trunk")
+    x = keras.Input((4,))
+    nested = keras.Model(x, keras.layers.Dense(2, name="out")(trunk(x)))
+    with pytest.raises(PlannerError, match=r"'trunk/proj' \(Dense\) by 'column'.*nested model"):
+        apply.wrap(nested, tp_plan(nested, [cpus(0, 1)], (("trunk/proj", "column"),)))
     assert split_refusal("gpt2/token_embedding", "ReversibleEmbedding", "Embedding", "",
                          "vocab").startswith("it is a layer of a nested model")
     assert "subclass of Embedding" in split_refusal(
@@ -185,12 +191,15 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
 
 # --- keras_hub backbones -----------------------------------------------------------------------
 HUB = load_model_file("tiny_hub")
-BLOCK_NAME = {"gpt2": "transformer_layer", "llama": "transformer_layer", "gemma": "decoder_block"}
+BLOCK_NAME = {"gpt2": "transformer_layer", "llama": "transformer_layer", "gemma": "decoder_block",
+              "decoder": "transformer_layer"}
 # Megatron's pattern inside each block, as far as apply runs it (module docstring of
 # apply.blocks): GPT-2's attention by heads, Llama's and Gemma's projections column/row
 HUB_SPLITS = {
     "gpt2": (("self_attention", "heads"), ("feedforward_intermediate_dense", "column"),
              ("feedforward_output_dense", "row")),
+    "decoder": (("self_attention", "heads"), ("feedforward_intermediate_dense", "column"),
+                ("feedforward_output_dense", "row")),
     "llama": (("self_attention/query", "column"), ("self_attention/key", "column"),
               ("self_attention/value", "column"), ("self_attention/attention_output", "row"),
               ("feedforward_gate_dense", "column"),
@@ -220,7 +229,8 @@ def hub(kind: str):
 
 def hub_plan(kind: str, case: str, model) -> Plan:
     names = [n for n, _, _ in model_signature(model)]
-    splits = tuple((f"{kind}/{BLOCK_NAME[kind]}_{i}/{sub}", split)
+    prefix = "" if kind == "decoder" else f"{kind}/"  # top-level blocks, or a backbone's
+    splits = tuple((f"{prefix}{BLOCK_NAME[kind]}_{i}/{sub}", split)
                    for i in range(2) for sub, split in HUB_SPLITS[kind])
     if case == "dp2":
         return make_plan(model, [cpus(0, 1)])
@@ -228,15 +238,15 @@ def hub_plan(kind: str, case: str, model) -> Plan:
         return tp_plan(model, [cpus(0, 1)], splits)
     if case == "dp2-tp2":
         return tp_plan(model, [cpus(4, 5, 6, 7)], splits, dp=2)
-    assert case == "pp2"  # the cut between the two blocks, inside the nested backbone
-    cut = names.index(f"{kind}/{BLOCK_NAME[kind]}_1")
+    assert case == "pp2"  # the cut between the two blocks (inside the nested backbone)
+    cut = names.index(f"{prefix}{BLOCK_NAME[kind]}_1")
     return make_plan(model, [cpus(2), cpus(3)], stage_layers=[names[:cut], names[cut:]],
                      num_microbatches=2)
 
 
 @pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
 @pytest.mark.parametrize("case", ["dp2", "tp2", "pp2", "dp2-tp2"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma", "decoder"])
 def test_keras_hub_backbone_trains_like_one_device(kind, case):
     model, batches, reference = hub(kind)
     plan = hub_plan(kind, case, model)

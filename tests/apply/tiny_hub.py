@@ -4,7 +4,8 @@ inside blocks (``tests/apply/test_blocks.py``).
 
 ``build_model(kind)`` calls the backbone (a nested model: the plan names its layers
 ``<kind>/...``, its transformer blocks' sub-layers ``<kind>/transformer_layer_0/...``) on
-``token_ids`` and ``padding_mask`` of length ``SEQ`` and maps each position's hidden state
+``token_ids`` and ``padding_mask`` of length ``SEQ`` (``"decoder"``: keras_hub's
+TransformerDecoder blocks at the top level instead, ``decoders``) and maps each position's hidden state
 to ``OUT`` numbers; the loss is the mean squared error against random targets
 (``sample_batch``). Dropout is 0 (an unsplit and a split layer draw different masks).
 """
@@ -35,10 +36,24 @@ def backbone(kind):
     raise ValueError(kind)
 
 
+def decoders(inputs):
+    """keras_hub's TransformerDecoder blocks as top-level layers (no backbone): an
+    Embedding, two decoder blocks named ``transformer_layer_0/1`` (GPT-2's)."""
+    import keras_hub
+
+    x = keras.layers.Embedding(VOCAB, 16, name="embed")(inputs["token_ids"])
+    for i in range(2):
+        x = keras_hub.layers.TransformerDecoder(
+            intermediate_dim=32, num_heads=4, dropout=0.0, activation="gelu",
+            normalize_first=True, name=f"transformer_layer_{i}")(
+                x, decoder_padding_mask=inputs["padding_mask"])
+    return x
+
+
 def build_model(kind="llama"):
     inputs = {"token_ids": keras.Input((SEQ,), dtype="int32", name="token_ids"),
               "padding_mask": keras.Input((SEQ,), dtype="int32", name="padding_mask")}
-    hidden = backbone(kind)(inputs)
+    hidden = decoders(inputs) if kind == "decoder" else backbone(kind)(inputs)
     outputs = keras.layers.Dense(OUT, name="head")(hidden)
     return keras.Model(inputs, outputs, name=f"tiny_{kind}")
 
