@@ -11,7 +11,10 @@ different devices at the same time. Placement is by hand with ``tf.device``,
 TensorFlow's own placer doing the rest:
 
 * variables: each layer is re-created and built under ``tf.device`` of its
-  stage's device (``apply.cloning``), so its weights live there;
+  stage's device (``apply.cloning``), so its weights live there; a block (a custom
+  layer with sub-layers) whole on its stage; a nested model whose layers span stages is
+  re-created whole, its layers' weights moved to their stages and its operations run
+  there (``apply.blocks.place_nested``);
 * forward ops: ``PlacedModel._run_through_graph`` runs each operation of the
   functional graph under its device (``apply.placement.operation_devices``);
   the loss, the metrics and the micro-batch split run on the device of the

@@ -8,6 +8,8 @@ the ranks' outputs, where the output bias is added). With sequence parallelism
 (``apply.sequence_parallel``) each rank gathers a sequence-sharded input and the sum
 is reduce-scattered into sequence pieces instead. Weights read and write unsplit:
 the projections' entries (``query_dense``, ...) save the unsplit layer's arrays.
+keras_hub's CachedMultiHeadAttention (GPT-2's blocks) splits the same way
+(``ShardedCachedMultiHeadAttention``: training calls, no key/value cache).
 """
 from __future__ import annotations
 

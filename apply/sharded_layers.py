@@ -52,7 +52,9 @@ first data or LoRA enabled; attention with a gate, inputs of rank other
 than 3, custom attention axes or a multi-axis output; grouped-query attention with
 dropout; EinsumDense equations with
 ``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
-input axis (row); subclasses of these layers (their ``call`` may differ).
+input axis (row); subclasses of these layers (their ``call`` may differ), but keras_hub's
+CachedMultiHeadAttention, split by heads (``apply.sharded_attention``). A split sub-layer
+of a block is swapped into the block in place (``apply.blocks``).
 """
 from __future__ import annotations
 

@@ -12,6 +12,12 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   0 of its stage (``devices[r * tp]``). Replicated layers are therefore not
   duplicated on every rank as in Megatron-LM, which changes where work runs, not
   the result.
+* A split may name a block's sub-layer (``block/sub``, at any depth, in a nested model
+  too; ``apply.blocks``): the block is re-created on its stage's rank 0 (a nested model
+  whole, from its config) and the sub-layer is swapped for its sharded twin in place (the
+  parent's attribute and Keras' tracking); the block's own code runs unsplit on rank 0.
+  A nested model whose layers span stages has their weights moved and its operations
+  placed on their stages (``apply.blocks.place_nested``).
 * Everything else is ``apply.pipeline``'s: each operation runs under its layer's
   device, gradients come from ``tf.gradients`` (colocated with their forward ops,
   so each shard's backward runs on its rank), optimizer slots and updates sit with
@@ -45,7 +51,9 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
 Across worker processes: each worker's part of a plan whose replicas stay inside a
 worker (``apply.multi_worker_hybrid``), or the whole plan driven by worker 0 when a
 replica spans workers (``apply.remote``). Not applied: the layer configurations
-``apply.sharded_layers`` lists.
+``apply.sharded_layers`` lists, and the splits ``apply.dimensions.split_refusal`` refuses
+(a block's own entry, a nested model's own layers, subclasses but keras_hub's
+CachedMultiHeadAttention).
 """
 from __future__ import annotations
 

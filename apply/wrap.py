@@ -43,7 +43,8 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      (``apply.remote``) and the mode is the one-host mode above for the plan's shape;
 
 3. the model is re-created with the plan's placement and the user's current
-   weights; if the user's model was compiled, the wrapped one is compiled from
+   weights (a block whole on its stage, its split sub-layers swapped in place, a
+   nested model's layers on their own stages: ``apply.blocks``); if the user's model was compiled, the wrapped one is compiled from
    its compile config (a fresh optimizer; optimizer state is not carried over).
    Compiling the wrapped model again later works as usual;
 4. a plan's ``recompute`` is applied in every mode (``apply.recompute``: the
