@@ -189,6 +189,24 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
                          "MultiHeadAttention", "gpt2/transformer_layer_0", "heads") is None
 
 
+def test_a_planner_made_plan_for_the_blocks_trains():
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
+
+    profile = profile_source(load_model_source(f"{helpers.HERE}/tiny_block.py"), batch_size=1)
+    # a large global batch makes splitting pay on cpu:8
+    plan = search(profile, parse_cluster("cpu:8"), 4096,
+                  fix={"tp": 2, "dp": 1, "pp": 1, "num_microbatches": 1}).chosen
+    module, model = base_model("tiny_block")
+    wrapped = apply.wrap(model, plan)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    losses = step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)[:3])
+    assert_losses_match(losses, helpers.reference_losses("tiny_block", STEPS)[:3])
+    assert_placement(wrapped, wrapped.plan)
+
+
 # --- keras_hub backbones -----------------------------------------------------------------------
 HUB = load_model_file("tiny_hub")
 BLOCK_NAME = {"gpt2": "transformer_layer", "llama": "transformer_layer", "gemma": "decoder_block",
