@@ -57,7 +57,7 @@ def assert_placement(wrapped, plan: Plan) -> None:
     replicas = wrapped.replica_models() if hasattr(wrapped, "replica_models") else (wrapped,)
     for r, replica in enumerate(replicas):
         paths = profiled_layer_paths(replica)
-        blocks = {name: block for name, block in block_of(paths).items()}
+        blocks = block_of(paths)
         for name, layer in paths:
             assert isinstance(layer, Sharded) == (name in splits), name
             if not own_weights(layer):
