@@ -18,6 +18,8 @@ from typing import Any
 from tfplan.apply.mode import Mode, Processes, run_processes
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
+from tfplan.profiler import comm
+from tfplan.profiler.comm import COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES
 
 
 def unapplied(plan: Plan, mode: Any = None) -> list[str]:
@@ -132,14 +134,15 @@ def _one_host(mode: Any) -> bool:
 
 # --- tensor-parallel splits: which entries of a profile a plan may split ---------------------
 
-SPLIT_TYPES = {"column": ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D"),
-               "row": ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D"),
-               "heads": ("MultiHeadAttention", "GroupedQueryAttention"),
-               "vocab": ("Embedding",)}
+SPLIT_TYPES = {"column": COLUMN_ROW_TYPES, "row": COLUMN_ROW_TYPES,
+               "heads": HEAD_SPLIT_TYPES, "vocab": VOCAB_SPLIT_TYPES}
 """The Keras classes (``type(layer).__name__``; ``keras.layers.GroupQueryAttention``'s
-class is ``GroupedQueryAttention``) each split runs on (``apply.sharded_layers``)."""
+class is ``GroupedQueryAttention``) each split runs on (``apply.sharded_layers``): the
+classes the planner offers them to (``profiler.comm``), one table for both."""
 
-SPLIT_SUBCLASSES = {"heads": (("CachedMultiHeadAttention", "MultiHeadAttention"),)}
+SPLIT_SUBCLASSES = {split: tuple((sub, base) for sub, base in comm.SPLIT_SUBCLASSES.items()
+                                 if base in SPLIT_TYPES[split])
+                    for split in SPLIT_TYPES}
 """(class, the Keras class it derives from) of the subclasses a split runs on too:
 keras_hub's CachedMultiHeadAttention, whose training call is MultiHeadAttention's on the
 block's mask (``apply.sharded_attention.ShardedCachedMultiHeadAttention``). Any other

@@ -56,16 +56,19 @@ VOCAB_SPLIT_TYPES = ("Embedding",)
 # subclasses of those Keras layers that ``apply`` splits as their Keras class (their
 # training call is the base class's): keras_hub's attention with a key/value cache
 # (``cache=None`` in training). Other subclasses stay whole: their ``call`` may differ.
-SPLIT_SUBCLASSES = ("CachedMultiHeadAttention",)
+SPLIT_SUBCLASSES = {"CachedMultiHeadAttention": "MultiHeadAttention"}
 
 
 def split_kind(layer: LayerProfile) -> str:
-    """The Keras class whose tensor-parallel splits ``layer`` may take: its own type, the
-    Keras class a ``SPLIT_SUBCLASSES`` subclass derives from, or "" (another subclass:
-    replicated)."""
-    if not layer.base_type:
+    """The Keras class whose tensor-parallel splits ``layer`` may take ("": none), by the
+    rule ``apply.dimensions.split_refusal`` applies: a top-level layer or a sub-layer of a
+    block (not a block's own entry, not a layer of a nested model, which its graph holds),
+    of Keras' own class or a ``SPLIT_SUBCLASSES`` subclass."""
+    if layer.name == layer.block or ("/" in layer.name and not layer.block):
+        return ""
+    if not layer.base_type or layer.base_type == layer.type:
         return layer.type
-    return layer.base_type if layer.type in SPLIT_SUBCLASSES else ""
+    return layer.base_type if SPLIT_SUBCLASSES.get(layer.type) == layer.base_type else ""
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,29 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
                          "MultiHeadAttention", "gpt2/transformer_layer_0", "heads") is None
 
 
+@pytest.mark.parametrize("name, type_name, base_type, block", [
+    ("dense", "Dense", "", ""), ("attention", "MultiHeadAttention", "", ""),
+    ("emb", "Embedding", "", ""), ("emb", "ReversibleEmbedding", "", ""),
+    ("m/dense", "Dense", "", ""), ("b", "MyBlock", "", "b"),
+    ("b/q", "EinsumDense", "", "b"), ("b/attn", "CachedMultiHeadAttention",
+                                      "MultiHeadAttention", "b"),
+    ("b/mine", "MyDense", "Dense", "b"), ("m/b/fc", "Dense", "", "m/b"),
+    ("b/gqa", "GroupedQueryAttention", "", "b"), ("b/conv", "Conv2D", "", "b")])
+def test_the_planner_offers_exactly_the_splits_apply_runs(name, type_name, base_type, block):
+    """profiler.comm (what the planner offers) and apply.dimensions.split_refusal (what
+    apply runs) agree on every place and class."""
+    from tfplan.profiler.comm import layer_comm
+    from tfplan.profiler.model_profile import LayerProfile
+
+    layer = LayerProfile(name=name, type=type_name, params=1, trainable_params=1,
+                         param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4,
+                         flops_fwd=1, flops_bwd=2, base_type=base_type, block=block)
+    offered = {s.split for s in layer_comm(layer, 4).tp_splits}
+    runs = {split for split in ("column", "row", "heads", "vocab")
+            if split_refusal(name, type_name, base_type, block, split) is None}
+    assert offered == runs
+
+
 def test_a_planner_made_plan_for_the_blocks_trains():
     from tfplan.core.presets import parse_cluster
     from tfplan.planner.search import search
