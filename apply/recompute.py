@@ -56,16 +56,14 @@ def recomputed_layers(plan: Plan, view: Any) -> tuple[tuple[str, ...], tuple[str
     mode = plan.strategy.recompute
     if mode == "none":
         return (), ()
-    if mode == "full":
-        wanted = {name.split("/", 1)[0] for name, _, _ in plan.model_signature}
-    else:  # selective
-        wanted = {name.split("/", 1)[0] for name, kind, _ in plan.model_signature
-                  if kind in HEAD_SPLIT_TYPES}
+    wanted = {name.split("/", 1)[0] for name, _, _ in plan.model_signature}
     chosen, stateful = [], []
     for layer in view.layers:
         if layer.name not in wanted:
             continue
         holders = [layer] if mode == "full" else attention_layers(layer)
+        if not holders:  # selective: no attention in it
+            continue
         has_state = any(h.non_trainable_variables for h in holders)
         (stateful if has_state else chosen).append(layer.name)
     return tuple(chosen), tuple(stateful)
@@ -81,11 +79,17 @@ def split_recompute(plan: Plan, chosen: Collection[str]
 
 
 def attention_layers(layer: Any) -> list[Any]:
-    """The attention layers (``HEAD_SPLIT_TYPES`` and their subclasses) in ``layer``: the
-    layer itself, or those of a nested model, at any depth."""
+    """The attention layers (``HEAD_SPLIT_TYPES`` and their subclasses, keras_hub's
+    ``CachedMultiHeadAttention`` among them) in ``layer``: the layer itself, or those of a
+    nested model or a block (``profiler.signature.is_block``: a custom layer with
+    sub-layers), at any depth -- the layers whose cores the planner's selective
+    recomputation prices (a custom attention layer's own core is not one of them)."""
+    from tfplan.profiler.signature import is_block, sublayers
+
     if any(cls.__name__ in HEAD_SPLIT_TYPES for cls in type(layer).__mro__):
         return [layer]
-    return [a for inner in getattr(layer, "layers", ()) for a in attention_layers(inner)]
+    inner = sublayers(layer) if is_block(layer) else getattr(layer, "layers", ())
+    return [a for sub in inner for a in attention_layers(sub)]
 
 
 def recompute_attention_cores(model: Any, names: Collection[str]) -> int:

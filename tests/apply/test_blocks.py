@@ -10,6 +10,7 @@ logical CPU devices of tests/conftest.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import keras
@@ -333,3 +334,23 @@ def test_gpt2_split_attention_refuses_a_cache():
     cache = tf.zeros((2, 2, 8, 4, 4))
     with pytest.raises(PlannerError, match="key/value cache"):
         attention(h, h, cache=cache, cache_update_index=0)
+
+
+@pytest.mark.parametrize("case", ["single", "tp2"])
+def test_selective_recomputation_reaches_the_attention_inside_blocks(case):
+    """The planner prices selective recomputation for the attention layers inside blocks
+    (GPT-2's CachedMultiHeadAttention); apply recomputes their cores, whole or split, and
+    trains like one device."""
+    model, batches, reference = hub("gpt2")
+    plan = make_plan(model, [cpus(0)]) if case == "single" else hub_plan("gpt2", "tp2", model)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                  recompute="selective"))
+    wrapped = apply.wrap(model, plan)
+    assert len(wrapped.recompute_cores) == 1  # the backbone, whose two blocks hold them
+    from tfplan import compat
+    from tfplan.apply.recompute import attention_layers
+    cores = [layer for name in wrapped.recompute_cores
+             for layer in attention_layers(wrapped.get_layer(name))]
+    assert len(cores) == 2 and all(compat.attention_core_is_wrapped(c) for c in cores)
+    wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+    assert_losses_match(step_losses(wrapped, batches), reference)
