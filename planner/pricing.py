@@ -81,7 +81,7 @@ from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, St
                                  stage_devices)
 from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
-from tfplan.planner.tp_splits import reference_samples, solve_splits
+from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
@@ -510,7 +510,7 @@ class Pricer:
             solver=f"closed form ({self._split_solver(c.tp)}; stages by min-max bisection "
                    "over the topological order)",
             tp_splits=tuple((name, split) for name, split in zip(names, self.splits_for(c.tp))
-                            if split))
+                            if split and split != INSIDE))  # named by their attention block
 
     def _split_solver(self, tp: int) -> str:
         """How the splits at ``tp`` were chosen, for Plan.solver."""

@@ -58,8 +58,13 @@ from tfplan.profiler.comm import layer_comm
 from tfplan.profiler.model_profile import LayerProfile
 
 SPLITS = ("replicate", "column", "row", "heads", "vocab")
-INPUT_LAYOUT = {"replicate": "R", "column": "R", "row": "S", "heads": "R", "vocab": "R"}
-OUTPUT_LAYOUT = {"replicate": "R", "column": "S", "row": "R", "heads": "R", "vocab": "R"}
+INPUT_LAYOUT = {"replicate": "R", "column": "R", "row": "S", "heads": "R", "vocab": "R",
+                "inside": "R"}
+OUTPUT_LAYOUT = {"replicate": "R", "column": "S", "row": "R", "heads": "R", "vocab": "R",
+                 "inside": "R"}
+# "inside": an entry within an attention block split by heads as a whole
+# (``planner.tp_splits.INSIDE``): it runs on its rank's heads, its block's collectives
+# bring its inputs and outputs to and from the rest of the model
 # (producer output layout, consumer input layout) -> collectives on the edge's tensor,
 # as (kind, direction). Megatron-LM Sec. 3 (f, g and the gather/scatter regions); Alpa
 # Sec. 4.2 (resharding cost on edges between differently laid out operators).

@@ -68,8 +68,8 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import SolverError
 from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
-from tfplan.profiler.comm import (COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES, VOCAB_SPLIT_TYPES,
-                                  layer_comm, split_kind)
+from tfplan.profiler.comm import (ATTENTION_BLOCK, COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES,
+                                  VOCAB_SPLIT_TYPES, layer_comm, split_kind)
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 from tfplan.profiler.repeats import MIN_REPEATS
 
@@ -105,7 +105,7 @@ def tp_split_rule(types: tuple[str, ...], groups: Sequence[int] | None = None
         if t in COLUMN_ROW_TYPES and (groups is None or groups[i] == 1):
             last_dense = "column" if last_dense == "row" else "row"
             out.append(last_dense)
-        elif t in HEAD_SPLIT_TYPES:
+        elif t in HEAD_SPLIT_TYPES or t == ATTENTION_BLOCK:
             out.append("heads")
             last_dense = "row"
         elif t in VOCAB_SPLIT_TYPES:
@@ -259,11 +259,87 @@ def repeated_runs(keys: Sequence[int], min_repeats: int = MIN_REPEATS
     return sorted(chosen)
 
 
+# the split of an entry inside a custom attention block split by heads as a whole: it runs
+# on its rank's heads (its time and state / tp), the block's entry carries the collectives
+INSIDE = "inside"
+
+
+def attention_units(profile: ModelProfile, tp: int) -> dict[int, int]:
+    """{index of a custom attention block's entry: index one past its last sub-entry} for
+    the blocks ``profiler.comm`` splits by heads at ``tp`` (``split_kind`` is
+    ``ATTENTION_BLOCK`` and tp divides their key/value heads)."""
+    out, layers = {}, profile.layers
+    for i, layer in enumerate(layers):
+        if split_kind(layer) == ATTENTION_BLOCK and "heads" not in _refused_splits(layer, tp):
+            j = i + 1
+            while j < len(layers) and layers[j].name.startswith(layer.name + "/"):
+                j += 1
+            if j > i + 1:  # a unit of several entries (merged ones are one already)
+                out[i] = j
+    return out
+
+
+def _merged(profile: ModelProfile, units: dict[int, int], times: Sequence[float]
+            ) -> tuple[ModelProfile, tuple[float, ...]]:
+    """``profile`` with each attention unit (``attention_units``) collapsed into its
+    block's entry -- work, state and saved bytes summed; its input and output those of
+    the block -- and the edges inside it dropped; the times summed the same way."""
+    layers, merged_times, head = [], [], {}
+    skip_until = 0
+    for i, layer in enumerate(profile.layers):
+        if i < skip_until:
+            head[layer.name] = layers[-1].name
+            continue
+        if i in units:
+            part = profile.layers[i:units[i]]
+            summed = {f: sum(getattr(l, f) for l in part) for f in _SUMMED}
+            layer = replace(layer, **summed)
+            merged_times.append(float(sum(times[i:units[i]])))
+            skip_until = units[i]
+        else:
+            merged_times.append(float(times[i]))
+        layers.append(layer)
+        head[layer.name] = layer.name
+    edges = tuple(replace(e, src=head.get(e.src, e.src), dst=head.get(e.dst, e.dst))
+                  for e in profile.edges if head.get(e.src, e.src) != head.get(e.dst, e.dst))
+    return replace(profile, layers=tuple(layers), edges=edges), tuple(merged_times)
+
+
+# what an attention unit sums over its entries (the rest are its block entry's own)
+_SUMMED = ("params", "trainable_params", "param_bytes", "trainable_param_bytes", "grad_bytes",
+           "optimizer_bytes", "compute_weight_bytes", "activation_saved_bytes", "flops_fwd",
+           "flops_bwd", "matmul_flops_fwd", "matmul_flops_bwd", "memory_traffic_bytes_fwd",
+           "memory_traffic_bytes_bwd", "attention_core_flops_fwd",
+           "attention_core_saved_bytes")
+
+
 def solve_splits(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
                  layer_time_s: LayerTimes, samples: int, time_limit_s: float = 10.0,
                  memory_capacity_bytes: float | None = None,
                  grad_allreduce_s: Callable[[float], float] | None = None) -> SplitChoice:
-    """The splits at degree ``tp`` with their prices (see the module docstring)."""
+    """The splits at degree ``tp`` with their prices (see the module docstring). A custom
+    attention block split by heads is decided as one unit with its sub-layers
+    (``attention_units``): they get ``INSIDE`` when it is split, "" when it is not."""
+    units = attention_units(profile, tp) if tp > 1 else {}
+    if units:
+        times = layer_time_s(samples) if callable(layer_time_s) else layer_time_s
+        merged, merged_times = _merged(profile, units, list(times))
+        choice = solve_splits(merged, cluster, tp, layer_time_s=merged_times, samples=samples,
+                              time_limit_s=time_limit_s,
+                              memory_capacity_bytes=memory_capacity_bytes,
+                              grad_allreduce_s=grad_allreduce_s)
+        out, k = [], 0
+        i = 0
+        while i < len(profile.layers):
+            split = choice.splits[k]
+            out.append(split)
+            if i in units:
+                out += [INSIDE if split else ""] * (units[i] - i - 1)
+                i = units[i]
+            else:
+                i += 1
+            k += 1
+        return replace(choice, splits=tuple(out))
     rule = tp_split_rule(tuple(split_kind(l) for l in profile.layers),
                          tuple(l.groups for l in profile.layers))
     rule = tuple("" if k in _refused_splits(l, tp) else k for k, l in zip(rule, profile.layers))

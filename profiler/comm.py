@@ -39,7 +39,10 @@ contributes), not the bytes on the wire.
 Layers go by their Keras class (``split_kind``): a sub-layer inside a block (a custom
 layer with sub-layers, ``LayerProfile.block``) is split like the same layer at the top
 level; a subclass of a Keras layer only where ``apply`` runs its split
-(``SPLIT_SUBCLASSES``).
+(``SPLIT_SUBCLASSES``). A custom attention block (``LayerProfile.attention_heads``:
+keras_hub's ``LlamaAttention``, ``profiler.attention_blocks``) is split by heads as a
+whole, as MultiHeadAttention is: its entry carries the f/g all-reduces of its input and
+output, its sub-layers run on each rank's heads (``planner.tp_splits.attention_units``).
 """
 from __future__ import annotations
 
@@ -50,8 +53,11 @@ from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 
 COLUMN_ROW_TYPES = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D")
 HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
+# the split kind of a custom attention block (``LayerProfile.attention_heads`` > 0:
+# ``profiler.attention_blocks``), split by heads as a whole
+ATTENTION_BLOCK = "AttentionBlock"
 # a heads split of these needs the degree to divide the key/value heads
-KV_HEAD_GROUPED_TYPES = ("GroupedQueryAttention",)
+KV_HEAD_GROUPED_TYPES = ("GroupedQueryAttention", ATTENTION_BLOCK)
 VOCAB_SPLIT_TYPES = ("Embedding",)
 # subclasses of those Keras layers that ``apply`` splits as their Keras class (their
 # training call is the base class's): keras_hub's attention with a key/value cache
@@ -63,7 +69,10 @@ def split_kind(layer: LayerProfile) -> str:
     """The Keras class whose tensor-parallel splits ``layer`` may take ("": none), by the
     rule ``apply.dimensions.split_refusal`` applies: a top-level layer or a sub-layer of a
     block (not a block's own entry, not a layer of a nested model, which its graph holds),
-    of Keras' own class or a ``SPLIT_SUBCLASSES`` subclass."""
+    of Keras' own class or a ``SPLIT_SUBCLASSES`` subclass -- or a custom attention block
+    (``attention_heads`` > 0): ``ATTENTION_BLOCK``, split by heads as a whole."""
+    if layer.attention_heads and layer.block:
+        return ATTENTION_BLOCK
     if layer.name == layer.block or ("/" in layer.name and not layer.block):
         return ""
     if not layer.base_type or layer.base_type == layer.type:
@@ -109,7 +118,7 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
     kind = split_kind(layer)
     if kind in COLUMN_ROW_TYPES:
         splits = (TensorSplit("column", 0, input_bytes), TensorSplit("row", out, 0))
-    elif kind in HEAD_SPLIT_TYPES:
+    elif kind in HEAD_SPLIT_TYPES or kind == ATTENTION_BLOCK:
         kv_heads = layer.attention_kv_heads if kind in KV_HEAD_GROUPED_TYPES else 0
         splits = (TensorSplit("heads", out, input_bytes, kv_heads),)
     elif kind in VOCAB_SPLIT_TYPES:

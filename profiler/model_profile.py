@@ -48,7 +48,11 @@ Per layer (JSON keys are the field names):
   Pipeline stages never cut a block (``planner.partition``);
 * ``opaque``: why the planner cannot see into this layer (a custom layer that
   multiplies weights it owns itself, not through Keras layers it could split), ""
-  otherwise; ``ModelProfile.opaque_blocks`` lists them.
+  otherwise; ``ModelProfile.opaque_blocks`` lists them;
+* ``attention_heads``: a custom attention block's query heads (keras_hub's
+  ``LlamaAttention``: ``profiler.attention_blocks``), whose ``attention_kv_heads`` are its
+  key/value heads: the planner splits it by heads as a whole, its projections and core
+  with it (its sub-layers' entries follow it); 0 for every other layer.
 """
 from __future__ import annotations
 
@@ -115,6 +119,9 @@ class LayerProfile:
     base_type: str = ""  # the Keras layer class a subclass derives from ("": type is it)
     block: str = ""  # the outermost block this entry is part of ("": top level)
     opaque: str = ""  # why the planner cannot see into this layer ("": it can)
+    # a custom attention block's query heads (``profiler.attention_blocks``: split by heads
+    # as a whole, its projections and core with it); 0 for every other layer
+    attention_heads: int = 0
 
     @property
     def kind(self) -> str:
@@ -163,6 +170,7 @@ class LayerProfile:
             "attention_core_saved_bytes": self.attention_core_saved_bytes,
             "attention_kv_bytes": self.attention_kv_bytes,
             "attention_kv_heads": self.attention_kv_heads,
+            **({"attention_heads": self.attention_heads} if self.attention_heads else {}),
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
             **{n: getattr(self, n) for n in ("base_type", "block", "opaque") if getattr(self, n)},
         }
@@ -179,7 +187,7 @@ class LayerProfile:
                            ("matmul_flops_bwd", 0), ("memory_traffic_bytes_fwd", 0),
                            ("memory_traffic_bytes_bwd", 0), ("attention_core_flops_fwd", 0),
                            ("attention_core_saved_bytes", 0), ("attention_kv_bytes", 0),
-                           ("attention_kv_heads", 0)):
+                           ("attention_kv_heads", 0), ("attention_heads", 0)):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
         ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tfplan import compat
 from tfplan.core.errors import ModelLoadError, PlannerError
+from tfplan.profiler.attention_blocks import attention_block
 from tfplan.profiler.input_shapes import (model_inputs, resolve_input_shapes, sample_shapes,
                                           show_shape, unresolved)
 from tfplan.profiler.loader import ModelSource, build
@@ -237,6 +238,7 @@ def _has_graph(model: Any) -> bool:
 def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
                    slots: OptimizerSlots, override: str | None, block: str = ""
                    ) -> LayerProfile:
+    attention = attention_block(layer)
     weights = own_weights(layer)  # a block's sub-layers have entries of their own
     trainable_ids = {id(w) for w in layer.trainable_weights}
     trainable = [w for w in weights if id(w) in trainable_ids]
@@ -264,6 +266,7 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         attention_core_flops_fwd=got.attention_core_flops_fwd,
         attention_core_saved_bytes=got.attention_core_saved_bytes,
         attention_kv_bytes=got.attention_kv_bytes, attention_kv_heads=_kv_heads(layer),
+        attention_heads=attention.query_heads if attention else 0,
         base_type=_base_type(layer), block=block, opaque=_opaque(layer, weights, got))
 
 
@@ -288,9 +291,13 @@ def _opaque(layer: Any, weights: Sequence[Any], got: Any) -> str:
 
 
 def _kv_heads(layer: Any) -> int:
-    """Key/value heads of Keras' attention layers (and their subclasses); 0 elsewhere."""
+    """Key/value heads of Keras' attention layers (and their subclasses) and of custom
+    attention blocks (``profiler.attention_blocks``); 0 elsewhere."""
     import keras
 
+    attention = attention_block(layer)
+    if attention is not None:
+        return attention.kv_heads
     if isinstance(layer, keras.layers.GroupQueryAttention):
         return int(layer.num_key_value_heads)
     if isinstance(layer, keras.layers.MultiHeadAttention):

@@ -154,3 +154,62 @@ def test_no_sequence_or_context_parallelism_inside_blocks():
     for fix in ({"tp": 2, "sequence_parallel": True}, {"cp": 2}):
         with pytest.raises(PlannerError, match="has blocks .* whole sequences"):
             search(blocked_gpt(), cluster, 64, fix=fix)
+
+
+def attention_block_gpt(layers: int = LAYERS) -> ModelProfile:
+    """``blocked_gpt`` with each attention a custom attention block (keras_hub's
+    LlamaAttention-like, ``LayerProfile.attention_heads``): its own entry holds the core
+    (scores, softmax, context: 4 b s^2 h FLOPs and the saved core bytes), its sub-layers
+    the four EinsumDense projections (2 b s h^2 FLOPs, h^2 + h parameters each)."""
+    profile = blocked_gpt(layers)
+    out, edges = [], [e for e in profile.edges if "/attention" not in e.src + e.dst]
+    for layer in profile.layers:
+        if not layer.name.endswith("/attention"):
+            out.append(layer)
+            continue
+        h, act = HIDDEN, profile.layer(layer.block).activation_bytes
+        core = layer.attention_core_flops_fwd
+        proj_flops = (layer.flops_fwd - core) // 4
+        params = (layer.params - 4 * h) // 4 + h
+        own = dataclasses.replace(
+            layer, type="MyAttention", base_type="", params=0, trainable_params=0,
+            param_bytes=0, trainable_param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+            compute_weight_bytes=0, flops_fwd=core, flops_bwd=2 * core, matmul_flops_fwd=core,
+            matmul_flops_bwd=2 * core, attention_heads=HEADS,
+            activation_saved_bytes=layer.attention_core_saved_bytes + 2 * act)
+        out.append(own)
+        for sub in ("query", "key", "value", "output"):
+            out.append(dataclasses.replace(
+                layer, name=f"{layer.name}/{sub}", type="EinsumDense", base_type="",
+                params=params, trainable_params=params, param_bytes=4 * params,
+                trainable_param_bytes=4 * params, grad_bytes=4 * params,
+                optimizer_bytes=8 * params, compute_weight_bytes=2 * params,
+                flops_fwd=proj_flops, flops_bwd=2 * proj_flops, matmul_flops_fwd=proj_flops,
+                matmul_flops_bwd=2 * proj_flops, activation_saved_bytes=act,
+                attention_core_flops_fwd=0, attention_core_saved_bytes=0, attention_kv_bytes=0,
+                attention_kv_heads=0))
+        a, blk = layer.name, layer.block
+        edges += [Edge(f"{blk}/ln1", f"{a}/{s}", act) for s in ("query", "key", "value")]
+        edges += [Edge(f"{a}/{s}", a, act) for s in ("query", "key", "value")]
+        edges += [Edge(a, f"{a}/output", act), Edge(f"{a}/output", blk, act)]
+    return dataclasses.replace(profile, layers=tuple(out), edges=tuple(edges))
+
+
+def test_a_custom_attention_block_is_split_by_heads_as_a_whole():
+    """Megatron's attention split for an attention written as a custom layer (keras_hub's
+    Llama and Gemma): the block by heads, its projections and core with it (named by the
+    block alone), as a Keras MultiHeadAttention is; about the same step time."""
+    cluster, fix = parse_cluster("8xA100-80GB"), {"tp": 8, "dp": 1}
+    custom = search(attention_block_gpt(), cluster, 64, fix=fix).chosen
+    flat = search(gpt_profile(LAYERS, HIDDEN, HEADS, seq=SEQ), cluster, 64, fix=fix).chosen
+    splits = dict(custom.tp_splits)
+    for i in range(LAYERS):
+        assert splits[f"block_{i}/attention"] == "heads"
+        assert not any(name.startswith(f"block_{i}/attention/") for name in splits)
+        assert splits[f"block_{i}/fc"] == "column" and splits[f"block_{i}/proj"] == "row"
+    validate_plan(custom, attention_block_gpt())
+    assert custom.predicted.step_time_s == pytest.approx(flat.predicted.step_time_s, rel=0.03)
+    # tp must divide the key/value heads: at 32 > 16 heads the block is not split by heads
+    assert "block_0/attention" not in dict(search(
+        attention_block_gpt(), parse_cluster("4x8xA100-80GB"), 64,
+        fix={"tp": 32, "dp": 1}).chosen.tp_splits)

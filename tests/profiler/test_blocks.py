@@ -94,3 +94,33 @@ def test_block_paths_and_membership():
     assert is_block(paths[0][1]) and not is_block(paths[1][1])
     members = block_of(paths)
     assert members["block_0"] == members["block_0/down"] == "block_0" and "head" not in members
+
+
+def test_custom_attention_blocks_are_recognised_for_a_heads_split():
+    """keras_hub's LlamaAttention and CachedGemmaAttention: attention blocks
+    (``profiler.attention_blocks``) with their query and key/value heads; Keras' own
+    attention (GPT-2's CachedMultiHeadAttention) and other blocks are not."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from tfplan.profiler.attention_blocks import attention_block
+
+    with tf.Graph().as_default():
+        llama = keras_hub.models.Llama3Backbone(
+            vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+            hidden_dim=16, intermediate_dim=32)
+        gemma = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8)
+        gpt2 = keras_hub.models.GPT2Backbone(
+            vocabulary_size=64, num_layers=1, num_heads=4, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=16)
+        found = {model.name: {n: (a.query_heads, a.kv_heads,
+                                  sorted((p.layer.name, p.role) for p in a.projections))
+                              for n, l in profiled_layer_paths(model)
+                              if (a := attention_block(l)) is not None}
+                 for model in (llama, gemma, gpt2)}
+    assert found[llama.name] == {"transformer_layer_0/self_attention": (4, 2, [
+        ("attention_output", "output"), ("key", "input"), ("query", "input"),
+        ("value", "input")])}
+    assert list(found[gemma.name].values())[0][:2] == (4, 1)
+    assert found[gpt2.name] == {}
+    assert attention_block(_stack().get_layer("block_0")) is None  # a block, no heads
