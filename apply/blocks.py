@@ -21,7 +21,11 @@ nested model (a keras_hub backbone called inside a Functional model). Here:
   (concatenated) output, a row-split one reads a column split's shards in place when
   its input is that concatenation and slices its input otherwise, attention split by
   heads sums its ranks' outputs. A direct layer of a nested model cannot be split
-  (the nested model's graph holds it); the error says so.
+  (the nested model's graph holds it); the error says so. An attention block named
+  itself with ``heads`` (``profiler.attention_blocks``: keras_hub's ``LlamaAttention``)
+  is replaced whole by ``apply.sharded_attention_block.ShardedAttentionBlock`` (its own
+  ``call`` once per rank on that rank's heads), checked on the arguments its call
+  received when the parent ran once eagerly (``first_calls``).
 * **Unsplit weights** (``unsplit_weights``, ``set_unsplit_weights``,
   ``unsplit_layout``): a layer that holds sharded twins reads, writes and lays out its
   weights as the user's layer (each twin's unsplit arrays where the unsplit sub-layer's
@@ -62,6 +66,7 @@ class InnerSplit:
     top: str
     steps: tuple[Step, ...]
     split: str
+    block_class: Any = None  # an attention block split by heads whole: its class
 
 
 def resolve_splits(view: Any, plan: Plan) -> tuple[dict[str, str], dict[str, list[InnerSplit]]]:
@@ -69,6 +74,7 @@ def resolve_splits(view: Any, plan: Plan) -> tuple[dict[str, str], dict[str, lis
     ``plan.tp_splits`` on ``view``; PlannerError for a name the model does not have or
     a layer directly inside a nested model."""
     from tfplan.apply.dimensions import split_refusal
+    from tfplan.profiler.attention_blocks import attention_block
 
     paths = profiled_layer_paths(view)
     entries = dict(paths)
@@ -80,21 +86,49 @@ def resolve_splits(view: Any, plan: Plan) -> tuple[dict[str, str], dict[str, lis
             raise PlannerError(f"Plan {plan.name!r} splits layer {name!r}, which model "
                                f"{view.name!r} does not have. Re-plan for this model.")
         layer = entries[name]
+        attention = attention_block(layer)
         why = split_refusal(name, type(layer).__name__, keras_base_type(layer) or "",
-                            blocks.get(name, ""), split)
+                            blocks.get(name, ""), split,
+                            attention_heads=attention.query_heads if attention else 0)
         if why:
             raise PlannerError(
                 f"Plan {plan.name!r} splits layer {name!r} ({type(layer).__name__}) by "
                 f"{split!r}, which apply cannot run: {why}. Leave that layer replicated (remove it from tp_splits) or "
                 "re-plan.")
+        whole = attention is not None and split == "heads"
+        if whole:
+            _check_attention_place(view, entries, name, attention, plan)
         if SEPARATOR not in name:
             top_splits[name] = split
             continue
         chain = _chain(view, entries, name)
         top = name.split(SEPARATOR, 1)[0]
         steps = tuple(_step(p, c) for p, c in zip(chain[1:-1], chain[2:]))
-        inner.setdefault(top, []).append(InnerSplit(name, top, steps, split))
+        inner.setdefault(top, []).append(InnerSplit(name, top, steps, split,
+                                                    type(layer) if whole else None))
     return top_splits, inner
+
+
+def _check_attention_place(view: Any, entries: Mapping[str, Any], name: str,
+                           attention: Any, plan: Plan) -> None:
+    """PlannerError unless attention block ``name`` sits inside a block (where its split
+    twin replaces it in place) and the plan's tp divides its key/value heads."""
+    import keras
+
+    tp = plan.strategy.tp
+    where = (f"Plan {plan.name!r} splits attention block {name!r} "
+             f"({type(entries[name]).__name__}) by heads")
+    parent = _chain(view, entries, name)[-2] if SEPARATOR in name else view
+    if isinstance(parent, keras.Model):
+        raise PlannerError(f"{where}; apply splits an attention block by heads inside a "
+                           "block (a transformer block) only, not as a layer of a model, "
+                           "whose graph holds it. Leave it whole or split its projections "
+                           "column/row.")
+    if attention.kv_heads % tp:
+        raise PlannerError(f"{where} over tp={tp}; it has {attention.kv_heads} key/value "
+                           "heads, and tp must divide them (each rank holds whole key/value "
+                           "heads with their query heads). Use such a tp, or split its "
+                           "projections column/row.")
 
 
 def _chain(view: Any, entries: Mapping[str, Any], name: str) -> list[Any]:
@@ -168,12 +202,16 @@ def swap_in(parent: Any, old: Any, new: Any) -> None:
 
 
 def shard_inside(top: Any, splits: Sequence[InnerSplit],
-                 devices_of: Callable[[str], Sequence[str]], plan_name: str) -> None:
+                 devices_of: Callable[[str], Sequence[str]], plan_name: str,
+                 calls: Mapping[int, Any] | None = None) -> None:
     """Replace, inside ``top`` (a built clone of a block or nested model), each split
     sub-layer by its sharded twin on ``devices_of(name)`` (its stage's tp devices of this
-    replica), built on rank 0 with the unsplit sub-layer's build shapes."""
+    replica), built on rank 0 with the unsplit sub-layer's build shapes; an attention
+    block split by heads by ``apply.sharded_attention_block.ShardedAttentionBlock``,
+    checked on its first call's arguments (``calls``: ``recording_calls``)."""
     import tensorflow as tf
 
+    from tfplan.apply.sharded_attention_block import ShardedAttentionBlock
     from tfplan.apply.sharded_layers import sharded_clone
 
     for s in splits:
@@ -182,6 +220,12 @@ def shard_inside(top: Any, splits: Sequence[InnerSplit],
             parent = follow(parent, step)
         old = follow(parent, s.steps[-1])
         devices = tuple(devices_of(s.name))
+        if s.block_class is not None:
+            with tf.device(devices[0]):
+                twin = ShardedAttentionBlock(old, devices, plan_name,
+                                             (calls or {}).get(id(old)))
+            swap_in(parent, old, twin)
+            continue
         try:
             shapes = compat.build_arguments(old)
         except PlannerError as e:

@@ -150,12 +150,12 @@ subclass may compute something else in its ``call`` and is refused."""
 
 
 def split_refusal(name: str, type_name: str, base_type: str, block: str,
-                  split: str) -> str | None:
+                  split: str, attention_heads: int = 0) -> str | None:
     """Why ``apply`` cannot split profile entry ``name`` by ``split``, or None when it can
     (as far as the entry's place and class tell; the layer's configuration is checked when
     the twin is built: ``apply.sharded_layers``). Pure: the arguments are a
     ``profiler.model_profile.LayerProfile``'s ``name``, ``type``, ``base_type`` and
-    ``block``, so a search can filter on the same rule.
+    ``block`` (and ``attention_heads``), so a search can filter on the same rule.
 
     * Place: a top-level layer (no ``/`` in its name) or a sub-layer of a block at any
       depth (``block`` set, ``name`` not the block's own entry). A nested model's own
@@ -163,9 +163,18 @@ def split_refusal(name: str, type_name: str, base_type: str, block: str,
       them.
     * Class: ``SPLIT_TYPES[split]`` exactly (``base_type`` empty or the class itself), or
       a pair of ``SPLIT_SUBCLASSES[split]``.
+    * A custom attention block (``attention_heads`` > 0: ``profiler.attention_blocks``) in
+      or as a block: ``heads`` only, the block whole (``apply.sharded_attention_block``);
+      apply also needs it inside a block and tp dividing its key/value heads
+      (``apply.blocks.resolve_splits``).
     """
     if split not in SPLIT_TYPES:
         return (f"{split!r} is not a split apply runs (column, row, heads, vocab)")
+    if attention_heads and block:
+        if split == "heads":
+            return None
+        return (f"it is an attention block (a {type_name} with sub-layers); apply splits "
+                "it by 'heads' whole, or its projections column/row")
     if name == block:
         return (f"it is a block (a {type_name} with sub-layers, run by its own code); "
                 "split its sub-layers instead")

@@ -9,7 +9,9 @@ the ranks' outputs, where the output bias is added). With sequence parallelism
 is reduce-scattered into sequence pieces instead. Weights read and write unsplit:
 the projections' entries (``query_dense``, ...) save the unsplit layer's arrays.
 keras_hub's CachedMultiHeadAttention (GPT-2's blocks) splits the same way
-(``ShardedCachedMultiHeadAttention``: training calls, no key/value cache).
+(``ShardedCachedMultiHeadAttention``: training calls, no key/value cache). A custom
+attention block (keras_hub's ``LlamaAttention``) splits by heads in
+``apply.sharded_attention_block``, which reuses ``_ProjectionEntry``.
 """
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ dropout; EinsumDense equations with
 ``...`` or whose cut axis is not a kernel-only output axis (column) or a contracted
 input axis (row); subclasses of these layers (their ``call`` may differ), but keras_hub's
 CachedMultiHeadAttention, split by heads (``apply.sharded_attention``). A split sub-layer
-of a block is swapped into the block in place (``apply.blocks``).
+of a block is swapped into the block in place (``apply.blocks``); a custom attention block
+split by heads whole runs its own call per rank (``apply.sharded_attention_block``).
 """
 from __future__ import annotations
 

@@ -79,6 +79,7 @@ from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
 from tfplan.apply.schedule import active_trace, schedule_of
 from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
                                             sequence_sharded, warn_gathered)
+from tfplan.apply.sharded_attention_block import first_calls
 from tfplan.apply.sharded_base import Sharded
 from tfplan.apply.sharded_layers import sharded_clone
 from tfplan.apply.zero import apply_sharded, owned_variables, reduce_to_owners
@@ -355,7 +356,11 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
             out = layer(*args, **kwargs)  # builds it (a nested model is built already)
         if layer.name in inner and id(layer) not in swapped:  # once, at its first call
             swapped.add(id(layer))  # its split sub-layers, swapped in place (apply.blocks)
-            shard_inside(layer, inner[layer.name], shard_devices.__getitem__, plan.name)
+            with where(layer):  # how attention blocks split whole are called, to check them
+                calls = first_calls(layer, args, kwargs, [s.block_class for s in
+                                                          inner[layer.name] if s.block_class])
+            shard_inside(layer, inner[layer.name], shard_devices.__getitem__, plan.name,
+                         calls)
         return out
 
     swapped: set[int] = set()

@@ -620,6 +620,19 @@ def set_attention_projection(layer: Any, part: str, entry: Any) -> None:
     setattr(layer, f"_{part}_dense", entry)
 
 
+def set_untracked_attribute(layer: Any, name: str, value: Any) -> None:
+    """Set ``layer.<name>`` without Keras' tracker (``object.__setattr__``) and point
+    TensorFlow's attribute dependency of that name (``Trackable._track_trackable``, the
+    dict and list behind checkpoints) at ``value`` too. ``apply.sharded_attention_block``
+    replaces an attention block's projections after the block was built (Keras' tracker is
+    locked). Checked on Keras 3.15.1 / TensorFlow 2.21. Without it TensorFlow's dependency
+    would keep the unsplit projection (and its weights) alive."""
+    object.__setattr__(layer, name, value)
+    track = getattr(layer, "_track_trackable", None)
+    if track is not None:
+        track(value, name=name, overwrite=True)
+
+
 def build_arguments(layer: Any) -> dict[str, Any]:
     """``Layer._build_shapes_dict``: the shape arguments ``layer.build`` was called with,
     by parameter name (``{"input_shape": (None, 8)}``; MultiHeadAttention's

@@ -50,7 +50,8 @@ def _stage_of(plan: Plan, name: str, blocks: dict[str, str]) -> int:
 
 def assert_placement(wrapped, plan: Plan) -> None:
     """Every weight of every replica on the device the plan names for its entry (a shard
-    t of a split sub-layer on its stage's tensor rank t, anything else on rank 0), every
+    t of a split sub-layer, or rank t's projections of an attention block split whole, on
+    its stage's tensor rank t, anything else on rank 0), every
     device of the plan used, and each Adam slot beside its variable."""
     tp = max(1, plan.strategy.tp)
     splits = dict(plan.tp_splits)
@@ -71,6 +72,9 @@ def assert_placement(wrapped, plan: Plan) -> None:
                     continue
                 match = re.search(r"_(\d+)$", v.name)
                 rank = int(match.group(1)) if isinstance(layer, Sharded) and match else 0
+                if hasattr(layer, "rank_layers"):  # an attention block split whole
+                    rank = next((t for t, rank_layers in enumerate(layer.rank_layers())
+                                 for sub in rank_layers if any(v is w for w in sub.weights)), 0)
                 want = stage.devices[r * tp + rank]
                 assert _short(v.value.device) == want, (r, name, v.path, v.value.device)
                 used.add(want)
@@ -190,15 +194,18 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
                          "MultiHeadAttention", "gpt2/transformer_layer_0", "heads") is None
 
 
-@pytest.mark.parametrize("name, type_name, base_type, block", [
-    ("dense", "Dense", "", ""), ("attention", "MultiHeadAttention", "", ""),
-    ("emb", "Embedding", "", ""), ("emb", "ReversibleEmbedding", "", ""),
-    ("m/dense", "Dense", "", ""), ("b", "MyBlock", "", "b"),
-    ("b/q", "EinsumDense", "", "b"), ("b/attn", "CachedMultiHeadAttention",
-                                      "MultiHeadAttention", "b"),
-    ("b/mine", "MyDense", "Dense", "b"), ("m/b/fc", "Dense", "", "m/b"),
-    ("b/gqa", "GroupedQueryAttention", "", "b"), ("b/conv", "Conv2D", "", "b")])
-def test_the_planner_offers_exactly_the_splits_apply_runs(name, type_name, base_type, block):
+@pytest.mark.parametrize("name, type_name, base_type, block, attention_heads", [
+    *((*case, 0) for case in [
+        ("dense", "Dense", "", ""), ("attention", "MultiHeadAttention", "", ""),
+        ("emb", "Embedding", "", ""), ("emb", "ReversibleEmbedding", "", ""),
+        ("m/dense", "Dense", "", ""), ("b", "MyBlock", "", "b"),
+        ("b/q", "EinsumDense", "", "b"), ("b/attn", "CachedMultiHeadAttention",
+                                          "MultiHeadAttention", "b"),
+        ("b/mine", "MyDense", "Dense", "b"), ("m/b/fc", "Dense", "", "m/b"),
+        ("b/gqa", "GroupedQueryAttention", "", "b"), ("b/conv", "Conv2D", "", "b")]),
+    ("b/attn", "LlamaAttention", "", "b", 4)])  # an attention block: heads, the block whole
+def test_the_planner_offers_exactly_the_splits_apply_runs(name, type_name, base_type, block,
+                                                          attention_heads):
     """profiler.comm (what the planner offers) and apply.dimensions.split_refusal (what
     apply runs) agree on every place and class."""
     from tfplan.profiler.comm import layer_comm
@@ -206,11 +213,15 @@ def test_the_planner_offers_exactly_the_splits_apply_runs(name, type_name, base_
 
     layer = LayerProfile(name=name, type=type_name, params=1, trainable_params=1,
                          param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4,
-                         flops_fwd=1, flops_bwd=2, base_type=base_type, block=block)
+                         flops_fwd=1, flops_bwd=2, base_type=base_type, block=block,
+                         attention_heads=attention_heads)
     offered = {s.split for s in layer_comm(layer, 4).tp_splits}
     runs = {split for split in ("column", "row", "heads", "vocab")
-            if split_refusal(name, type_name, base_type, block, split) is None}
+            if split_refusal(name, type_name, base_type, block, split,
+                             attention_heads=attention_heads) is None}
     assert offered == runs
+    if attention_heads:
+        assert runs == {"heads"}
 
 
 def test_a_planner_made_plan_for_the_blocks_trains():
@@ -251,6 +262,13 @@ HUB_SPLITS = {
               ("attention/value", "column"), ("attention/attention_output", "row"),
               ("ffw_gating", "column"), ("ffw_gating_2", "column"), ("ffw_linear", "row")),
 }
+# Megatron's whole pattern: the attention block itself by heads (apply.sharded_attention_block)
+HEADS_SPLITS = {
+    "llama": (("self_attention", "heads"), ("feedforward_gate_dense", "column"),
+              ("feedforward_intermediate_dense", "column"), ("feedforward_output_dense", "row")),
+    "gemma": (("attention", "heads"), ("ffw_gating", "column"), ("ffw_gating_2", "column"),
+              ("ffw_linear", "row")),
+}
 _HUB: dict[str, tuple] = {}
 
 
@@ -269,11 +287,11 @@ def hub(kind: str):
     return _HUB[kind]
 
 
-def hub_plan(kind: str, case: str, model) -> Plan:
+def hub_plan(kind: str, case: str, model, table=None) -> Plan:
     names = [n for n, _, _ in model_signature(model)]
     prefix = "" if kind == "decoder" else f"{kind}/"  # top-level blocks, or a backbone's
     splits = tuple((f"{prefix}{BLOCK_NAME[kind]}_{i}/{sub}", split)
-                   for i in range(2) for sub, split in HUB_SPLITS[kind])
+                   for i in range(2) for sub, split in (table or HUB_SPLITS)[kind])
     if case == "dp2":
         return make_plan(model, [cpus(0, 1)])
     if case == "tp2":
@@ -299,16 +317,21 @@ def test_keras_hub_backbone_trains_like_one_device(kind, case):
     wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
     assert_losses_match(step_losses(wrapped, batches), reference)
     assert_placement(wrapped, plan)
+    assert len(wrapped.get_weights()) == len(model.get_weights())
     for got, want in zip(wrapped.get_weights(), model.get_weights()):  # unsplit, in order
         assert got.shape == want.shape
 
 
-def test_keras_hub_weight_files_load_both_ways(tmp_path):
+@pytest.mark.parametrize("table", ["projections", "heads"])
+def test_keras_hub_weight_files_load_both_ways(tmp_path, table):
     model, batches, _ = hub("llama")
     x = batches[0][0]
     plain_file = str(tmp_path / "plain.weights.h5")
     model.save_weights(plain_file)
-    wrapped = apply.wrap(HUB.build_model("llama"), hub_plan("llama", "tp2", model))
+    wrapped = apply.wrap(HUB.build_model("llama"), hub_plan(
+        "llama", "tp2", model, HUB_SPLITS if table == "projections" else HEADS_SPLITS))
+    layout = wrapped._checkpoint_layout()  # each trainable weight, its shards joined unsplit
+    assert [w.shape for w in layout] == [tuple(v.shape) for v in model.trainable_weights]
     wrapped.load_weights(plain_file)  # a keras_hub checkpoint into the split model
     np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
                                rtol=1e-4, atol=1e-5)
@@ -354,3 +377,102 @@ def test_selective_recomputation_reaches_the_attention_inside_blocks(case):
     assert len(cores) == 2 and all(compat.attention_core_is_wrapped(c) for c in cores)
     wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
     assert_losses_match(step_losses(wrapped, batches), reference)
+
+
+# --- attention blocks split by heads whole (apply.sharded_attention_block) ---------------------
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
+@pytest.mark.parametrize("case", ["tp2", "dp2-tp2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_attention_blocks_split_by_heads_train_like_one_device(kind, case):
+    from tfplan.apply.sharded_attention_block import ShardedAttentionBlock
+
+    model, batches, reference = hub(kind)
+    plan = hub_plan(kind, case, model, HEADS_SPLITS)
+    wrapped = apply.wrap(model, plan)
+    blocks = [layer for _, layer in profiled_layer_paths(wrapped)
+              if isinstance(layer, ShardedAttentionBlock)]
+    assert len(blocks) == 2
+    unsplit = {v.path for layer in blocks for v in layer.weights}
+    assert not [p for p in unsplit if re.search(r"/(query|key|value|attention_output)/kernel$",
+                                                p)]  # the unsplit projections are gone
+    x = batches[0][0]
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-4, atol=1e-5)
+    wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+    assert_losses_match(step_losses(wrapped, batches), reference)
+    assert_placement(wrapped, plan)
+    assert len(wrapped.get_weights()) == len(model.get_weights())
+    for got, want in zip(wrapped.get_weights(), model.get_weights()):  # unsplit, in order
+        assert got.shape == want.shape
+
+
+def test_a_tp_that_does_not_divide_the_kv_heads_is_refused():
+    model, _, _ = hub("llama")  # 4 query heads, 2 key/value heads
+    splits = (("llama/transformer_layer_0/self_attention", "heads"),)
+    with pytest.raises(PlannerError, match=r"self_attention' \(LlamaAttention\) by heads over "
+                                           r"tp=4; it has 2 key/value heads"):
+        apply.wrap(model, tp_plan(model, [cpus(0, 1, 2, 3)], splits))
+
+
+class HeadsAttention(keras.layers.Layer):
+    """A user's attention-like block: per-head projections; ``mix`` adds every head's query
+    to each head's before the output projection (the heads no longer independent)."""
+
+    def __init__(self, num_heads=4, head_dim=4, mix=False, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads, self.head_dim, self.mix = num_heads, head_dim, mix
+
+    def build(self, shape):
+        self.query = keras.layers.EinsumDense("bsd,dnh->bsnh", (None, self.num_heads,
+                                                                self.head_dim),
+                                              bias_axes="nh", name="query")
+        self.query.build(shape)
+        self.out = keras.layers.EinsumDense("bsnh,nhd->bsd", (None, shape[-1]), bias_axes="d",
+                                            name="out")
+        self.out.build((None, None, self.num_heads, self.head_dim))
+
+    def call(self, x):
+        q = keras.ops.tanh(self.query(x))
+        if self.mix:
+            q = q + keras.ops.sum(q, axis=2, keepdims=True)
+        return self.out(q)
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads,
+                "head_dim": self.head_dim, "mix": self.mix}
+
+
+class HoldsAttention(keras.layers.Layer):
+    """A block holding a HeadsAttention: ``x + attn(x)``."""
+
+    def __init__(self, mix=False, **kwargs):
+        super().__init__(**kwargs)
+        self.mix = mix
+        self.attn = HeadsAttention(mix=mix, name="attn")
+
+    def call(self, x):
+        return x + self.attn(x)
+
+    def get_config(self):
+        return {**super().get_config(), "mix": self.mix}
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_users_attention_block_splits_only_when_its_heads_are_independent(mix):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6, 16))
+    model = keras.Model(x, keras.layers.Dense(2, name="head")(HoldsAttention(mix, name="b")(x)))
+    plan = tp_plan(model, [cpus(0, 1)], (("b/attn", "heads"),))
+    if mix:
+        with pytest.raises(PlannerError, match=r"'attn' \(HeadsAttention\) by heads, but the "
+                                               "sum of its ranks' outputs differs.*does not "
+                                               "compute each head apart"):
+            apply.wrap(model, plan)
+        return
+    wrapped = apply.wrap(model, plan)
+    data = np.random.default_rng(0).normal(size=(4, 6, 16)).astype("float32")
+    np.testing.assert_allclose(wrapped.predict_on_batch(data), model.predict_on_batch(data),
+                               rtol=1e-5, atol=1e-6)
+    wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    wrapped.train_on_batch(data, np.zeros((4, 6, 2), "float32"))
+    assert_placement(wrapped, plan)
