@@ -476,3 +476,22 @@ def test_a_users_attention_block_splits_only_when_its_heads_are_independent(mix)
     wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     wrapped.train_on_batch(data, np.zeros((4, 6, 2), "float32"))
     assert_placement(wrapped, plan)
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
+def test_a_planner_made_plan_for_llama_trains():
+    """The planner's plan for the tiny Llama at tp=2 (which may split its attention blocks
+    whole by heads: ``LayerProfile.attention_heads``) trains like one device."""
+    from tfplan.core.presets import parse_cluster
+    from tfplan.planner.search import search
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
+
+    profile = profile_source(load_model_source(f"{helpers.HERE}/tiny_hub.py"), batch_size=1)
+    plan = search(profile, parse_cluster("cpu:8"), 4096,
+                  fix={"tp": 2, "dp": 1, "pp": 1, "num_microbatches": 1}).chosen
+    model, batches, reference = hub("llama")
+    wrapped = apply.wrap(model, plan)
+    wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
+    assert_losses_match(step_losses(wrapped, batches[:3]), reference[:3])
+    assert_placement(wrapped, wrapped.plan)
