@@ -163,14 +163,16 @@ def split_refusal(name: str, type_name: str, base_type: str, block: str,
       them.
     * Class: ``SPLIT_TYPES[split]`` exactly (``base_type`` empty or the class itself), or
       a pair of ``SPLIT_SUBCLASSES[split]``.
-    * A custom attention block (``attention_heads`` > 0: ``profiler.attention_blocks``) in
-      or as a block: ``heads`` only, the block whole (``apply.sharded_attention_block``);
-      apply also needs it inside a block and tp dividing its key/value heads
-      (``apply.blocks.resolve_splits``).
+    * A custom attention block (``attention_heads`` > 0: ``profiler.attention_blocks``)
+      inside another block: ``heads`` only, the block whole
+      (``apply.sharded_attention_block``, swapped in place in its parent); apply also needs
+      tp dividing its key/value heads (``apply.blocks.resolve_splits``). One that is an
+      outermost block itself (top level, or directly in a nested model) is a block's own
+      entry: refused.
     """
     if split not in SPLIT_TYPES:
         return (f"{split!r} is not a split apply runs (column, row, heads, vocab)")
-    if attention_heads and block:
+    if attention_heads and block and name != block:
         if split == "heads":
             return None
         return (f"it is an attention block (a {type_name} with sub-layers); apply splits "

@@ -71,8 +71,8 @@ def split_kind(layer: LayerProfile) -> str:
     block (not a block's own entry, not a layer of a nested model, which its graph holds),
     of Keras' own class or a ``SPLIT_SUBCLASSES`` subclass -- or a custom attention block
     (``attention_heads`` > 0): ``ATTENTION_BLOCK``, split by heads as a whole."""
-    if layer.attention_heads and layer.block:
-        return ATTENTION_BLOCK
+    if layer.attention_heads and layer.block and layer.block != layer.name:
+        return ATTENTION_BLOCK  # inside another block: apply swaps it in place there
     if layer.name == layer.block or ("/" in layer.name and not layer.block):
         return ""
     if not layer.base_type or layer.base_type == layer.type:
