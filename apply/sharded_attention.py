@@ -183,6 +183,13 @@ class ShardedMultiHeadAttention(_ShardedHeads, keras.layers.MultiHeadAttention):
         attention_mask = compat.attention_mask(
             self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        return self._heads(query, key, value, attention_mask, query_mask, training,
+                           return_attention_scores)
+
+    def _heads(self, query: Any, key: Any, value: Any, attention_mask: Any, query_mask: Any,
+               training: Any, return_attention_scores: bool) -> Any:
+        """Each rank's heads on its device (Keras' own attention arithmetic), their output
+        projections summed on the layer's device."""
         s, partial, scores = self.shards, [], []
         whole = Gathered(self.tp_devices)
         for t, d in enumerate(self.tp_devices):
@@ -305,19 +312,8 @@ class ShardedCachedMultiHeadAttention(ShardedMultiHeadAttention):
                 "wrapped model's save_weights file into it.")
         if key is None:
             key = value
-        s, partial, scores = self.shards, [], []
-        whole = Gathered(self.tp_devices)
-        for t, d in enumerate(self.tp_devices):
-            with tf.device(d):
-                q, k, v = self._project(t, query, key, value, whole)
-                out, score = compat.attention_scores(self, q, k, v, attention_mask, training,
-                                                     return_attention_scores)
-                partial.append(ops.einsum("abcd,cde->abe", out, s["output"][t]))
-                scores.append(score)
-        y = self._output(partial, None)
-        if return_attention_scores:
-            return y, tf.concat(scores, axis=1)
-        return y
+        return self._heads(query, key, value, attention_mask, None, training,
+                           return_attention_scores)
 
 
 CACHED_ATTENTION = ("keras_hub.src.layers.modeling.cached_multi_head_attention",
