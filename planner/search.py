@@ -156,8 +156,11 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         fitting.remove(simple[0])
         fitting.insert(0, simple[0])
     ranked = fitting + sorted(not_fitting, key=_rank_key)
+    listed = f"the {len(fitting)} fastest that fit are listed"
+    if not_fitting:
+        listed += f", and apart from them {len(not_fitting)} that do not fit"
     chosen = ranked[0].with_reason(_reason(ranked) + f" {evaluated} strategies were priced; "
-                                   f"the {len(fitting)} fastest that fit are listed.")
+                                   f"{listed}.")
     return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]), evaluated=evaluated)
 
 
@@ -491,19 +494,39 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
 # --- explaining the answer ----------------------------------------------------------------
 
 def _reason(ranked: list[Plan]) -> str:
+    """Why ``ranked[0]`` was chosen, in the words of the rule that chose it: the fastest
+    plan that fits ("predicted 1.3x faster than the runner-up"), or a simpler plan within
+    SIMPLICITY_TOLERANCE of the fastest ("chosen for simplicity"). A ratio below 1 is
+    never called faster."""
     chosen = ranked[0]
     pred = chosen.predicted
     fits_text = (f"fits in {fmt_bytes(pred.max_memory_bytes)} of "
                  f"{fmt_bytes(pred.memory_capacity_bytes)} per device")
     fitting = [p for p in ranked if p.predicted.fits]
-    if len(fitting) == 1:
+    fastest = min(fitting, key=_rank_key) if fitting else chosen
+    others = [p for p in fitting if p is not chosen]
+    if not others:
         text = f"{chosen.name} is the only candidate that {fits_text}"
+    elif fastest is not chosen and fastest.predicted.step_time_s < pred.step_time_s:
+        slower = 100 * (pred.step_time_s / fastest.predicted.step_time_s - 1)
+        text = (f"{chosen.name} is chosen for simplicity: within "
+                f"{f'{slower:.1f}' if slower >= 0.1 else f'{slower:.2g}'}% of the "
+                f"fastest ({fastest.name}, {fmt_seconds(pred.step_time_s)} vs "
+                f"{fmt_seconds(fastest.predicted.step_time_s)} per step), and a plan without "
+                "tensor parallelism, a dp x pp hybrid, recomputation, ZeRO or offloading "
+                f"within {100 * SIMPLICITY_TOLERANCE:.0f}% of the fastest is preferred (the "
+                f"cost model's error is larger); it {fits_text}")
     else:
-        runner = fitting[1]
+        runner = min(others, key=_rank_key)
         ratio = runner.predicted.step_time_s / pred.step_time_s
-        text = (f"{chosen.name} is predicted {ratio:.{1 if ratio >= 1.1 else 2}f}x faster than "
-                f"the runner-up {runner.name} ({fmt_seconds(pred.step_time_s)} vs "
-                f"{fmt_seconds(runner.predicted.step_time_s)} per step) and {fits_text}")
+        times = (f"({fmt_seconds(pred.step_time_s)} vs "
+                 f"{fmt_seconds(runner.predicted.step_time_s)} per step)")
+        if ratio >= 1.005:
+            text = (f"{chosen.name} is predicted {ratio:.{1 if ratio >= 1.1 else 2}f}x faster "
+                    f"than the runner-up {runner.name} {times} and {fits_text}")
+        else:  # a tie: the rank key's later terms (fewer devices, then the name) decided
+            text = (f"{chosen.name} is predicted as fast as the runner-up {runner.name} "
+                    f"{times} (a tie, broken by fewer devices, then by name) and {fits_text}")
     faster = [p for p in ranked if not p.predicted.fits
               and p.predicted.step_time_s < pred.step_time_s]
     if faster:
