@@ -35,7 +35,10 @@ function bytes(n) {
 
 async function getJson(url) {
   const response = await fetch(url);
-  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  if (!response.ok) {  // the plugin answers {"error": why}; say that, not just the status
+    const body = await response.json().catch(() => ({}));
+    throw new Error(body.error || `${url}: HTTP ${response.status}`);
+  }
   return response.json();
 }
 
@@ -205,14 +208,39 @@ export async function render() {
   const selector = el('select', {class: 'run-selector'});
   const container = el('div', {class: 'run'});
   document.body.append(style, title, selector, container);
-  const runs = await getJson('./runs');
-  if (!runs.length) {
+  let runs, unreadable;
+  try {
+    ({runs, unreadable = []} = await getJson('./runs'));
+  } catch (e) {
+    container.replaceChildren(el('p', {class: 'run-error'}, `Cannot list the runs: ${e.message}`));
+    return;
+  }
+  if (!runs.length && !unreadable.length) {
     container.textContent = 'No run with a parallel plan under the logdir: run plan analyze ' +
         '--out DIR and point TensorBoard at DIR/tensorboard.';
     return;
   }
+  // Runs whose analysis the plugin cannot read are listed with the reason, never loaded.
+  const errors = new Map(unreadable.map((r) => [r.run, r.error]));
   runs.forEach((r) => selector.append(el('option', {value: r.run},
                                           `${r.run}: ${r.model}, ${r.plan}`)));
-  selector.onchange = () => showRun(selector.value, container);
-  await showRun(runs[0].run, container);
+  unreadable.forEach((r) => selector.append(el('option', {value: r.run},
+                                                `${r.run}: unreadable`)));
+  if (unreadable.length) {
+    container.before(el('div', {class: 'unreadable'},
+        el('p', {}, `${unreadable.length} run(s) could not be read:`),
+        el('ul', {}, ...unreadable.map((r) => el('li', {}, el('b', {}, r.run), `: ${r.error}`)))));
+  }
+  const load = async (run) => {
+    const fail = (why) => container.replaceChildren(
+        el('p', {class: 'run-error'}, `Run ${run} cannot be shown: ${why}`));
+    if (errors.has(run)) return fail(errors.get(run));
+    try {
+      await showRun(run, container);
+    } catch (e) {
+      fail(e.message);
+    }
+  };
+  selector.onchange = () => load(selector.value);
+  await load((runs[0] || unreadable[0]).run);
 }

@@ -58,7 +58,8 @@ def test_routes_list_the_runs_and_serve_their_plans(logdir):
     assert sorted(find_runs(str(logdir))) == ["pipeline", "searched"]
     client = _client(logdir)
     runs = json.loads(client.get("/runs").data)
-    assert [r["run"] for r in runs] == ["pipeline", "searched"]
+    assert [r["run"] for r in runs["runs"]] == ["pipeline", "searched"]
+    assert runs["unreadable"] == []
     doc = json.loads(client.get("/analysis?run=pipeline").data)
     assert doc["plan"]["strategy"]["pp"] == 4
     assert {s["stage"] for s in doc["schedule"]["slots"]} == {0, 1, 2, 3}
@@ -92,6 +93,11 @@ def _get(url: str) -> tuple[int, bytes]:
 
 @pytest.fixture(scope="module")
 def tensorboard(logdir):
+    yield from _serve(logdir)
+
+
+def _serve(logdir):
+    """A real ``tensorboard --logdir`` on a free port: yields its base URL, then stops it."""
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "tensorboard")
     proc = subprocess.Popen([exe, "--logdir", str(logdir), "--host", "127.0.0.1", "--port",
@@ -155,3 +161,155 @@ def test_dashboard_renders_in_headless_chromium(tensorboard, tmp_path):
     subprocess.run([chromium, *flags, "--window-size=1200,1800", f"--screenshot={shot}", url],
                    capture_output=True, timeout=120)
     assert os.path.getsize(shot) > 10_000
+
+
+# -- Runs the plugin cannot read (issue 16, "Robustness") ------------------------------
+
+def _analysis_file(root, run):
+    path = root / run / "plugins" / PLUGIN_NAME / "analysis.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_logdir(logdir, tmp_path_factory):
+    """One valid run, one whose analysis is cut in half, one of an older schema, one whose
+    analysis.json is a symlink out of the logdir, and one linked to a file inside it."""
+    root = tmp_path_factory.mktemp("mixed")
+    good = (logdir / "searched" / "plugins" / PLUGIN_NAME / "analysis.json").read_bytes()
+    _analysis_file(root, "valid").write_bytes(good)
+    _analysis_file(root, "corrupt").write_bytes(good[:len(good) // 2])
+    old = json.loads(good)
+    old["plan"]["schema_version"] = 0
+    del old["layers"]
+    _analysis_file(root, "old-schema").write_text(json.dumps(old))
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "analysis.json"
+    secret = json.loads(good)
+    secret["plan"]["model"]["name"] = "SECRET-OUTSIDE"
+    elsewhere.write_text(json.dumps(secret))
+    _analysis_file(root, "outside").symlink_to(elsewhere)
+    _analysis_file(root, "linked").symlink_to(root / "valid" / "plugins" / PLUGIN_NAME /
+                                              "analysis.json")
+    return root
+
+
+BAD = {"corrupt": "not valid JSON", "old-schema": "schema_version is 0",
+       "outside": "symlink that resolves outside the logdir"}
+
+
+def test_runs_lists_the_readable_runs_and_the_others_with_the_reason(mixed_logdir):
+    client = _client(mixed_logdir)
+    response = client.get("/runs")
+    assert response.status_code == 200
+    body = json.loads(response.data)
+    assert [r["run"] for r in body["runs"]] == ["linked", "valid"]
+    assert body["runs"][1]["plan"] and body["runs"][1]["model"]
+    assert [r["run"] for r in body["unreadable"]] == sorted(BAD)
+    for entry in body["unreadable"]:
+        assert BAD[entry["run"]] in entry["error"], entry
+    assert "line 1, column" in body["unreadable"][0]["error"]
+    assert "plan analyze" in body["unreadable"][1]["error"]  # says how to fix it
+    assert b"SECRET-OUTSIDE" not in response.data  # the file outside is never read
+    assert str(mixed_logdir).encode() not in response.data  # no absolute paths
+    assert find_runs(str(mixed_logdir)).keys() == {"corrupt", "old-schema", "valid", "linked"}
+
+
+@pytest.mark.parametrize("run,status", [("corrupt", 422), ("old-schema", 422),
+                                        ("outside", 403), ("missing", 404)])
+def test_analysis_of_a_bad_run_is_a_json_error(mixed_logdir, run, status):
+    response = _client(mixed_logdir).get("/analysis", query_string={"run": run})
+    assert response.status_code == status
+    assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+    body = json.loads(response.data)
+    assert body["run"] == run and body["error"]
+    if run in BAD:
+        assert BAD[run] in body["error"]
+    assert b"SECRET-OUTSIDE" not in response.data
+
+
+def test_runs_rereads_a_file_that_changed(mixed_logdir, tmp_path):
+    client = _client(tmp_path)
+    shutil.copytree(mixed_logdir / "valid", tmp_path / "good")
+    path = _analysis_file(tmp_path, "later")
+    path.write_text("{")  # being written
+    body = json.loads(client.get("/runs").data)
+    assert [r["run"] for r in body["runs"]] == ["good"]
+    assert [r["run"] for r in body["unreadable"]] == ["later"]
+    path.write_bytes((tmp_path / "good" / "plugins" / PLUGIN_NAME / "analysis.json").read_bytes())
+    body = json.loads(client.get("/runs").data)
+    assert [r["run"] for r in body["runs"]] == ["good", "later"] and body["unreadable"] == []
+
+
+@pytest.mark.parametrize("url,content_type", [
+    ("/index.js", "text/javascript; charset=utf-8"),
+    ("/runs", "application/json; charset=utf-8"),
+    ("/analysis?run=valid", "application/json; charset=utf-8"),
+    ("/analysis?run=linked", "application/json; charset=utf-8"),
+    ("/analysis?run=corrupt", "application/json; charset=utf-8"),
+    ("/analysis?run=outside", "application/json; charset=utf-8"),
+    ("/analysis?run=..%2F..", "application/json; charset=utf-8")])
+def test_every_response_sets_nosniff_and_its_content_type(mixed_logdir, url, content_type):
+    response = _client(mixed_logdir).get(url)
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert response.headers["Content-Type"] == content_type
+
+
+@pytest.fixture(scope="module")
+def mixed_tensorboard(mixed_logdir):
+    yield from _serve(mixed_logdir)
+
+
+def _dump_dom(url: str, tmp_path) -> str:
+    chromium = _chromium()
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; .ci/run installs Debian's chromium")
+        pytest.skip("chromium is not installed here (apt-get install chromium)")
+    profile_dir = tmp_path / "chromium-profile"
+    profile_dir.mkdir()
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}",
+                          "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert "Parallel plan" in dom.stdout, dom.stderr[-2000:]
+    return dom.stdout
+
+
+def test_dashboard_shows_the_valid_run_and_lists_the_unreadable_ones(mixed_tensorboard,
+                                                                      tmp_path):
+    status, body = _get(mixed_tensorboard + f"/data/plugin/{PLUGIN_NAME}/runs")
+    assert status == 200 and len(json.loads(body)["unreadable"]) == 3
+    for route in ("index.js", "runs", "analysis?run=valid", "analysis?run=corrupt"):
+        try:
+            with urllib.request.urlopen(f"{mixed_tensorboard}/data/plugin/{PLUGIN_NAME}/"
+                                        + route, timeout=10) as r:
+                headers = r.headers
+        except urllib.error.HTTPError as e:
+            headers = e.headers
+        assert headers["X-Content-Type-Options"] == "nosniff", route
+    dom = _dump_dom(mixed_tensorboard + f"/data/plugin_entry.html?name={PLUGIN_NAME}", tmp_path)
+    assert "Chosen: " in dom and "Pipeline schedule" in dom  # the first valid run, drawn
+    assert "3 run(s) could not be read" in dom
+    for run, why in BAD.items():
+        assert f"<b>{run}</b>: " in dom and why in dom, run
+        assert f"{run}: unreadable</option>" in dom
+    assert "Loading" not in dom and "SECRET-OUTSIDE" not in dom
+
+
+def test_dashboard_shows_why_a_listed_run_does_not_load(logdir, tmp_path_factory, tmp_path):
+    """A run /runs lists but whose analysis then fails to read (replaced by a damaged file
+    of the same size and time, which /runs does not re-read) shows the error, not
+    "Loading..."."""
+    root = tmp_path_factory.mktemp("stale")
+    path = _analysis_file(root, "stale")
+    path.write_bytes((logdir / "searched" / "plugins" / PLUGIN_NAME / "analysis.json")
+                     .read_bytes())
+    for base in _serve(root):
+        status, body = _get(base + f"/data/plugin/{PLUGIN_NAME}/runs")
+        assert [r["run"] for r in json.loads(body)["runs"]] == ["stale"]
+        st = os.stat(path)
+        path.write_bytes(b"{" + b" " * (st.st_size - 1))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        status, body = _get(base + f"/data/plugin/{PLUGIN_NAME}/analysis?run=stale")
+        assert status == 422
+        dom = _dump_dom(base + f"/data/plugin_entry.html?name={PLUGIN_NAME}", tmp_path)
+        assert "Run stale cannot be shown: analysis.json is not valid JSON" in dom
+        assert "Loading" not in dom
