@@ -117,9 +117,11 @@ def _serve(logdir):
     else:
         proc.kill()
         raise RuntimeError("tensorboard did not list the plugin within 90 s")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
 
 
 def test_tensorboard_lists_the_plugin_and_serves_the_plan(tensorboard):
@@ -302,7 +304,9 @@ def test_dashboard_shows_why_a_listed_run_does_not_load(logdir, tmp_path_factory
     path = _analysis_file(root, "stale")
     path.write_bytes((logdir / "searched" / "plugins" / PLUGIN_NAME / "analysis.json")
                      .read_bytes())
-    for base in _serve(root):
+    server = _serve(root)
+    base = next(server)
+    try:
         status, body = _get(base + f"/data/plugin/{PLUGIN_NAME}/runs")
         assert [r["run"] for r in json.loads(body)["runs"]] == ["stale"]
         st = os.stat(path)
@@ -313,3 +317,5 @@ def test_dashboard_shows_why_a_listed_run_does_not_load(logdir, tmp_path_factory
         dom = _dump_dom(base + f"/data/plugin_entry.html?name={PLUGIN_NAME}", tmp_path)
         assert "Run stale cannot be shown: analysis.json is not valid JSON" in dom
         assert "Loading" not in dom
+    finally:
+        server.close()  # stops the TensorBoard even when an assertion failed
