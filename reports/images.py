@@ -1,5 +1,5 @@
 """Pictures of a plan for TensorBoard's Images tab: the pipeline schedule, memory per
-device against capacity, and the layer graph coloured by stage.
+pipeline stage against capacity, and the layer graph coloured by stage.
 
 Pipeline position: ``reports.tensorboard.write_analysis`` calls ``plan_images`` and
 writes each as an image summary. The drawing data comes first, as plain values the
@@ -121,14 +121,10 @@ def plan_schedule(plan: Plan) -> tuple[list[Slot], int]:
 
 
 def memory_bars(plan: Plan) -> list[tuple[str, int]]:
-    """(label, peak bytes) per device; with more than 64 devices, one bar per stage (the
-    stage's largest)."""
-    per_device = dict(plan.predicted.peak_memory_bytes_per_device)
-    if len(per_device) <= 64:
-        return [(_short(d), n) for d, n in plan.predicted.peak_memory_bytes_per_device]
-    pp = plan.strategy.pp
-    return [(f"stage {k}", max(per_device.get(d, 0) for d in st.devices))
-            for k, st in enumerate(plan.stages[:pp])]
+    """(label, peak bytes per device) per pipeline stage (the largest over the stage's
+    devices, ``reports.device_groups``): a bar per stage, never per device."""
+    from tfplan.reports.device_groups import stage_groups
+    return [(f"stage {g.stage}", g.peak_memory_bytes) for g in stage_groups(plan)]
 
 
 def layer_positions(profile: ModelProfile) -> dict[str, tuple[int, int]]:
@@ -163,25 +159,34 @@ def _shade(color: tuple[int, int, int], k: float) -> tuple[int, int, int]:
     return tuple(int(c + (255 - c) * k) for c in color)
 
 
-def timeline_image(plan: Plan, width: int = 960) -> np.ndarray:
+def _time(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+
+
+def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
     """Stages x time: forward (dark) and backward (light) passes per micro-batch, idle
-    time grey; the title says the schedule and the bubble share."""
+    time grey, a time axis below and a forward/backward legend; the title says the
+    schedule and the bubble share."""
     slots, m = plan_schedule(plan)
     pp = plan.strategy.pp
-    left, top, row_h = 90, 30, 26
-    image, draw = _canvas(width, top + pp * row_h + 10)
+    left, top, row_h, right = 100, 44, 30, 20
+    rows_h = pp * row_h
+    image, draw = _canvas(width, top + rows_h + 60)
+    small, big = _font(15), _font(18)
     end = max(sl.end_s for sl in slots) or 1.0
-    scale = (width - left - 10) / end
+    scale = (width - left - right) / end
     busy = sum(sl.end_s - sl.start_s for sl in slots)
     v = plan.strategy.virtual_stages if plan.strategy.schedule == "interleaved" else 1
     title = (f"{plan.strategy.schedule} pp={pp}" + (f" v={v}" if v > 1 else "") + f" m={m}" + (
-        f" (first {MAX_DRAWN_MICROBATCHES} drawn)" if m > MAX_DRAWN_MICROBATCHES else "")
+        f" (first {1 + max(sl.microbatch for sl in slots)} drawn)"
+        if m > MAX_DRAWN_MICROBATCHES else "")
         + f": bubble {100 * (1 - busy / (pp * end)):.0f}% of the pipeline time")
-    draw.text((left, 8), title, fill=TEXT)
+    draw.text((left, 10), title, fill=TEXT, font=big)
     for s in range(pp):
         y = top + s * row_h
-        draw.rectangle((left, y, width - 10, y + row_h - 4), fill=IDLE)
-        draw.text((6, y + 6), f"stage {s}", fill=TEXT)
+        draw.rectangle((left, y, width - right, y + row_h - 4), fill=IDLE)
+        if row_h >= 16:
+            draw.text((6, y + 5), f"stage {s}", fill=TEXT, font=small)
     for sl in slots:
         y = top + sl.stage * row_h
         x0, x1 = left + sl.start_s * scale, left + sl.end_s * scale
@@ -189,33 +194,74 @@ def timeline_image(plan: Plan, width: int = 960) -> np.ndarray:
         draw.rectangle((x0, y, max(x0 + 1, x1 - 1), y + row_h - 4),
                        fill=color if sl.kind == "F" else _shade(color, 0.5))
         label = f"{sl.kind}{sl.microbatch}" + (f".{sl.chunk}" if v > 1 else "")
-        if x1 - x0 > 6 * len(label):
-            draw.text((x0 + 3, y + 6), label, fill=BACKGROUND)
+        if x1 - x0 > 11 * len(label):
+            draw.text((x0 + 3, y + 6), label, fill=TEXT, font=small)
+    axis_y = top + rows_h + 2
+    draw.line((left, axis_y, width - right, axis_y), fill=TEXT)
+    for k in range(6):  # the time axis
+        x = left + (width - left - right) * k / 5
+        draw.line((x, axis_y, x, axis_y + 5), fill=TEXT)
+        draw.text((x - (30 if k else 0) if k < 5 else x - 60, axis_y + 7), _time(end * k / 5),
+                  fill=TEXT, font=small)
+    legend_y = axis_y + 32
+    draw.rectangle((left, legend_y, left + 18, legend_y + 14), fill=PALETTE[0])
+    draw.text((left + 24, legend_y - 2), "forward (Fi = micro-batch i" +
+              (", .c = model chunk c" if v > 1 else "") + ")", fill=TEXT, font=small)
+    draw.rectangle((left + 420, legend_y, left + 438, legend_y + 14), fill=_shade(PALETTE[0], 0.5))
+    draw.text((left + 444, legend_y - 2), "backward (lighter)", fill=TEXT, font=small)
+    draw.rectangle((left + 640, legend_y, left + 658, legend_y + 14), fill=IDLE)
+    draw.text((left + 664, legend_y - 2), "idle (bubble)", fill=TEXT, font=small)
     return np.asarray(image)
 
 
-def memory_image(plan: Plan, width: int = 960, height: int = 320) -> np.ndarray:
-    """Predicted peak memory per device (bars) against the device capacity (red line)."""
+def _font(size: int):
+    from PIL import ImageFont
+    return ImageFont.load_default(size=size)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_image(plan: Plan, width: int = 1200, height: int = 480) -> np.ndarray:
+    """Predicted peak memory per device of each pipeline stage (bars, values on them)
+    on a byte axis, against the device capacity (red line; named in the title and left
+    off the axis when it is more than four times the largest bar, so small models do not
+    draw an empty box)."""
     bars = memory_bars(plan)
     capacity = plan.predicted.memory_capacity_bytes
-    top_value = max([capacity] + [n for _, n in bars]) or 1
-    left, bottom, top = 10, 40, 30
+    largest = max([n for _, n in bars] + [1])
+    show_capacity = capacity <= 4 * largest
+    top_value = 1.1 * max(largest, capacity if show_capacity else 0)
+    left, right, bottom, top = 110, 20, 50, 50
     image, draw = _canvas(width, height)
-    draw.text((left, 8), f"peak memory per device (capacity {capacity / 2**30:.2f} GiB)",
-              fill=TEXT)
-    plot_h = height - top - bottom
-    step = (width - 2 * left) / max(1, len(bars))
+    small, big = _font(16), _font(20)
+    draw.text((left, 12), f"peak memory per device, per pipeline stage (capacity "
+              f"{_gib(capacity)}" + ("" if show_capacity else ", off this scale") + ")",
+              fill=TEXT, font=big)
+    plot_h, plot_w = height - top - bottom, width - left - right
+    for k in range(6):  # the axis: 5 gridlines with values
+        v = top_value * k / 5
+        y = top + plot_h - plot_h * v / top_value
+        draw.line((left, y, width - right, y), fill=GRID)
+        draw.text((6, y - 9), _gib(v), fill=TEXT, font=small)
+    draw.line((left, top, left, top + plot_h), fill=TEXT)
+    step = plot_w / max(1, len(bars))
+    every = max(1, int(-(-70 // step)))  # label every n-th bar where they would overlap
     for k, (label, nbytes) in enumerate(bars):
         h = plot_h * nbytes / top_value
         x0 = left + k * step + 2
         color = PALETTE[0] if nbytes <= capacity else PALETTE[3]
         draw.rectangle((x0, top + plot_h - h, x0 + max(2, step - 4), top + plot_h), fill=color)
-        if step > 40:
-            draw.text((x0, top + plot_h + 4), label[-10:], fill=TEXT)
-            draw.text((x0, max(top, top + plot_h - h - 12)), f"{nbytes / 2**20:.0f} MiB",
-                      fill=TEXT)
-    y = top + plot_h - plot_h * capacity / top_value
-    draw.line((left, y, width - left, y), fill=PALETTE[3], width=2)
+        if k % every == 0:
+            draw.text((x0, top + plot_h + 6), label if step >= 70 else label.split()[-1],
+                      fill=TEXT, font=small)
+            if step >= 70:
+                draw.text((x0, max(top, top + plot_h - h - 20)), _gib(nbytes), fill=TEXT,
+                          font=small)
+    if show_capacity:
+        y = top + plot_h - plot_h * capacity / top_value
+        draw.line((left, y, width - right, y), fill=PALETTE[3], width=2)
     return np.asarray(image)
 
 
@@ -264,5 +310,5 @@ def graph_image(profile: ModelProfile, plan: Plan, width: int = 960) -> np.ndarr
 def plan_images(profile: ModelProfile, plan: Plan) -> dict[str, np.ndarray]:
     """Tag -> RGB image for ``reports.tensorboard.write_analysis``."""
     return {"plan/pipeline_schedule": timeline_image(plan),
-            "plan/memory_per_device": memory_image(plan),
+            "plan/memory_per_stage": memory_image(plan),
             "plan/layer_graph": graph_image(profile, plan)}

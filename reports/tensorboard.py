@@ -4,10 +4,14 @@ Pipeline position: last stage. ``plan analyze --out DIR`` calls
 ``write_analysis(DIR/tensorboard, ...)``; open it with
 ``tensorboard --logdir DIR/tensorboard``. Text summaries hold the per-layer
 profile, the ranked candidates and the chosen plan with its reason (markdown
-tables, the same rows the terminal shows); scalars hold each candidate's
-predicted step time and the chosen plan's peak memory per device; images
-(``reports.images``) show the chosen plan's pipeline schedule, its memory per device
-against capacity and the layer graph coloured by stage.
+tables, the same rows the terminal shows; devices named as ranges per pipeline stage,
+``reports.device_groups``); scalars hold each candidate's predicted step time (x = its
+rank), the chosen plan's step time, samples/s, model TFLOP/s per device and peak memory,
+and its peak memory per pipeline stage (one chart, x = the stage): a handful of tags
+whatever the cluster size. Images (``reports.images``) show the chosen plan's pipeline
+schedule, its memory per stage against capacity and the layer graph coloured by stage.
+``analysis.json`` (``plugin_analysis``) holds the same per stage, never per device, so
+its size does not grow with the device count.
 TensorFlow is imported here only to write summaries.
 """
 from __future__ import annotations
@@ -19,24 +23,35 @@ from tfplan.core.atomic import copy_file, write_json
 from tfplan.planner import cost_model as cm
 from tfplan.planner.plan import Plan
 from tfplan.profiler.model_profile import ModelProfile
+from tfplan.reports.device_groups import mesh, stage_groups
 from tfplan.reports.images import memory_bars, plan_images, plan_schedule
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_seconds, markdown_table, profile_rows)
 
 
 def plan_markdown(plan: Plan) -> str:
-    """The chosen plan in a few lines of markdown."""
+    """The chosen plan in a few lines of markdown: one row per pipeline stage, its devices
+    named as ranges (``reports.device_groups``), never one by one."""
     s, p = plan.strategy, plan.predicted
-    lines = [f"**{plan.name}** for model `{plan.model_name}` on `{plan.cluster.name}`, "
-             f"global batch {plan.global_batch}", "",
+    groups = stage_groups(plan)
+    v = len(plan.stages) // max(1, len(groups))
+    lines = [f"**{plan.name}** for model `{plan.model_name}` on `{plan.cluster.name}` "
+             f"({len(plan.devices):,} devices), global batch {plan.global_batch}", "",
              f"- {s.describe()}",
              f"- predicted step time {fmt_seconds(p.step_time_s)}, "
-             f"{p.samples_per_s:,.1f} samples/s",
+             f"{p.samples_per_s:,.1f} samples/s, "
+             f"{p.model_tflops_per_device:,.1f} model TFLOP/s per device",
              f"- peak memory per device {fmt_bytes(p.max_memory_bytes)} of "
              f"{fmt_bytes(p.memory_capacity_bytes)}",
              f"- why: {plan.reason}" if plan.reason else "", ""]
-    lines.append(markdown_table(("stage", "devices", "layers"), [
-        (str(i), ", ".join(st.devices), ", ".join(st.layers)) for i, st in enumerate(plan.stages)]))
+    lines.append(markdown_table(
+        ("stage", "devices", "layers", "peak memory per device"),
+        [(str(g.stage), f"{len(g.devices)}: {g.where}",
+          f"{g.layers}" + (f" in {v} chunks" if v > 1 else f" ({g.first_layer} .. "
+                                                             f"{g.last_layer})"),
+          fmt_bytes(g.peak_memory_bytes) if g.min_memory_bytes == g.peak_memory_bytes
+          else f"{fmt_bytes(g.min_memory_bytes)} .. {fmt_bytes(g.peak_memory_bytes)}")
+         for g in groups]))
     return "\n".join(lines)
 
 
@@ -58,9 +73,16 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
         tf.summary.text("plan/chosen", plan_markdown(chosen), step=0)
         tf.summary.scalar("predicted/step_time_s", chosen.predicted.step_time_s, step=0)
         tf.summary.scalar("predicted/samples_per_s", chosen.predicted.samples_per_s, step=0)
-        for i, (device, nbytes) in enumerate(chosen.predicted.peak_memory_bytes_per_device):
-            tf.summary.scalar(f"predicted/peak_memory_bytes/device_{i}", float(nbytes), step=0,
-                              description=device)
+        tf.summary.scalar("predicted/model_tflops_per_device",
+                          chosen.predicted.model_tflops_per_device, step=0)
+        tf.summary.scalar("predicted/peak_memory_bytes", float(chosen.predicted.max_memory_bytes),
+                          step=0, description="the largest peak over the plan's devices")
+        for g in stage_groups(chosen):
+            # one chart, x = the pipeline stage: a tag per device would not scale
+            tf.summary.scalar("predicted/peak_memory_bytes_per_stage",
+                              float(g.peak_memory_bytes), step=g.stage,
+                              description="peak memory per device of each pipeline stage "
+                                          "(x = the stage)")
         for tag, image in plan_images(profile, chosen).items():
             tf.summary.image(tag, image[None], step=0)
         for rank, cand in enumerate(candidates):
@@ -73,10 +95,41 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
     return logdir
 
 
+def plan_summary(plan: Plan, detail: bool = True) -> dict:
+    """``plan.to_dict()`` without what grows with the device count or the model, for
+    ``analysis.json``: ``stages`` is one ``StageGroup`` per pipeline stage (devices as a
+    count and ranges, layers as a count), ``predicted`` holds the largest peak
+    (``peak_memory_bytes``) instead of the per-device map, and the model signature and
+    tp splits become counts. ``detail=False`` (a candidate) also drops the cluster (the
+    chosen plan's) and keeps the cluster's name only."""
+    d = plan.to_dict()
+    d["model"] = {"name": plan.model_name, "fingerprint": plan.model_fingerprint,
+                  "layers": len(plan.model_signature)}
+    predicted = d["predicted"]
+    del predicted["peak_memory_bytes_per_device"]
+    predicted["peak_memory_bytes"] = plan.predicted.max_memory_bytes
+    d["stages"] = [g.to_dict() for g in stage_groups(plan)]
+    d["devices"] = len(plan.devices)
+    d["tp_splits"] = len(plan.tp_splits)
+    if detail:
+        d["mesh"] = mesh(plan)
+    else:
+        d["cluster"] = {"name": plan.cluster.name}
+    return d
+
+
+SLOT_FIELDS = ("stage", "microbatch", "kind", "chunk", "start_s", "end_s")  # analysis.json
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
 def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Plan]) -> dict:
     """What the "Parallel plan" dashboard shows for one run (``reports.plugin``): the
-    plans, per-layer rows (with the cost model's time per micro-batch on the plan's
-    device), the simulated pipeline schedule and the memory bars."""
+    plans (``plan_summary``: per pipeline stage, never per device), per-layer rows (with
+    the cost model's time per micro-batch on the plan's device), the simulated pipeline
+    schedule and the memory bars (one per stage)."""
     s, device = chosen.strategy, chosen.cluster.device
     where = chosen.device_of_layer()
     stage_of = {name: k % s.pp for k, st in enumerate(chosen.stages) for name in st.layers}
@@ -93,11 +146,14 @@ def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Pl
             "time_s": fwd + bwd, "stage": stage_of.get(l.name), "device": where.get(l.name)})
     slots, m = plan_schedule(chosen)
     return {
-        "plan": chosen.to_dict(), "candidates": [c.to_dict() for c in candidates],
+        "plan": plan_summary(chosen),
+        "candidates": [plan_summary(c, detail=False) for c in candidates],
         "layers": layers,
-        "schedule": {"num_microbatches": m, "slots": [
-            {"stage": x.stage, "microbatch": x.microbatch, "kind": x.kind,
-             "start_s": x.start_s, "end_s": x.end_s} for x in slots]},
+        # slots as rows of SLOT_FIELDS: thousands of them in a long interleaved pipeline
+        "schedule": {"num_microbatches": m, "drawn_microbatches": 1 + max(
+            (x.microbatch for x in slots), default=-1), "fields": list(SLOT_FIELDS), "slots": [
+            [x.stage, x.microbatch, x.kind, x.chunk, _round(x.start_s), _round(x.end_s)]
+            for x in slots]},
         "memory": [{"label": label, "bytes": n} for label, n in memory_bars(chosen)],
     }
 

@@ -74,62 +74,137 @@ function breakdownBars(plans) {
   return box;
 }
 
+function axisTicks(top, n = 5) {
+  return Array.from({length: n + 1}, (_, k) => top * k / n);
+}
+
+// Peak memory per device of each pipeline stage (plan.stages: one group per stage, from
+// analysis.json), values on the bars, a byte axis; the capacity line only when it is on
+// the scale (a small model on a big device would otherwise be an empty box).
 function memoryBars(plan) {
-  const mem = Object.entries(plan.predicted.peak_memory_bytes_per_device);
+  const stages = plan.stages;
   const capacity = plan.predicted.memory_capacity_bytes;
-  const top = Math.max(capacity, ...mem.map(([, n]) => n));
-  const width = 720, height = 160, step = Math.min(60, (width - 20) / Math.max(1, mem.length));
-  const box = svg('svg', {width, height: height + 20, class: 'memory'});
-  mem.forEach(([device, n], i) => {
-    const h = (height - 10) * n / top;
-    const r = svg('rect', {x: 10 + i * step, y: height - h, width: Math.max(2, step - 4),
-                           height: h, fill: n <= capacity ? COLORS[0] : COLORS[3]});
+  const largest = Math.max(1, ...stages.map((g) => g.peak_memory_bytes));
+  const showCapacity = capacity <= 4 * largest;
+  const top = 1.1 * Math.max(largest, showCapacity ? capacity : 0);
+  const width = 760, height = 200, left = 80, bottom = 24;
+  const step = (width - left - 10) / Math.max(1, stages.length);
+  const box = svg('svg', {width, height: height + bottom + 20, class: 'memory'});
+  const y = (n) => height - (height - 14) * n / top;
+  axisTicks(top).forEach((v) => {
+    box.append(svg('line', {x1: left, x2: width, y1: y(v), y2: y(v), stroke: '#ddd'}));
+    const t = svg('text', {x: 0, y: y(v) + 4, 'font-size': 11});
+    t.textContent = bytes(v);
+    box.append(t);
+  });
+  const every = Math.max(1, Math.ceil(56 / step));  // label every n-th bar where they crowd
+  stages.forEach((g, i) => {
+    const n = g.peak_memory_bytes, x = left + i * step + 2;
+    const r = svg('rect', {x, y: y(n), width: Math.max(1, step - 4), height: height - y(n),
+                           fill: n <= capacity ? COLORS[0] : COLORS[3]});
     const title = svg('title');
-    title.textContent = `${device}: ${bytes(n)}`;
+    title.textContent = `stage ${g.stage} (${g.devices} devices: ${g.where}): ${bytes(n)}` +
+        (g.min_memory_bytes !== n ? ` (smallest ${bytes(g.min_memory_bytes)})` : '');
     r.append(title);
     box.append(r);
+    if (i % every === 0) {
+      const label = svg('text', {x, y: height + 16, 'font-size': 11});
+      label.textContent = step >= 56 ? `stage ${g.stage}` : String(g.stage);
+      box.append(label);
+      if (step >= 56) {
+        const value = svg('text', {x, y: Math.max(12, y(n) - 4), 'font-size': 11});
+        value.textContent = bytes(n);
+        box.append(value);
+      }
+    }
   });
-  const y = height - (height - 10) * capacity / top;
-  box.append(svg('line', {x1: 0, x2: width, y1: y, y2: y, stroke: COLORS[3],
-                          'stroke-width': 2}));
-  const label = svg('text', {x: 10, y: height + 16, 'font-size': 12});
-  label.textContent = `peak memory per device; red line: capacity ${bytes(capacity)}`;
+  if (showCapacity) {
+    box.append(svg('line', {x1: left, x2: width, y1: y(capacity), y2: y(capacity),
+                            stroke: COLORS[3], 'stroke-width': 2}));
+  }
+  const label = svg('text', {x: left, y: height + bottom + 14, 'font-size': 12});
+  label.textContent = 'peak memory per device of each pipeline stage; capacity ' +
+      bytes(capacity) + (showCapacity ? ' (red line)' : ' (off this scale)');
   box.append(label);
   return box;
 }
 
+function shortDevice(d) {
+  return d.replace(/^.*\/device:/, '');
+}
+
+// The dp x tp x pp grid: a row per pipeline stage, a column per data-parallel replica
+// (consecutive replicas share a column when there are many), each cell one tensor group
+// named by its first device and its node(s); never a column per device.
 function meshTable(plan) {
-  const s = plan.strategy;
-  const rows = plan.stages.slice(0, s.pp).map((stage, k) => el('tr', {},
-      el('td', {}, `stage ${k}`),
-      ...stage.devices.map((d) => el('td', {style: `background:${COLORS[k % 10]}33`}, d)),
-      el('td', {}, String(plan.stages.filter((_, j) => j % s.pp === k)
-          .reduce((n, st) => n + st.layers.length, 0)) + ' layers')));
-  return el('table', {class: 'mesh'}, ...rows);
+  const m = plan.mesh, s = plan.strategy;
+  const shade = (nodes) => (parseInt(nodes, 10) % 2 ? '#f3f3f3' : '#fff');
+  const head = el('tr', {}, el('th', {}, 'stage'), el('th', {}, 'devices (nodes)'),
+      ...m.columns.map(([a, b]) => el('th', {}, a === b ? `dp ${a}` : `dp ${a}..${b}`)),
+      el('th', {}, 'layers'), el('th', {}, 'peak memory'));
+  const rows = m.rows.map((r) => el('tr', {},
+      el('td', {style: `background:${COLORS[r.stage % 10]}33`}, `stage ${r.stage}`),
+      el('td', {class: 'where'}, r.where),
+      ...r.cells.map((c) => {
+        const cell = el('td', {class: 'cell', style: `background:${shade(c.nodes)}`,
+                               title: `${c.device}: ${c.devices} devices on node(s) ${c.nodes}`},
+                        el('div', {}, shortDevice(c.device) + (m.tp > 1 ? ` ×${m.tp}` : '')),
+                        el('div', {class: 'node'}, `node ${c.nodes}`));
+        return cell;
+      }),
+      el('td', {}, String(r.layers) + (m.virtual_stages > 1 ?
+          ` in ${m.virtual_stages} chunks` : '')),
+      el('td', {}, bytes(r.peak_memory_bytes))));
+  const caption = el('p', {class: 'mesh-caption'},
+      `dp=${m.dp} × tp=${m.tp} × pp=${m.pp}` + (m.cp > 1 ? ` × cp=${m.cp}` : '') +
+      ` = ${m.devices.toLocaleString()} devices on ${m.nodes} node(s) of ` +
+      `${m.devices_per_node}; a cell is one data-parallel replica's tensor group of ` +
+      `${s.tp} device(s) on one stage, named by its first device, with its node.`);
+  return el('div', {class: 'mesh-grid'}, caption,
+            el('table', {class: 'mesh', style: 'font-size:11px'}, head, ...rows));
 }
 
 function timeline(schedule, pp) {
-  const slots = schedule.slots;
+  // analysis.json writes each slot as a row of schedule.fields (older files: objects)
+  const fields = schedule.fields || [];
+  const slots = schedule.slots.map((x) => (Array.isArray(x) ?
+      Object.fromEntries(fields.map((f, k) => [f, x[k]])) : x));
   const end = Math.max(...slots.map((x) => x.end_s), 1e-12);
-  const width = 900, row = 24, left = 70;
-  const box = svg('svg', {width, height: row * pp + 8, class: 'timeline'});
+  const width = 960, row = Math.max(8, Math.min(24, 480 / pp)), left = 70;
+  const rowsH = row * pp;
+  const box = svg('svg', {width, height: rowsH + 56, class: 'timeline'});
   for (let s = 0; s < pp; s += 1) {
-    box.append(svg('rect', {x: left, y: s * row, width: width - left, height: row - 4,
+    box.append(svg('rect', {x: left, y: s * row, width: width - left, height: row - 2,
                             fill: '#eee'}));
-    const t = svg('text', {x: 0, y: s * row + 15, 'font-size': 12});
-    t.textContent = `stage ${s}`;
-    box.append(t);
+    if (row >= 14 || s % Math.ceil(14 / row) === 0) {
+      const t = svg('text', {x: 0, y: s * row + Math.min(15, row), 'font-size': 12});
+      t.textContent = `stage ${s}`;
+      box.append(t);
+    }
   }
   slots.forEach((x) => {
     const r = svg('rect', {x: left + (width - left) * x.start_s / end, y: x.stage * row,
                            width: Math.max(1, (width - left) * (x.end_s - x.start_s) / end - 1),
-                           height: row - 4, fill: COLORS[x.microbatch % 10],
+                           height: row - 2, fill: COLORS[x.microbatch % 10],
                            opacity: x.kind === 'F' ? 1 : 0.55});
     const title = svg('title');
-    title.textContent = `${x.kind}${x.microbatch} on stage ${x.stage}`;
+    title.textContent = `${x.kind === 'F' ? 'forward' : 'backward'} of micro-batch ` +
+        `${x.microbatch}` + (x.chunk ? ` (model chunk ${x.chunk})` : '') + ` on stage ` +
+        `${x.stage}: ${seconds(x.start_s)} to ${seconds(x.end_s)}`;
     r.append(title);
     box.append(r);
   });
+  axisTicks(end).forEach((t, k) => {
+    const x = left + (width - left) * t / end;
+    box.append(svg('line', {x1: x, x2: x, y1: rowsH, y2: rowsH + 5, stroke: '#212121'}));
+    const label = svg('text', {x: k === 5 ? x - 50 : x, y: rowsH + 18, 'font-size': 11});
+    label.textContent = seconds(t);
+    box.append(label);
+  });
+  const legend = svg('text', {x: left, y: rowsH + 44, 'font-size': 12});
+  legend.textContent = 'solid: forward, faded: backward, grey: idle (bubble); colour = ' +
+      'micro-batch; hover a pass for its micro-batch, model chunk and times';
+  box.append(legend);
   return box;
 }
 
@@ -165,8 +240,10 @@ async function showRun(run, container) {
   const picked = new Set([0, 1].filter((i) => i < a.candidates.length));
   const redraw = () => {
     const plans = [...picked].sort((x, y) => x - y).map((i) => a.candidates[i]);
-    compare.replaceChildren(breakdownBars(plans), ...plans.map((p) => el('div', {},
-        el('h4', {}, `Memory per device: ${p.name}`), memoryBars(p))));
+    // the chosen plan's memory is drawn once, below; the others' here
+    compare.replaceChildren(breakdownBars(plans), ...plans.filter((p) => p.name !== plan.name)
+        .map((p) => el('div', {},
+        el('h4', {}, `Memory per stage: ${p.name}`), memoryBars(p))));
   };
   const candidates = el('table', {class: 'candidates'},
       el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'peak memory', 'fits']
@@ -175,7 +252,7 @@ async function showRun(run, container) {
         const box = el('input', {type: 'checkbox'});
         box.checked = picked.has(i);
         box.onchange = () => { box.checked ? picked.add(i) : picked.delete(i); redraw(); };
-        const peak = Math.max(...Object.values(c.predicted.peak_memory_bytes_per_device));
+        const peak = c.predicted.peak_memory_bytes;
         return el('tr', {}, el('td', {}, box), el('td', {}, String(i + 1)),
                   el('td', {}, (c.name === plan.name ? '* ' : '') + c.name),
                   el('td', {}, seconds(c.predicted.step_time_s)), el('td', {}, bytes(peak)),
@@ -190,7 +267,7 @@ async function showRun(run, container) {
       el('p', {class: 'reason'}, plan.reason || ''),
       el('h3', {}, 'Candidates (tick to compare)'), candidates,
       el('h3', {}, 'Side by side: step time breakdown and memory'), compare,
-      el('h3', {}, 'Memory per device'), memoryBars(plan),
+      el('h3', {}, 'Memory per pipeline stage'), memoryBars(plan),
       el('h3', {}, 'Device mesh and placement'), meshTable(plan),
       el('h3', {}, `Pipeline schedule (${plan.strategy.schedule}, ` +
          `${a.schedule.num_microbatches} micro-batches)`),

@@ -79,10 +79,11 @@ def test_images_of_a_pipeline_plan_show_its_stages_and_devices():
                   fix={"pp": 4, "microbatch_size": 1, "schedule": "1f1b"}).chosen
     slots, m = plan_schedule(plan)
     assert m == 16 and {s.stage for s in slots} == {0, 1, 2, 3}
-    assert [n for _, n in memory_bars(plan)] == [n for _, n in
-                                                plan.predicted.peak_memory_bytes_per_device]
+    per_device = dict(plan.predicted.peak_memory_bytes_per_device)
+    assert memory_bars(plan) == [(f"stage {k}", max(per_device[d] for d in st.devices))
+                                 for k, st in enumerate(plan.stages)]  # a bar per stage
     images = plan_images(profile, plan)
-    assert set(images) == {"plan/pipeline_schedule", "plan/memory_per_device",
+    assert set(images) == {"plan/pipeline_schedule", "plan/memory_per_stage",
                            "plan/layer_graph"}
     for image in images.values():
         assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
@@ -112,25 +113,27 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
     acc.Reload()
     tags = acc.Tags()
     # tf.summary.image is written as a tensor summary of encoded PNGs (TF2)
-    assert {"plan/pipeline_schedule", "plan/memory_per_device",
+    assert {"plan/pipeline_schedule", "plan/memory_per_stage",
             "plan/layer_graph"} <= set(tags["tensors"])
     import tensorflow as tf
     chosen = result.chosen
     scalar = float(tf.make_ndarray(acc.Tensors("predicted/step_time_s")[0].tensor_proto))
     assert scalar == pytest.approx(chosen.predicted.step_time_s, rel=1e-6)
-    per_device = [float(tf.make_ndarray(acc.Tensors(f"predicted/peak_memory_bytes/device_{i}")[0]
-                                        .tensor_proto))
-                  for i in range(len(chosen.predicted.peak_memory_bytes_per_device))]
-    assert per_device == pytest.approx(
-        [n for _, n in chosen.predicted.peak_memory_bytes_per_device], rel=1e-6)
+    # one chart of peak memory per pipeline stage (x = the stage), never a tag per device
+    per_stage = acc.Tensors("predicted/peak_memory_bytes_per_stage")
+    assert [e.step for e in per_stage] == list(range(chosen.strategy.pp))
+    per_device = dict(chosen.predicted.peak_memory_bytes_per_device)
+    assert [float(tf.make_ndarray(e.tensor_proto)) for e in per_stage] == pytest.approx(
+        [max(per_device[d] for d in st.devices) for st in chosen.stages], rel=1e-6)
+    assert not [t for t in tags["tensors"] if "device_" in t]
     text = tf.make_ndarray(acc.Tensors("plan/chosen")[0].tensor_proto).item().decode()
     assert chosen.name in text and f"pp={chosen.strategy.pp}" in text
     ranked = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("candidates/step_time_s")]
     assert ranked == pytest.approx([c.predicted.step_time_s for c in result.candidates])
-    event = acc.Tensors("plan/memory_per_device")[0]
+    event = acc.Tensors("plan/memory_per_stage")[0]
     width, height, png = event.tensor_proto.string_val[:3]
     image = Image.open(io.BytesIO(png))
-    assert image.size == (int(width), int(height)) == (960, 320)
+    assert image.size == (int(width), int(height)) == (1200, 480)  # legible 16 px text
 
 
 def test_a_measured_capture_is_attached_to_the_analysis_run(tmp_path):

@@ -62,7 +62,8 @@ def test_routes_list_the_runs_and_serve_their_plans(logdir):
     assert runs["unreadable"] == []
     doc = json.loads(client.get("/analysis?run=pipeline").data)
     assert doc["plan"]["strategy"]["pp"] == 4
-    assert {s["stage"] for s in doc["schedule"]["slots"]} == {0, 1, 2, 3}
+    stage = doc["schedule"]["fields"].index("stage")  # slots are rows of these fields
+    assert {s[stage] for s in doc["schedule"]["slots"]} == {0, 1, 2, 3}
     assert len(doc["layers"]) == len(gpt_profile(4, 512, 8, vocab=4096, seq=256).layers)
     js = client.get("/index.js")
     assert js.status_code == 200 and b"export async function render" in js.data
