@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default="out", metavar="DIR",
                    help="where plan.json, profile.json, candidates.json, manifest.json and the "
                         "TensorBoard run go, replaced all at once (default out)")
+    a.add_argument("--wide", action="store_true",
+                   help="every column of the candidate table (dp, tp, pp, micro-batches, the "
+                        "step time's parts, capacity, samples/s); default: the few that fit "
+                        "80 columns")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_analyze)
 
@@ -151,14 +155,16 @@ def _add_report_parser(sub: Any) -> None:
                                    "plan, as one self-contained HTML page.")
     r.add_argument("dir", metavar="DIR", help="an analysis directory (plan analyze --out)")
     r.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    r.add_argument("--wide", action="store_true",
+                   help="every column of the candidate table (default: the few that fit "
+                        "80 columns)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_report)
 
 
 def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     from tfplan.reports.report import html_report, load_analysis, summary_lines
-    from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows,
-                                       profile_rows)
+    from tfplan.reports.tables import PROFILE_HEADER, profile_rows
 
     html_path = None
     if args.html:  # before reading anything: an unwritable --html fails first
@@ -169,14 +175,13 @@ def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
         from tfplan.core.atomic import write_text
         write_text(html_path, html_report(a))
     if args.json:
-        ui.print_json({"plan": a.chosen.to_dict(),
-                       "candidates": [c.to_dict() for c in a.candidates],
+        ui.print_json({"plan": _with_mfu(a.chosen),
+                       "candidates": [_with_mfu(c) for c in a.candidates],
                        "summary": summary_lines(a), "html": html_path, "run_id": a.run_id})
         return 0
     for line in summary_lines(a):
         ui.note(line)
-    ui.table("Candidates (ranked by predicted step time; * = chosen)", CANDIDATE_HEADER,
-             candidate_rows(a.candidates, a.chosen), left_columns=3)
+    candidate_tables(ui, "Candidates", a.candidates, a.chosen, wide=args.wide)
     ui.table(f"{a.profile.model_name}: per-layer profile at batch size {a.profile.batch_size}",
              PROFILE_HEADER, profile_rows(a.profile))
     if html_path:
@@ -525,8 +530,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     from tfplan.planner.batch_stats import describe
     batch_statistics = describe(result.chosen, profile)
     if args.json:
-        ui.print_json({"plan": result.chosen.to_dict(),
-                       "candidates": [c.to_dict() for c in result.candidates],
+        ui.print_json({"plan": _with_mfu(result.chosen),
+                       "candidates": [_with_mfu(c) for c in result.candidates],
                        "profile": {"model_name": profile.model_name,
                                    "fingerprint": profile.fingerprint,
                                    "totals": profile.totals()},
@@ -537,7 +542,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                        "files": {"plan": plan_path, "tensorboard": logdir},
                        "run_id": written.run_id})
         return 0
-    from tfplan.reports.tables import CANDIDATE_HEADER, candidate_rows, fmt_bytes, fmt_count
+    from tfplan.reports.tables import fmt_bytes, fmt_count
     t = profile.totals()
     ui.note(f"Model {profile.model_name}: {t['params']:,} params ({fmt_bytes(t['param_bytes'])}), "
             f"{fmt_count(t['flops_fwd'])}FLOP forward + {fmt_count(t['flops_bwd'])}FLOP "
@@ -547,9 +552,8 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
             f"{name} (batch, {', '.join(str(d) for d in dims)})"
             for name, dims in profile.input_shapes) + ": apply refuses batches of other shapes "
             "where the model leaves a dimension open.")
-    ui.table(f"Strategies for {cluster.name}, global batch {args.global_batch} "
-             "(ranked by predicted step time; * = chosen)",
-             CANDIDATE_HEADER, candidate_rows(result.candidates, result.chosen), left_columns=3)
+    candidate_tables(ui, f"Strategies for {cluster.name}, global batch {args.global_batch}",
+                     result.candidates, result.chosen, wide=args.wide)
     ui.note(f"Chosen: {result.chosen.name}. {result.chosen.reason}")
     layout = _layout_note(result.chosen)
     if layout:
@@ -559,8 +563,68 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
     for line in warning_lines(warnings, profile.not_counted, profile.opaque_blocks):
         ui.note(line)
     ui.note(f"Wrote {plan_path}")
-    ui.note(f"TensorBoard: tensorboard --logdir {logdir}")
+    for line in next_steps(result.chosen, args.model, plan_path, logdir, out_dir):
+        # a command stays on one line (the terminal wraps it), so that it can be copied
+        ui.note(line, wrap=not line.startswith("    "))
     return 0
+
+
+def _with_mfu(plan: Any) -> dict[str, Any]:
+    """``plan.to_dict()`` plus ``peak_tflops_per_device`` (the device's peak at the plan's
+    precision) and ``mfu`` (model FLOPs utilisation: model_tflops_per_device over it)."""
+    from tfplan.reports.tables import mfu, peak_flops_per_s
+    return {**plan.to_dict(), "peak_tflops_per_device": peak_flops_per_s(plan) / 1e12,
+            "mfu": mfu(plan)}
+
+
+# Terminal labels of the candidate columns, on two lines where the header is the widest cell
+_HEADER_LABELS = {"step time": "step\ntime", "TFLOP/s/dev": "TFLOP/s\n/device",
+                  "peak mem / device": "peak mem\n/ device", "micro-batches": "micro-\nbatches"}
+
+
+def candidate_tables(ui: "UI", title: str, candidates: Sequence[Any], chosen: Any,
+                     wide: bool = False) -> None:
+    """The ranked candidates: the ones that fit by predicted step time (the chosen one
+    marked '*' wherever it ranks), then the ones that do not fit, in a table of their own.
+    Default columns fit 80 columns; ``wide``: all of them. Numbers are never cut."""
+    from tfplan.reports.tables import (CANDIDATE_HEADER, SHORT_HEADER, TEXT_COLUMNS,
+                                       candidate_rows, ranked_candidates)
+    header = CANDIDATE_HEADER if wide else SHORT_HEADER
+    labels = [_HEADER_LABELS.get(h, h) for h in header]
+    fitting, not_fitting = ranked_candidates(candidates)
+    if fitting:
+        ui.table(f"{title}: the {len(fitting)} that fit, ranked by predicted step time "
+                 "(* = chosen)", labels, candidate_rows(fitting, chosen, header),
+                 text_columns=[header.index(c) for c in TEXT_COLUMNS])
+    if not_fitting:
+        ui.table(f"{title}: {len(not_fitting)} that do NOT fit in memory, by predicted step "
+                 "time" + (" (* = the requested one)" if not chosen.predicted.fits else ""),
+                 labels, candidate_rows(not_fitting, chosen, header,
+                                        first_rank=len(fitting) + 1),
+                 text_columns=[header.index(c) for c in TEXT_COLUMNS])
+
+
+def next_steps(plan: Any, model: str, plan_path: str, logdir: str, out_dir: str) -> list[str]:
+    """The lines that end ``plan analyze``'s text: how to train with the plan, how to
+    open the report."""
+    from tfplan.planner.launch import plan_workers
+    model_arg = model if model.endswith(".py") else "MODEL.py"
+    train = f"examples/train.py --model {model_arg} --plan {plan_path}"
+    workers = plan_workers(plan)
+    lines = ["Next steps:",
+             "  Train with the plan: in your script (from tfplan import apply),",
+             f"    model = apply.wrap(model, \"{plan_path}\")"]
+    if len(workers) > 1:
+        lines += [f"  in each of its {len(workers)} worker processes; the example trainer "
+                  "on all of them:",
+                  f"    plan launch --workers {len(workers)} {train}"]
+    else:
+        lines += ["  or with the example trainer:", f"    python {train}"]
+    lines += ["  See the analysis: the Parallel plan dashboard in TensorBoard,",
+              f"    tensorboard --logdir {logdir}",
+              "  or as one HTML page:",
+              f"    plan report {out_dir} --html {os.path.join(out_dir, 'report.html')}"]
+    return lines
 
 
 # Beyond these, an input is almost surely a typo (a few extra zeros): said, not refused.
@@ -729,8 +793,9 @@ class UI:
         if self._console is None:
             from rich.console import Console
             # Piped output is not cut to 80 columns: tables stay one line per row.
-            self._console = Console(soft_wrap=False,
-                                    width=None if sys.stdout.isatty() else 220)
+            # COLUMNS, where set, is the width either way (rich reads it).
+            piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+            self._console = Console(soft_wrap=False, width=220 if piped else None)
             self._err = Console(stderr=True)
         return self._console, self._err
 
@@ -769,22 +834,48 @@ class UI:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
     def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
-              left_columns: int = 2, wrap_last: bool = False) -> None:
+              left_columns: int = 2, wrap_last: bool = False,
+              text_columns: Sequence[int] | None = None) -> None:
+        """``text_columns``: the columns that hold text (left-aligned; they wrap, folding a
+        word longer than the column); every other column is a number, right-aligned and
+        never cut or wrapped. Without it: the first ``left_columns`` are left-aligned and
+        only the last wraps (``wrap_last``). A table whose numbers need more than the
+        console's width is printed wider rather than cut."""
+        from rich.measure import Measurement
         from rich.table import Table
         out, _ = self._consoles()
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(header):
+            if text_columns is not None:
+                text = i in text_columns
+                cells = [str(row[i]) for row in rows] + str(h).split("\n")
+                table.add_column(h, justify="left" if text else "right", no_wrap=not text,
+                                 overflow="fold",
+                                 min_width=None if text else max(map(len, cells)))
+                continue
             last = i == len(header) - 1
             table.add_column(h, justify="left" if i < left_columns or (last and wrap_last)
                              else "right", no_wrap=not (last and wrap_last))
         for row in rows:
             style = "bold" if row and row[0] in ("*", "TOTAL") else None
             table.add_row(*row, style=style)
-        out.print(table)
+        if text_columns is None:
+            out.print(table)
+            return
+        need = Measurement.get(out, out.options.update_width(100_000), table).minimum
+        if need <= out.width:
+            out.print(table)
+            return
+        width = out.width
+        out.width = need  # wider than the terminal: it wraps the lines, nothing is cut
+        try:
+            out.print(table)
+        finally:
+            out.width = width
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, wrap: bool = True) -> None:
         out, _ = self._consoles()
-        out.print(text, highlight=False, markup=False)
+        out.print(text, highlight=False, markup=False, soft_wrap=not wrap)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

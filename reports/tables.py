@@ -19,7 +19,12 @@ PROFILE_HEADER = ("layer", "type", "params", "param bytes", "activation bytes",
 CANDIDATE_HEADER = ("", "#", "strategy", "dp", "tp", "pp", "micro-batches", "step time",
                     "compute", "comm", "bubble", "recompute", "optimizer", "overhead",
                     "peak mem / device",
-                    "capacity", "fits", "samples/s")
+                    "capacity", "fits", "samples/s", "TFLOP/s/dev", "MFU")
+# What the terminal shows without --wide: every number whole in 80 columns.
+SHORT_HEADER = ("", "#", "strategy", "step time", "TFLOP/s/dev", "MFU", "peak mem / device",
+                "fits")
+# Columns that hold text (left-aligned, may wrap); every other one is a number, never cut.
+TEXT_COLUMNS = ("strategy",)
 
 
 def profile_rows(profile: ModelProfile) -> list[tuple[str, ...]]:
@@ -67,20 +72,67 @@ def measured_summary(measured: MeasuredProfile) -> list[str]:
     ] + [f"warning: {w}" for w in measured.warnings]
 
 
-def candidate_rows(candidates: Sequence[Plan], chosen: Plan) -> list[tuple[str, ...]]:
-    """One row per candidate plan, ranked as given; the chosen one is marked with '*'."""
+def peak_flops_per_s(plan: Plan) -> float:
+    """The device's peak dense FLOP/s at the plan's precision (TF32 for float32 where the
+    device has it: ``DeviceSpec.peak_flops``, the figure the cost model prices matmuls at)."""
+    return plan.cluster.device.peak_flops(plan.precision)
+
+
+def mfu(plan: Plan) -> float:
+    """Model FLOPs utilisation: MFU = F_model / t_step / d / P_peak, the plan's predicted
+    model FLOP/s per device over the device's peak (Chowdhery et al., PaLM, 2022, App. B:
+    recomputation not counted)."""
+    return plan.predicted.model_tflops_per_device * 1e12 / peak_flops_per_s(plan)
+
+
+def fmt_tflops(tflops: float) -> str:
+    """TFLOP/s with three significant digits: 312 -> '312', 0.01824 -> '0.0182'."""
+    return f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.3g}"
+
+
+def fmt_fraction(x: float) -> str:
+    """A fraction as a percentage: 0.4213 -> '42.1%', 0.000412 -> '0.041%'."""
+    return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
+def ranked_candidates(candidates: Sequence[Plan]) -> tuple[list[Plan], list[Plan]]:
+    """(the ones that fit, the ones that do not), each by predicted step time.
+
+    The search lists the chosen plan first even where a simpler plan won on the
+    simplicity rule over a faster one; a "ranked" listing ranks it where its time puts it.
+    """
+    key = lambda p: (p.predicted.step_time_s, p.strategy.num_devices, p.name)  # noqa: E731
+    return (sorted((p for p in candidates if p.predicted.fits), key=key),
+            sorted((p for p in candidates if not p.predicted.fits), key=key))
+
+
+def candidate_rows(candidates: Sequence[Plan], chosen: Plan,
+                   header: Sequence[str] = CANDIDATE_HEADER, first_rank: int = 1,
+                   ranked: bool = True) -> list[tuple[str, ...]]:
+    """One row per candidate plan with ``header``'s columns (``CANDIDATE_HEADER``,
+    ``SHORT_HEADER`` or any subset), ranked by predicted step time (the ones that fit
+    first; ``ranked=False``: as given) and numbered from ``first_rank``; the chosen one
+    is marked with '*' wherever it ranks."""
+    if ranked:
+        fitting, not_fitting = ranked_candidates(candidates)
+        candidates = fitting + not_fitting
     rows = []
-    for rank, p in enumerate(candidates, 1):
+    for rank, p in enumerate(candidates, first_rank):
         s, pr, b = p.strategy, p.predicted, p.predicted.breakdown
-        rows.append((
-            "*" if p.name == chosen.name else "", str(rank), p.name, str(s.dp), str(s.tp),
-            str(s.pp), f"{s.num_microbatches} x {s.microbatch_size}",
-            fmt_seconds(pr.step_time_s), fmt_seconds(b.compute_s),
-            fmt_seconds(b.communication_s), fmt_seconds(b.bubble_s),
-            fmt_seconds(b.recompute_s), fmt_seconds(b.optimizer_s),
-            fmt_seconds(b.overhead_s), fmt_bytes(pr.max_memory_bytes),
-            fmt_bytes(pr.memory_capacity_bytes), "yes" if pr.fits else "NO",
-            f"{pr.samples_per_s:,.1f}"))
+        cells = {
+            "": "*" if p.name == chosen.name else "", "#": str(rank), "strategy": p.name,
+            "dp": str(s.dp), "tp": str(s.tp), "pp": str(s.pp),
+            "micro-batches": f"{s.num_microbatches} x {s.microbatch_size}",
+            "step time": fmt_seconds(pr.step_time_s), "compute": fmt_seconds(b.compute_s),
+            "comm": fmt_seconds(b.communication_s), "bubble": fmt_seconds(b.bubble_s),
+            "recompute": fmt_seconds(b.recompute_s), "optimizer": fmt_seconds(b.optimizer_s),
+            "overhead": fmt_seconds(b.overhead_s),
+            "peak mem / device": fmt_bytes(pr.max_memory_bytes),
+            "capacity": fmt_bytes(pr.memory_capacity_bytes), "fits": "yes" if pr.fits else "NO",
+            "samples/s": f"{pr.samples_per_s:,.1f}",
+            "TFLOP/s/dev": fmt_tflops(pr.model_tflops_per_device), "MFU": fmt_fraction(mfu(p)),
+        }
+        rows.append(tuple(cells[h] for h in header))
     return rows
 
 
