@@ -10,8 +10,11 @@ the plan's report (``reports``). Per training step it writes, under DIR:
   step's begin and end callbacks (Keras runs one step per callback pair with the
   default ``steps_per_execution=1``) and the batch over it;
 * ``predicted/step_time_s`` and ``predicted/samples_per_s`` -- the plan's prediction
-  (constant), so the two curves share a chart in the Scalars tab;
-* ``measured/over_predicted`` -- their ratio.
+  (constant);
+* ``measured/over_predicted`` -- their ratio;
+* once, a Custom Scalars layout (``STEP_TIME_CHART``): one chart per training run with
+  the measured and the predicted step time together, and one with samples/s (the
+  Scalars tab draws a chart per tag, so it shows them apart).
 
 The first ``warmup_steps`` steps (tracing and compiling the step function) are not
 written. Step times are measured on the host, so they include the framework's per-step
@@ -25,6 +28,22 @@ import time
 import keras
 
 from tfplan.planner.plan import Plan
+
+
+# The Custom Scalars tab's charts: a title and the tags (a regular expression) drawn
+# together, measured beside predicted
+STEP_TIME_CHART = (("step time (s): measured and predicted", r"(measured|predicted)/step_time_s"),
+                   ("samples/s: measured and predicted", r"(measured|predicted)/samples_per_s"))
+
+
+def _layout_summary() -> bytes:
+    """The Custom Scalars layout of ``STEP_TIME_CHART``, serialized."""
+    from tensorboard.plugins.custom_scalar import layout_pb2, summary as custom_scalar
+    layout = layout_pb2.Layout(category=[layout_pb2.Category(
+        title="predicted vs measured", chart=[
+            layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(
+                tag=[tags])) for title, tags in STEP_TIME_CHART])])
+    return custom_scalar.pb(layout).SerializeToString()
 
 
 class PlanMonitor(keras.callbacks.Callback):
@@ -44,6 +63,8 @@ class PlanMonitor(keras.callbacks.Callback):
         if self._writer is None:
             import tensorflow as tf
             self._writer = tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
+            with self._writer.as_default():
+                tf.summary.experimental.write_raw_pb(_layout_summary(), step=0)
         return self._writer
 
     def on_train_batch_begin(self, batch: int, logs=None) -> None:

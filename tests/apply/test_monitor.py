@@ -36,6 +36,17 @@ def test_monitor_writes_predicted_and_measured_per_step(tmp_path):
     assert ratios[0][1] == pytest.approx(measured[0][1] / plan.predicted.step_time_s, rel=1e-5)
     samples = values("measured/samples_per_s")
     assert samples[0][1] == pytest.approx(8 / measured[0][1], rel=1e-5)
+    # one chart with both step times: the Custom Scalars layout, read back as TensorBoard
+    # reads it, names a tag pattern that matches the measured and the predicted tag
+    import re
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[0].tensor_proto
+                           .string_val[0])
+    chart = layout.category[0].chart[0]
+    tags = [t for t in acc.Tags()["tensors"]
+            if any(re.fullmatch(p, t) for p in chart.multiline.tag)]
+    assert sorted(tags) == ["measured/step_time_s", "predicted/step_time_s"]
 
 
 def test_wrap_with_a_logdir_monitors_fit(tmp_path):
