@@ -18,8 +18,9 @@ import os
 
 from tfplan.reports.analysis_dir import Analysis, read_analysis_dir, save_candidates  # noqa: F401
 from tfplan.reports.images import plan_images
+from tfplan.reports.device_groups import stage_groups
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
-                            fmt_seconds, profile_rows)
+                            fmt_fraction, fmt_seconds, fmt_tflops, mfu, profile_rows)
 
 
 def load_analysis(out_dir: str | os.PathLike) -> Analysis:
@@ -37,9 +38,19 @@ def summary_lines(a: Analysis) -> list[str]:
         f"{a.chosen.cluster.name}; global batch {a.chosen.global_batch}.",
         f"Chosen: {a.chosen.name} ({s.describe()}).",
         f"Predicted step time {fmt_seconds(p.step_time_s)}, {p.samples_per_s:,.1f} samples/s, "
-        f"peak memory {fmt_bytes(p.max_memory_bytes)} of {fmt_bytes(p.memory_capacity_bytes)} "
+        f"{fmt_tflops(p.model_tflops_per_device)} model TFLOP/s per device (MFU "
+        f"{fmt_fraction(mfu(a.chosen))}), peak memory {fmt_bytes(p.max_memory_bytes)} of {fmt_bytes(p.memory_capacity_bytes)} "
         f"per device{'' if p.fits else ' (does NOT fit)'}.",
     ] + ([f"Why: {a.chosen.reason}"] if a.chosen.reason else [])
+
+
+STAGE_HEADER = ("stage", "devices", "where", "layers", "peak memory / device")
+
+
+def stage_rows(a: Analysis) -> list[tuple[str, ...]]:
+    """One row per pipeline stage, its devices as ranges (``reports.device_groups``)."""
+    return [(str(g.stage), f"{len(g.devices):,}", g.where, str(g.layers),
+             fmt_bytes(g.peak_memory_bytes)) for g in stage_groups(a.chosen)]
 
 
 def _table(header, rows) -> str:
@@ -77,6 +88,7 @@ img {{ max-width: 100%; border: 1px solid #eee; }} figure {{ margin: 1em 0; }}
 <h2>Candidates (ranked by predicted step time; * = chosen)</h2>
 {_table(CANDIDATE_HEADER, candidate_rows(a.candidates, a.chosen))}
 <h2>The chosen plan</h2>
+{_table(STAGE_HEADER, stage_rows(a))}
 {images}
 <h2>Per-layer profile (batch {a.profile.batch_size})</h2>
 {_table(PROFILE_HEADER, profile_rows(a.profile))}

@@ -6,7 +6,8 @@ Pipeline position: last stage. ``plan analyze --out DIR`` calls
 profile, the ranked candidates and the chosen plan with its reason (markdown
 tables, the same rows the terminal shows; devices named as ranges per pipeline stage,
 ``reports.device_groups``); scalars hold each candidate's predicted step time (x = its
-rank), the chosen plan's step time, samples/s, model TFLOP/s per device and peak memory,
+rank), the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
+memory,
 and its peak memory per pipeline stage (one chart, x = the stage): a handful of tags
 whatever the cluster size. Images (``reports.images``) show the chosen plan's pipeline
 schedule, its memory per stage against capacity and the layer graph coloured by stage.
@@ -26,7 +27,8 @@ from tfplan.profiler.model_profile import ModelProfile
 from tfplan.reports.device_groups import mesh, stage_groups
 from tfplan.reports.images import memory_bars, plan_images, plan_schedule
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
-                            fmt_seconds, markdown_table, profile_rows)
+                            fmt_fraction, fmt_seconds, fmt_tflops, markdown_table, mfu,
+                            profile_rows)
 
 
 def plan_markdown(plan: Plan) -> str:
@@ -40,7 +42,8 @@ def plan_markdown(plan: Plan) -> str:
              f"- {s.describe()}",
              f"- predicted step time {fmt_seconds(p.step_time_s)}, "
              f"{p.samples_per_s:,.1f} samples/s, "
-             f"{p.model_tflops_per_device:,.1f} model TFLOP/s per device",
+             f"{fmt_tflops(p.model_tflops_per_device)} model TFLOP/s per device "
+             f"(MFU {fmt_fraction(mfu(plan))})",
              f"- peak memory per device {fmt_bytes(p.max_memory_bytes)} of "
              f"{fmt_bytes(p.memory_capacity_bytes)}",
              f"- why: {plan.reason}" if plan.reason else "", ""]
@@ -75,6 +78,9 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
         tf.summary.scalar("predicted/samples_per_s", chosen.predicted.samples_per_s, step=0)
         tf.summary.scalar("predicted/model_tflops_per_device",
                           chosen.predicted.model_tflops_per_device, step=0)
+        tf.summary.scalar("predicted/mfu", mfu(chosen), step=0,
+                          description="model FLOPs utilisation: model FLOP/s per device over "
+                                      "the device's peak")
         tf.summary.scalar("predicted/peak_memory_bytes", float(chosen.predicted.max_memory_bytes),
                           step=0, description="the largest peak over the plan's devices")
         for g in stage_groups(chosen):
@@ -108,6 +114,7 @@ def plan_summary(plan: Plan, detail: bool = True) -> dict:
     predicted = d["predicted"]
     del predicted["peak_memory_bytes_per_device"]
     predicted["peak_memory_bytes"] = plan.predicted.max_memory_bytes
+    predicted["mfu"] = mfu(plan)
     d["stages"] = [g.to_dict() for g in stage_groups(plan)]
     d["devices"] = len(plan.devices)
     d["tp_splits"] = len(plan.tp_splits)

@@ -33,6 +33,15 @@ function bytes(n) {
   return n.toFixed(i ? 2 : 0) + ' ' + units[i];
 }
 
+function tflops(t) {
+  return t >= 100 ? t.toFixed(0) : t.toPrecision(3);
+}
+
+function percent(x) {
+  if (x === undefined || x === null) return '-';
+  return x >= 0.01 ? (100 * x).toFixed(1) + '%' : (100 * x).toPrecision(2) + '%';
+}
+
 async function getJson(url) {
   const response = await fetch(url);
   if (!response.ok) {  // the plugin answers {"error": why}; say that, not just the status
@@ -246,7 +255,8 @@ async function showRun(run, container) {
         el('h4', {}, `Memory per stage: ${p.name}`), memoryBars(p))));
   };
   const candidates = el('table', {class: 'candidates'},
-      el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'peak memory', 'fits']
+      el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'TFLOP/s/dev', 'MFU',
+                       'peak memory', 'fits']
           .map((h) => el('th', {}, h))),
       ...a.candidates.map((c, i) => {
         const box = el('input', {type: 'checkbox'});
@@ -255,7 +265,9 @@ async function showRun(run, container) {
         const peak = c.predicted.peak_memory_bytes;
         return el('tr', {}, el('td', {}, box), el('td', {}, String(i + 1)),
                   el('td', {}, (c.name === plan.name ? '* ' : '') + c.name),
-                  el('td', {}, seconds(c.predicted.step_time_s)), el('td', {}, bytes(peak)),
+                  el('td', {}, seconds(c.predicted.step_time_s)),
+                  el('td', {}, tflops(c.predicted.model_tflops_per_device)),
+                  el('td', {}, percent(c.predicted.mfu)), el('td', {}, bytes(peak)),
                   el('td', {}, c.predicted.fits ? 'yes' : 'NO'));
       }));
   redraw();
@@ -263,7 +275,9 @@ async function showRun(run, container) {
       el('h2', {}, `Chosen: ${plan.name}`),
       el('p', {class: 'summary'}, `Model ${plan.model.name} on ${plan.cluster.name}, global ` +
          `batch ${plan.global_batch}: predicted ${seconds(plan.predicted.step_time_s)} per ` +
-         `step, ${plan.predicted.samples_per_s.toFixed(1)} samples/s.`),
+         `step, ${plan.predicted.samples_per_s.toFixed(1)} samples/s, ` +
+         `${tflops(plan.predicted.model_tflops_per_device)} model TFLOP/s per device ` +
+         `(MFU ${percent(plan.predicted.mfu)}) on ${plan.devices.toLocaleString()} devices.`),
       el('p', {class: 'reason'}, plan.reason || ''),
       el('h3', {}, 'Candidates (tick to compare)'), candidates,
       el('h3', {}, 'Side by side: step time breakdown and memory'), compare,

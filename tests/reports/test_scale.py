@@ -100,6 +100,18 @@ def test_analysis_json_does_not_grow_with_the_devices(big, logdir):
                for r in mesh["rows"])
 
 
+def test_the_html_report_names_ranges_per_stage(big):
+    from tfplan.reports.analysis_dir import Analysis
+    from tfplan.reports.report import html_report, summary_lines
+    profile, result = big
+    a = Analysis(profile, result.chosen, result.candidates)
+    page = html_report(a)
+    assert "/job:worker" not in page
+    assert re.search(r"<td>GPU:0\.\.7 on nodes \d+\.\.\d+</td>", page)
+    assert page.count("<td>GPU:0..7 on nodes") == result.chosen.strategy.pp
+    assert "MFU" in summary_lines(a)[2]
+
+
 def test_device_ranges_of_a_small_and_an_uneven_set():
     plan = search(gpt_profile(2, 256, 4, vocab=1024, seq=64), parse_cluster("4x8xA100-80GB"),
                   32, fix={"dp": 4, "tp": 2, "pp": 4}).chosen
