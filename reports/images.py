@@ -160,6 +160,8 @@ def _shade(color: tuple[int, int, int], k: float) -> tuple[int, int, int]:
 
 
 def _time(t: float) -> str:
+    if t == 0:
+        return "0"
     return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
@@ -198,11 +200,10 @@ def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
             draw.text((x0 + 3, y + 6), label, fill=TEXT, font=small)
     axis_y = top + rows_h + 2
     draw.line((left, axis_y, width - right, axis_y), fill=TEXT)
-    for k in range(6):  # the time axis
-        x = left + (width - left - right) * k / 5
+    for t in axis_ticks(end):  # the time axis
+        x = left + (width - left - right) * t / end
         draw.line((x, axis_y, x, axis_y + 5), fill=TEXT)
-        draw.text((x - (30 if k else 0) if k < 5 else x - 60, axis_y + 7), _time(end * k / 5),
-                  fill=TEXT, font=small)
+        draw.text((min(x, width - right - 70), axis_y + 7), _time(t), fill=TEXT, font=small)
     legend_y = axis_y + 32
     draw.rectangle((left, legend_y, left + 18, legend_y + 14), fill=PALETTE[0])
     draw.text((left + 24, legend_y - 2), "forward (Fi = micro-batch i" +
@@ -217,6 +218,20 @@ def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
 def _font(size: int):
     from PIL import ImageFont
     return ImageFont.load_default(size=size)
+
+
+def axis_ticks(top: float, unit: float = 1.0) -> list[float]:
+    """About five round ticks from 0 to ``top``: steps of 1, 2 or 5 times a power of ten
+    of ``unit`` (bytes: a GiB or a MiB, so the labels read 10 GiB, 20 GiB, ...)."""
+    import math
+    raw = top / unit / 5 or 1.0
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m for m in (1, 2, 5, 10) if m * power >= raw) * power * unit
+    return [k * step for k in range(int(top / step * (1 + 1e-9)) + 1)]
+
+
+def _byte_unit(top: float) -> float:
+    return 2.0**30 if top >= 2**30 else 2.0**20 if top >= 2**20 else 1.0
 
 
 def _gib(n: float) -> str:
@@ -240,11 +255,12 @@ def memory_image(plan: Plan, width: int = 1200, height: int = 480) -> np.ndarray
               f"{_gib(capacity)}" + ("" if show_capacity else ", off this scale") + ")",
               fill=TEXT, font=big)
     plot_h, plot_w = height - top - bottom, width - left - right
-    for k in range(6):  # the axis: 5 gridlines with values
-        v = top_value * k / 5
+    for v in axis_ticks(top_value, _byte_unit(top_value)):  # the axis: round values
         y = top + plot_h - plot_h * v / top_value
         draw.line((left, y, width - right, y), fill=GRID)
-        draw.text((6, y - 9), _gib(v), fill=TEXT, font=small)
+        unit = _byte_unit(top_value)
+        draw.text((6, y - 9), f"{v / unit:g} " + {2**30: "GiB", 2**20: "MiB"}.get(unit, "B"),
+                  fill=TEXT, font=small)
     draw.line((left, top, left, top + plot_h), fill=TEXT)
     step = plot_w / max(1, len(bars))
     every = max(1, int(-(-70 // step)))  # label every n-th bar where they would overlap
@@ -259,6 +275,12 @@ def memory_image(plan: Plan, width: int = 1200, height: int = 480) -> np.ndarray
             if step >= 70:
                 draw.text((x0, max(top, top + plot_h - h - 20)), _gib(nbytes), fill=TEXT,
                           font=small)
+        if 34 <= step < 70:  # narrower bars: the value in the axis' unit
+            unit = _byte_unit(top_value)
+            draw.text((x0, max(top, top + plot_h - h - 16)), f"{nbytes / unit:.1f}",
+                      fill=TEXT, font=_font(13))
+    if step < 70:
+        draw.text((width - right - 110, height - 22), "pipeline stage", fill=TEXT, font=small)
     if show_capacity:
         y = top + plot_h - plot_h * capacity / top_value
         draw.line((left, y, width - right, y), fill=PALETTE[3], width=2)

@@ -83,8 +83,19 @@ function breakdownBars(plans) {
   return box;
 }
 
-function axisTicks(top, n = 5) {
-  return Array.from({length: n + 1}, (_, k) => top * k / n);
+// About five round ticks from 0 to top: steps of 1, 2 or 5 times a power of ten of
+// ``unit`` (bytes: a GiB or a MiB, so that the labels read 10 GiB, 20 GiB, ...).
+function axisTicks(top, unit = 1) {
+  const raw = top / unit / 5;
+  const power = 10 ** Math.floor(Math.log10(raw || 1));
+  const step = [1, 2, 5, 10].find((m) => m * power >= raw) * power * unit;
+  const ticks = [];
+  for (let v = 0; v <= top * (1 + 1e-9); v += step) ticks.push(v);
+  return ticks;
+}
+
+function byteUnit(top) {
+  return top >= 2 ** 30 ? 2 ** 30 : top >= 2 ** 20 ? 2 ** 20 : 1;
 }
 
 // Peak memory per device of each pipeline stage (plan.stages: one group per stage, from
@@ -100,7 +111,7 @@ function memoryBars(plan) {
   const step = (width - left - 10) / Math.max(1, stages.length);
   const box = svg('svg', {width, height: height + bottom + 20, class: 'memory'});
   const y = (n) => height - (height - 14) * n / top;
-  axisTicks(top).forEach((v) => {
+  axisTicks(top, byteUnit(top)).forEach((v) => {
     box.append(svg('line', {x1: left, x2: width, y1: y(v), y2: y(v), stroke: '#ddd'}));
     const t = svg('text', {x: 0, y: y(v) + 4, 'font-size': 11});
     t.textContent = bytes(v);
@@ -203,10 +214,11 @@ function timeline(schedule, pp) {
     r.append(title);
     box.append(r);
   });
-  axisTicks(end).forEach((t, k) => {
+  axisTicks(end).forEach((t) => {
     const x = left + (width - left) * t / end;
     box.append(svg('line', {x1: x, x2: x, y1: rowsH, y2: rowsH + 5, stroke: '#212121'}));
-    const label = svg('text', {x: k === 5 ? x - 50 : x, y: rowsH + 18, 'font-size': 11});
+    const label = svg('text', {x: x > width - 50 ? x - 50 : x, y: rowsH + 18,
+                               'font-size': 11});
     label.textContent = seconds(t);
     box.append(label);
   });

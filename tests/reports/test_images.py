@@ -160,3 +160,10 @@ def test_an_interleaved_plan_draws_its_model_chunks():
     assert len(slots) == 2 * 4 * v * m
     image = plan_images(profile, plan)["plan/pipeline_schedule"]
     assert image.dtype == np.uint8 and image.shape[2] == 3
+
+
+def test_axis_ticks_are_round_numbers_up_to_the_top():
+    from tfplan.reports.images import axis_ticks
+    assert [t / 2**30 for t in axis_ticks(88 * 2**30, 2**30)] == [0, 20, 40, 60, 80]
+    assert axis_ticks(3.03e-3) == pytest.approx([0, 1e-3, 2e-3, 3e-3])
+    assert axis_ticks(1.0) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])

@@ -23,6 +23,7 @@ from tfplan.reports.plugin import ParallelPlanPlugin, analysis_path
 from tfplan.reports.tensorboard import write_analysis
 from tests.planner.gpt_profile import gpt_profile
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = 1536
 WINDOW = 1600
 
@@ -197,3 +198,10 @@ def test_the_dashboard_fits_the_window_and_draws_the_mesh(big, dashboard, tmp_pa
     assert mesh.count("<tr>") == 1 + s.pp  # the header and a row per stage
     assert mesh.count('class="cell"') == s.pp * min(s.dp, MAX_MESH_COLUMNS)
     assert "node " in mesh and "/job:worker" not in mesh.replace('title="/job:worker', "")
+    shots = os.path.join(ROOT, "out", "screenshots")
+    os.makedirs(shots, exist_ok=True)
+    shot = os.path.join(shots, "parallel_plan_dashboard_1536.png")
+    subprocess.run([chromium, *[f for f in flags if not f.startswith("--window-size")],
+                    f"--window-size={WINDOW},3000", f"--screenshot={shot}", dashboard],
+                   capture_output=True, timeout=180)
+    assert os.path.getsize(shot) > 10_000
