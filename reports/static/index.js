@@ -219,7 +219,7 @@ function timeline(schedule, pp) {
     box.append(svg('line', {x1: x, x2: x, y1: rowsH, y2: rowsH + 5, stroke: '#212121'}));
     const label = svg('text', {x: x > width - 50 ? x - 50 : x, y: rowsH + 18,
                                'font-size': 11});
-    label.textContent = seconds(t);
+    label.textContent = t ? seconds(t) : '0';
     box.append(label);
   });
   const legend = svg('text', {x: left, y: rowsH + 44, 'font-size': 12});

@@ -1,4 +1,4 @@
-"""Reports at the sizes the tool exists for (issue 16): a 145B-class GPT (96 layers,
+"""Reports at the sizes the tool exists for (issue 16): a 175B GPT (96 layers,
 hidden 12288) on 192 nodes x 8 A100s, 1,536 devices. Every report groups the devices by
 the plan's structure (``reports.device_groups``), never lists them: the TensorBoard run
 has a bounded number of scalar tags, its text summaries name device ranges, the
