@@ -257,6 +257,11 @@ async function showRun(run, container) {
   container.textContent = 'Loading...';
   const a = await getJson('./analysis?run=' + encodeURIComponent(run));
   const plan = a.plan;
+  if (!plan.mesh || !plan.stages.every((g) => typeof g.peak_memory_bytes === 'number')) {
+    // before issue 16 the plans listed every device; this page draws stage groups
+    throw new Error('its analysis.json was written by an older plan analyze (devices ' +
+                    'listed one by one, no stage groups): run plan analyze again to rewrite it');
+  }
   const compare = el('div', {});
   const picked = new Set([0, 1].filter((i) => i < a.candidates.length));
   const redraw = () => {

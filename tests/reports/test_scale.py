@@ -43,6 +43,16 @@ def logdir(big, tmp_path_factory):
     profile, result = big
     root = tmp_path_factory.mktemp("scale")
     write_analysis(root / "gpt145b", profile, result.chosen, result.candidates)
+    # an analysis.json as plan analyze wrote it before issue 16: the plans whole
+    tiny = gpt_profile(2, 256, 4, vocab=1024, seq=64)
+    small = search(tiny, parse_cluster("8xA100-80GB"), 8, fix={"pp": 2})
+    write_analysis(root / "old", tiny, small.chosen, small.candidates)
+    path = analysis_path(str(root / "old"))
+    doc = json.loads(open(path, encoding="utf-8").read())
+    doc["plan"] = small.chosen.to_dict()
+    doc["candidates"] = [c.to_dict() for c in small.candidates]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
     return root
 
 
@@ -134,6 +144,12 @@ HARNESS = """<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>
 <script type="module">
 import {render} from './index.js';
 await render();
+const run = new URLSearchParams(location.search).get('run');
+if (run) {  // show that run instead of the first
+  const selector = document.querySelector('select.run-selector');
+  selector.value = run;
+  selector.dispatchEvent(new Event('change'));
+}
 await new Promise((done) => setTimeout(done, 500));
 const out = document.createElement('pre');
 out.id = 'measured';
@@ -205,3 +221,14 @@ def test_the_dashboard_fits_the_window_and_draws_the_mesh(big, dashboard, tmp_pa
                     f"--window-size={WINDOW},3000", f"--screenshot={shot}", dashboard],
                    capture_output=True, timeout=180)
     assert os.path.getsize(shot) > 10_000
+
+
+def test_an_analysis_written_before_the_stage_groups_says_to_rerun(dashboard, tmp_path):
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed here (apt-get install chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--virtual-time-budget=20000", f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", dashboard + "?run=old"],
+                         capture_output=True, text=True, timeout=180).stdout
+    assert "Run old cannot be shown" in dom and "run plan analyze again" in dom, dom[-3000:]
