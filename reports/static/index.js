@@ -51,18 +51,40 @@ async function getJson(url) {
   return response.json();
 }
 
+// Words of ``text`` in lines of at most ``n`` characters (a long word stays whole).
+function wrap(text, n) {
+  const lines = [''];
+  text.split(' ').forEach((word) => {
+    const last = lines[lines.length - 1];
+    if (last && last.length + 1 + word.length > n) lines.push(word);
+    else lines[lines.length - 1] = last ? `${last} ${word}` : word;
+  });
+  return lines;
+}
+
 function breakdownBars(plans) {
-  const width = 720, row = 26, left = 260;
+  // the whole name, wrapped: names that share their first 40 characters stay apart
+  const width = 900, left = 380, lineH = 14;
+  const names = plans.map((p) => wrap(p.name, 52));
+  const rows = names.map((lines) => Math.max(26, lines.length * lineH + 10));
+  const tops = rows.map((_, i) => rows.slice(0, i).reduce((x, y) => x + y, 0));
   const longest = Math.max(...plans.map((p) => p.predicted.step_time_s), 1e-12);
-  const box = svg('svg', {width, height: row * plans.length + 24, class: 'breakdown'});
+  const height = tops.length ? tops[tops.length - 1] + rows[rows.length - 1] : 0;
+  const box = svg('svg', {width, height: height + 24, class: 'breakdown'});
   plans.forEach((p, i) => {
-    const label = svg('text', {x: 0, y: i * row + 17, 'font-size': 12});
-    label.textContent = p.name.slice(0, 40);
+    const mid = tops[i] + rows[i] / 2;
+    const label = svg('text', {x: 0, y: mid - (names[i].length - 1) * lineH / 2 + 4,
+                               'font-size': 12});
+    names[i].forEach((line, k) => {
+      const span = svg('tspan', {x: 0, dy: k ? lineH : 0});
+      span.textContent = line;
+      label.append(span);
+    });
     box.append(label);
     let x = left;
     PARTS.forEach((part, k) => {
       const w = (width - left - 80) * (p.predicted.breakdown[part] || 0) / longest;
-      const r = svg('rect', {x, y: i * row + 4, width: Math.max(0, w), height: row - 8,
+      const r = svg('rect', {x, y: mid - 9, width: Math.max(0, w), height: 18,
                              fill: COLORS[k]});
       const title = svg('title');
       title.textContent = `${part}: ${seconds(p.predicted.breakdown[part] || 0)}`;
@@ -70,12 +92,12 @@ function breakdownBars(plans) {
       box.append(r);
       x += w;
     });
-    const total = svg('text', {x: x + 4, y: i * row + 17, 'font-size': 12});
+    const total = svg('text', {x: x + 4, y: mid + 4, 'font-size': 12});
     total.textContent = seconds(p.predicted.step_time_s);
     box.append(total);
   });
   PARTS.forEach((part, k) => {
-    const key = svg('text', {x: left + k * 80, y: row * plans.length + 18, 'font-size': 11,
+    const key = svg('text', {x: left + k * 90, y: height + 18, 'font-size': 11,
                              fill: COLORS[k]});
     key.textContent = part.replace('_s', '');
     box.append(key);
@@ -190,6 +212,7 @@ function timeline(schedule, pp) {
   const slots = schedule.slots.map((x) => (Array.isArray(x) ?
       Object.fromEntries(fields.map((f, k) => [f, x[k]])) : x));
   const end = Math.max(...slots.map((x) => x.end_s), 1e-12);
+  const chunks = 1 + Math.max(0, ...slots.map((x) => x.chunk || 0));
   const width = 960, row = Math.max(8, Math.min(24, 480 / pp)), left = 70;
   const rowsH = row * pp;
   const box = svg('svg', {width, height: rowsH + 56, class: 'timeline'});
@@ -213,6 +236,13 @@ function timeline(schedule, pp) {
         `${x.stage}: ${seconds(x.start_s)} to ${seconds(x.end_s)}`;
     r.append(title);
     box.append(r);
+    const label = `${x.kind}${x.microbatch}` + (chunks > 1 ? `.${x.chunk}` : '');
+    if (row >= 14 && (width - left) * (x.end_s - x.start_s) / end > 8 * label.length + 4) {
+      const t = svg('text', {x: left + (width - left) * x.start_s / end + 2,
+                             y: x.stage * row + row / 2 + 4, 'font-size': 10});
+      t.textContent = label;
+      box.append(t);
+    }
   });
   axisTicks(end).forEach((t) => {
     const x = left + (width - left) * t / end;
@@ -223,8 +253,9 @@ function timeline(schedule, pp) {
     box.append(label);
   });
   const legend = svg('text', {x: left, y: rowsH + 44, 'font-size': 12});
-  legend.textContent = 'solid: forward, faded: backward, grey: idle (bubble); colour = ' +
-      'micro-batch; hover a pass for its micro-batch, model chunk and times';
+  legend.textContent = 'solid: forward (F), faded: backward (B), grey: idle (bubble); ' +
+      'Fi = micro-batch i' + (chunks > 1 ? ', .c = model chunk c' : '') +
+      '; hover a pass for its times';
   box.append(legend);
   return box;
 }
