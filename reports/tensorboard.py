@@ -7,8 +7,7 @@ profile, the ranked candidates and the chosen plan with its reason (markdown
 tables, the same rows the terminal shows; devices named as ranges per pipeline stage,
 ``reports.device_groups``); scalars hold each candidate's predicted step time (x = its
 rank), the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
-memory,
-and its peak memory per pipeline stage (one chart, x = the stage): a handful of tags
+memory, and its peak memory per pipeline stage (one chart, x = the stage): seven tags
 whatever the cluster size. Images (``reports.images``) show the chosen plan's pipeline
 schedule, its memory per stage against capacity and the layer graph coloured by stage.
 ``analysis.json`` (``plugin_analysis``) holds the same per stage, never per device, so
