@@ -287,34 +287,41 @@ def memory_image(plan: Plan, width: int = 1200, height: int = 480) -> np.ndarray
     return np.asarray(image)
 
 
-def graph_image(profile: ModelProfile, plan: Plan, width: int = 960) -> np.ndarray:
-    """The layer graph (at most 80 layers; else one coloured strip per layer), each layer
-    coloured by the stage that holds it."""
+def graph_image(profile: ModelProfile, plan: Plan, width: int = 1200) -> np.ndarray:
+    """The layer graph (at most 80 layers; else one coloured strip per layer, with a
+    stage key), each layer coloured by the stage that holds it."""
     stage_of = {name: k % plan.strategy.pp for k, st in enumerate(plan.stages)
                 for name in st.layers}
+    small, big = _font(14), _font(18)
     if len(profile.layers) > 80:
-        image, draw = _canvas(width, 70)
+        image, draw = _canvas(width, 120)
         draw.text((10, 8), f"{len(profile.layers)} layers in topological order, coloured by "
-                           f"stage ({plan.strategy.pp} stages)", fill=TEXT)
+                           f"stage ({plan.strategy.pp} stages)", fill=TEXT, font=big)
         w = (width - 20) / len(profile.layers)
         for i, l in enumerate(profile.layers):
             color = PALETTE[stage_of.get(l.name, 0) % len(PALETTE)]
-            draw.rectangle((10 + i * w, 30, 10 + (i + 1) * w, 60), fill=color)
+            draw.rectangle((10 + i * w, 40, 10 + (i + 1) * w, 76), fill=color)
+        for k in range(min(plan.strategy.pp, len(PALETTE))):  # the key
+            draw.rectangle((10 + k * 118, 90, 26 + k * 118, 104), fill=PALETTE[k])
+            draw.text((32 + k * 118, 88), f"stage {k}" + (
+                f"+{len(PALETTE)}n" if plan.strategy.pp > len(PALETTE) else ""),
+                fill=TEXT, font=small)
         return np.asarray(image)
     pos = layer_positions(profile)
     columns = 1 + max(c for c, _ in pos.values())
     rows = 1 + max(r for _, r in pos.values())
-    box_w, box_h, gap_x, gap_y = 110, 26, 14, 14
+    box_w, box_h, gap_x, gap_y = 140, 30, 16, 14
     per_band = max(1, int((width - 20) // (box_w + gap_x)))  # long graphs wrap into bands
     bands = -(-columns // per_band)
     band_h = rows * (box_h + gap_y) + 16
-    image, draw = _canvas(width, 40 + bands * band_h)
-    draw.text((10, 8), f"layer graph, coloured by stage ({plan.strategy.pp} stages)", fill=TEXT)
+    image, draw = _canvas(width, 44 + bands * band_h)
+    draw.text((10, 8), f"layer graph, coloured by stage ({plan.strategy.pp} stages)", fill=TEXT,
+              font=big)
 
     def xy(name: str) -> tuple[float, float]:
         c, r = pos[name]
         band, c = divmod(c, per_band)
-        return 10 + c * (box_w + gap_x), 34 + band * band_h + r * (box_h + gap_y)
+        return 10 + c * (box_w + gap_x), 38 + band * band_h + r * (box_h + gap_y)
 
     for l in profile.layers:
         for src in l.inputs:
@@ -324,8 +331,8 @@ def graph_image(profile: ModelProfile, plan: Plan, width: int = 960) -> np.ndarr
     for l in profile.layers:
         x, y = xy(l.name)
         color = PALETTE[stage_of.get(l.name, 0) % len(PALETTE)]
-        draw.rectangle((x, y, x + box_w, y + box_h), fill=color)
-        draw.text((x + 4, y + 7), l.name[:17], fill=BACKGROUND)
+        draw.rectangle((x, y, x + box_w, y + box_h), fill=_shade(color, 0.35))
+        draw.text((x + 4, y + 7), l.name[:16], fill=TEXT, font=small)
     return np.asarray(image)
 
 
