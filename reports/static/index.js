@@ -129,7 +129,7 @@ function memoryBars(plan) {
   const largest = Math.max(1, ...stages.map((g) => g.peak_memory_bytes));
   const showCapacity = capacity <= 4 * largest;
   const top = 1.1 * Math.max(largest, showCapacity ? capacity : 0);
-  const width = 760, height = 200, left = 80, bottom = 24;
+  const width = 760, height = 240, left = 80, bottom = 24;
   const step = (width - left - 10) / Math.max(1, stages.length);
   const box = svg('svg', {width, height: height + bottom + 20, class: 'memory'});
   const y = (n) => height - (height - 14) * n / top;
@@ -158,6 +158,14 @@ function memoryBars(plan) {
         value.textContent = bytes(n);
         box.append(value);
       }
+    }
+    if (step < 56 && step >= 12 && height - y(n) > 6 + 5.5 * bytes(n).length) {
+      // narrow bars: the value inside, upright
+      const cx = x + (step - 4) / 2 + 4, cy = height - 6;
+      const value = svg('text', {x: cx, y: cy, 'font-size': Math.min(11, step - 4),
+                                 fill: '#fff', transform: `rotate(-90 ${cx} ${cy})`});
+      value.textContent = bytes(n);
+      box.append(value);
     }
   });
   if (showCapacity) {
