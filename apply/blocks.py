@@ -49,12 +49,12 @@ import numpy as np
 
 from tfplan import compat
 from tfplan.apply.device_names import short_name
+from tfplan.apply.layer_tree import Step, references, scopes_of
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 from tfplan.profiler.signature import (SEPARATOR, block_of, keras_base_type,
                                        profiled_layer_paths)
 
-Step = tuple  # ("layer", name) in a model; ("attr", name) or ("item", name, key) in a block
 
 
 @dataclass(frozen=True)
@@ -150,28 +150,13 @@ def _step(parent: Any, child: Any) -> Step:
 
     if isinstance(parent, keras.Model):
         return ("layer", child.name)
-    found = _references(parent, child)
+    found = references(parent, child)
     if not found:
         raise PlannerError(
             f"Layer {child.name!r} is tracked by block {parent.name!r} but held by none of "
             "its attributes, lists or dicts, so apply cannot put a split twin in its place. "
             "Leave it replicated (remove it from tp_splits).")
     return found[0]
-
-
-def _references(parent: Any, child: Any) -> list[Step]:
-    """Every attribute of ``parent`` (and entry of an attribute's list or dict) that is
-    ``child``, attributes first."""
-    out: list[Step] = []
-    items: list[Step] = []
-    for key, value in vars(parent).items():
-        if value is child:
-            out.append(("attr", key))
-        elif isinstance(value, (list, tuple)):
-            items += [("item", key, i) for i, v in enumerate(value) if v is child]
-        elif isinstance(value, dict):
-            items += [("item", key, k) for k, v in value.items() if v is child]
-    return out + items
 
 
 def follow(obj: Any, step: Step) -> Any:
@@ -185,7 +170,7 @@ def follow(obj: Any, step: Step) -> Any:
 def swap_in(parent: Any, old: Any, new: Any) -> None:
     """Put ``new`` wherever ``parent`` holds ``old`` (attributes, lists, dicts) and in the
     layers Keras tracks for it, at ``old``'s position."""
-    refs = _references(parent, old)
+    refs = references(parent, old)
     if not refs:
         raise PlannerError(f"Block {parent.name!r} holds layer {old.name!r} in none of its "
                            "attributes, lists or dicts; apply cannot replace it.")
@@ -232,23 +217,9 @@ def shard_inside(top: Any, splits: Sequence[InnerSplit],
             raise PlannerError(f"Plan {plan_name!r} splits layer {s.name!r}: {e} Leave it "
                                "replicated (remove it from tp_splits).") from e
         twin = sharded_clone(old, s.split, devices, plan_name)
-        with tf.device(devices[0]), _scopes_of(old):  # variable paths as the unsplit's
+        with tf.device(devices[0]), scopes_of(old):  # variable paths as the unsplit's
             twin.build(**shapes)
         swap_in(parent, old, twin)
-
-
-@contextlib.contextmanager
-def _scopes_of(layer: Any) -> Iterator[None]:
-    """The name scopes ``layer`` was built in (its path but its own name), so that a twin
-    built here names its variables ``block/sub/kernel_0`` as the unsplit one's
-    ``block/sub/kernel``."""
-    import keras
-
-    with contextlib.ExitStack() as stack:
-        for part in (getattr(layer, "path", None) or "").split(SEPARATOR)[:-1]:
-            if part:
-                stack.enter_context(keras.name_scope(part))
-        yield
 
 
 def holds_shards(layer: Any) -> bool:

@@ -11,7 +11,7 @@ the projections' entries (``query_dense``, ...) save the unsplit layer's arrays.
 keras_hub's CachedMultiHeadAttention (GPT-2's blocks) splits the same way
 (``ShardedCachedMultiHeadAttention``: training calls, no key/value cache). A custom
 attention block (keras_hub's ``LlamaAttention``) splits by heads in
-``apply.sharded_attention_block``, which reuses ``_ProjectionEntry``.
+``apply.sharded_attention_block``, which reuses ``ProjectionEntry``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables, 
 from tfplan.core.errors import PlannerError
 
 
-class _ProjectionEntry(keras.layers.Layer):
+class ProjectionEntry(keras.layers.Layer):
     """Stands in, in weight files, for one of an attention layer's EinsumDense sub-layers
     (``query_dense``, ...): it saves and loads that projection's unsplit kernel and bias."""
 
@@ -56,7 +56,7 @@ class _ShardedHeads(Sharded):
 
     def _add_projection_entries(self) -> None:
         for part in compat.ATTENTION_PROJECTIONS:
-            compat.set_attention_projection(self, part, _ProjectionEntry(
+            compat.set_attention_projection(self, part, ProjectionEntry(
                 lambda part=part: self._projection(part),
                 lambda weights, part=part: self._set_projection(part, weights), name=part))
 

@@ -41,7 +41,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.sharded_attention import _ProjectionEntry
+from tfplan.apply.layer_tree import references, scopes_of
+from tfplan.apply.sharded_attention import ProjectionEntry
 from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables
 from tfplan.core.errors import PlannerError
 
@@ -137,9 +138,8 @@ def _sample(recorded: Any, seed: int = 0) -> tuple[tuple, dict]:
 # --- the split ---------------------------------------------------------------------------------
 
 def _attribute(block: Any, sub: Any, what: str) -> str:
-    from tfplan.apply.blocks import _references
 
-    for ref in _references(block, sub):
+    for ref in references(block, sub):
         if ref[0] == "attr":
             return ref[1]
     raise PlannerError(f"Attention block {block.name!r} holds its {what} {sub.name!r} in no "
@@ -219,7 +219,6 @@ class ShardedAttentionBlock(Sharded, keras.layers.Layer):
         """Projection ``p`` cut by heads: (its rank layers, each on its rank's device, with
         their slices of its weights; its kernel's (shards, axis); its bias's, or None). The
         output projection's ranks have no bias: ``_tp_bias`` on rank 0, added once."""
-        from tfplan.apply.blocks import _scopes_of
 
         layer = p.layer
         linear = layer.activation in (None, keras.activations.linear)
@@ -255,7 +254,7 @@ class ShardedAttentionBlock(Sharded, keras.layers.Layer):
             dims[inp.index(letter)] = p.heads // tp
             shape[key] = tuple(dims)
             if bias is not None:
-                with tf.device(self.tp_devices[0]), _scopes_of(layer):
+                with tf.device(self.tp_devices[0]), scopes_of(layer):
                     self._tp_bias = self.add_weight(
                         name=f"{layer.name}_bias", shape=bias.shape,
                         initializer="zeros", dtype=layer.bias.dtype)
@@ -264,7 +263,7 @@ class ShardedAttentionBlock(Sharded, keras.layers.Layer):
         for t, device in enumerate(self.tp_devices):
             rank = keras.layers.EinsumDense.from_config(
                 {**config, "name": f"{layer.name}_{t}"})
-            with tf.device(device), _scopes_of(layer):
+            with tf.device(device), scopes_of(layer):
                 rank.build(**shape)
             rank.kernel.assign(_slice(kernel, p.heads_axis, t, tp))
             if p.role == "input" and bias is not None:
@@ -287,7 +286,7 @@ class ShardedAttentionBlock(Sharded, keras.layers.Layer):
         def write(weights: Sequence[Any]) -> None:
             for (s, a), w in zip(parts, weights):
                 _assign(s, a, np.asarray(w))
-        return _ProjectionEntry(read, write, name=layer.name)
+        return ProjectionEntry(read, write, name=layer.name)
 
     def rank_layers(self) -> tuple[tuple[Any, ...], ...]:
         """Each rank's projections (a method: weight files do not walk into them)."""
