@@ -165,10 +165,23 @@ def _time(t: float) -> str:
     return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
+KIND_COLORS = {"F": PALETTE[0], "B": PALETTE[1], "R": PALETTE[2]}  # forward, backward, recompute
+
+
+def recompute_share(plan: Plan) -> float:
+    """The share of each simulated backward slot (2/3 of a micro-batch's compute +
+    communication + recompute time, ``plan_schedule``) that recomputes the forward."""
+    b = plan.predicted.breakdown
+    total = b.compute_s + b.communication_s + b.recompute_s
+    return min(1.0, 1.5 * b.recompute_s / total) if total > 0 else 0.0
+
+
 def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
-    """Stages x time: forward (dark) and backward (light) passes per micro-batch, idle
-    time grey, a time axis below and a forward/backward legend; the title says the
-    schedule and the bubble share."""
+    """Stages x time: passes coloured by kind -- forward, backward and (when the plan
+    recomputes) the recomputed forward at the start of each backward -- never by
+    micro-batch, each labelled with its micro-batch number (``i.c``: model chunk c of an
+    interleaved schedule, whose odd chunks also carry a dark band); idle time grey, a time
+    axis below and a legend; the title says the schedule and the bubble share."""
     slots, m = plan_schedule(plan)
     pp = plan.strategy.pp
     left, top, row_h, right = 100, 44, 30, 20
@@ -178,6 +191,7 @@ def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
     end = max(sl.end_s for sl in slots) or 1.0
     scale = (width - left - right) / end
     busy = sum(sl.end_s - sl.start_s for sl in slots)
+    share = recompute_share(plan)
     v = plan.strategy.virtual_stages if plan.strategy.schedule == "interleaved" else 1
     title = (f"{plan.strategy.schedule} pp={pp}" + (f" v={v}" if v > 1 else "") + f" m={m}" + (
         f" (first {1 + max(sl.microbatch for sl in slots)} drawn)"
@@ -192,11 +206,15 @@ def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
     for sl in slots:
         y = top + sl.stage * row_h
         x0, x1 = left + sl.start_s * scale, left + sl.end_s * scale
-        color = PALETTE[sl.microbatch % len(PALETTE)]
-        draw.rectangle((x0, y, max(x0 + 1, x1 - 1), y + row_h - 4),
-                       fill=color if sl.kind == "F" else _shade(color, 0.5))
-        label = f"{sl.kind}{sl.microbatch}" + (f".{sl.chunk}" if v > 1 else "")
-        if x1 - x0 > 11 * len(label):
+        x1 = max(x0 + 1, x1 - 1)
+        draw.rectangle((x0, y, x1, y + row_h - 4), fill=KIND_COLORS[sl.kind])
+        if sl.kind == "B" and share > 0:
+            draw.rectangle((x0, y, max(x0 + 1, x0 + (x1 - x0) * share), y + row_h - 4),
+                           fill=KIND_COLORS["R"])
+        if v > 1 and sl.chunk % 2:
+            draw.rectangle((x0, y, x1, y + 4), fill=TEXT)
+        label = f"{sl.microbatch}" + (f".{sl.chunk}" if v > 1 else "")
+        if x1 - x0 > 9 * len(label) + 4:
             draw.text((x0 + 3, y + 6), label, fill=TEXT, font=small)
     axis_y = top + rows_h + 2
     draw.line((left, axis_y, width - right, axis_y), fill=TEXT)
@@ -204,14 +222,17 @@ def timeline_image(plan: Plan, width: int = 1200) -> np.ndarray:
         x = left + (width - left - right) * t / end
         draw.line((x, axis_y, x, axis_y + 5), fill=TEXT)
         draw.text((min(x, width - right - 70), axis_y + 7), _time(t), fill=TEXT, font=small)
-    legend_y = axis_y + 32
-    draw.rectangle((left, legend_y, left + 18, legend_y + 14), fill=PALETTE[0])
-    draw.text((left + 24, legend_y - 2), "forward (Fi = micro-batch i" +
-              (", .c = model chunk c" if v > 1 else "") + ")", fill=TEXT, font=small)
-    draw.rectangle((left + 420, legend_y, left + 438, legend_y + 14), fill=_shade(PALETTE[0], 0.5))
-    draw.text((left + 444, legend_y - 2), "backward (lighter)", fill=TEXT, font=small)
-    draw.rectangle((left + 640, legend_y, left + 658, legend_y + 14), fill=IDLE)
-    draw.text((left + 664, legend_y - 2), "idle (bubble)", fill=TEXT, font=small)
+    legend_y, x = axis_y + 32, left
+    keys = [(KIND_COLORS["F"], "forward"), (KIND_COLORS["B"], "backward")]
+    if share > 0:
+        keys.append((KIND_COLORS["R"], "recompute"))
+    keys.append((IDLE, "idle (bubble)"))
+    for color, text in keys:
+        draw.rectangle((x, legend_y, x + 18, legend_y + 14), fill=color)
+        draw.text((x + 24, legend_y - 2), text, fill=TEXT, font=small)
+        x += 24 + 9 * len(text) + 24
+    draw.text((x, legend_y - 2), "number = micro-batch" + (
+        ".chunk (odd chunks: dark top band)" if v > 1 else ""), fill=TEXT, font=small)
     return np.asarray(image)
 
 

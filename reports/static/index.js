@@ -214,19 +214,31 @@ function meshTable(plan) {
             el('table', {class: 'mesh', style: 'font-size:11px'}, head, ...rows));
 }
 
-function timeline(schedule, pp) {
-  // analysis.json writes each slot as a row of schedule.fields (older files: objects)
-  const fields = schedule.fields || [];
-  const slots = schedule.slots.map((x) => (Array.isArray(x) ?
-      Object.fromEntries(fields.map((f, k) => [f, x[k]])) : x));
+// Pass colours by kind, never by micro-batch (which would repeat every few micro-batches):
+// forward, backward, and the recomputed forward at the start of a backward.
+const KIND_COLORS = {F: '#4285f4', B: '#34a853', R: '#fbbc05'};
+const IDLE_COLOR = '#eee';
+
+// Share of each backward slot spent recomputing the forward (the simulated backward is
+// 2/3 of a micro-batch's compute + communication + recompute time; see reports/images.py).
+function recomputeShare(breakdown) {
+  const b = breakdown || {};
+  const total = (b.compute_s || 0) + (b.communication_s || 0) + (b.recompute_s || 0);
+  return total > 0 ? Math.min(1, 1.5 * (b.recompute_s || 0) / total) : 0;
+}
+
+// Stages x time, drawn at ``zoom`` times the chart's width (scrolled inside its own box).
+function timelineSvg(slots, pp, zoom, share) {
   const end = Math.max(...slots.map((x) => x.end_s), 1e-12);
   const chunks = 1 + Math.max(0, ...slots.map((x) => x.chunk || 0));
-  const width = 960, row = Math.max(8, Math.min(24, 480 / pp)), left = 70;
-  const rowsH = row * pp;
-  const box = svg('svg', {width, height: rowsH + 56, class: 'timeline'});
+  const left = 70, plotW = 890 * zoom, width = left + plotW + 10;
+  const row = Math.max(8, Math.min(24, 480 / pp)), rowsH = row * pp;
+  const box = svg('svg', {width, height: rowsH + 30, class: 'timeline',
+                          'data-zoom': String(zoom)});
+  const X = (t) => left + plotW * t / end;
   for (let s = 0; s < pp; s += 1) {
-    box.append(svg('rect', {x: left, y: s * row, width: width - left, height: row - 2,
-                            fill: '#eee'}));
+    box.append(svg('rect', {x: left, y: s * row, width: plotW, height: row - 2,
+                            fill: IDLE_COLOR}));
     if (row >= 14 || s % Math.ceil(14 / row) === 0) {
       const t = svg('text', {x: 0, y: s * row + Math.min(15, row), 'font-size': 12});
       t.textContent = `stage ${s}`;
@@ -234,38 +246,95 @@ function timeline(schedule, pp) {
     }
   }
   slots.forEach((x) => {
-    const r = svg('rect', {x: left + (width - left) * x.start_s / end, y: x.stage * row,
-                           width: Math.max(1, (width - left) * (x.end_s - x.start_s) / end - 1),
-                           height: row - 2, fill: COLORS[x.microbatch % 10],
-                           opacity: x.kind === 'F' ? 1 : 0.55});
+    const w = Math.max(1, X(x.end_s) - X(x.start_s) - 1);
+    const y = x.stage * row, h = row - 2;
+    const chunk = chunks > 1 ? ` (model chunk ${x.chunk || 0})` : '';
     const title = svg('title');
     title.textContent = `${x.kind === 'F' ? 'forward' : 'backward'} of micro-batch ` +
-        `${x.microbatch}` + (x.chunk ? ` (model chunk ${x.chunk})` : '') + ` on stage ` +
-        `${x.stage}: ${seconds(x.start_s)} to ${seconds(x.end_s)}`;
+        `${x.microbatch}${chunk} on stage ${x.stage}: ${seconds(x.start_s)} to ` +
+        `${seconds(x.end_s)}` + (x.kind === 'B' && share > 0 ?
+        ` (the first ${Math.round(100 * share)}% recomputes the forward)` : '');
+    const r = svg('rect', {x: X(x.start_s), y, width: w, height: h,
+                           fill: KIND_COLORS[x.kind] || '#999', class: `pass-${x.kind}`});
     r.append(title);
     box.append(r);
-    const label = `${x.kind}${x.microbatch}` + (chunks > 1 ? `.${x.chunk}` : '');
-    if (row >= 14 && (width - left) * (x.end_s - x.start_s) / end > 8 * label.length + 4) {
-      const t = svg('text', {x: left + (width - left) * x.start_s / end + 2,
-                             y: x.stage * row + row / 2 + 4, 'font-size': 10});
+    if (x.kind === 'B' && share > 0) {
+      box.append(svg('rect', {x: X(x.start_s), y, width: Math.max(1, w * share), height: h,
+                              fill: KIND_COLORS.R, class: 'pass-R'}));
+    }
+    if (chunks > 1 && (x.chunk || 0) % 2) {  // odd model chunks: a dark band on top
+      box.append(svg('rect', {x: X(x.start_s), y, width: w, height: Math.max(2, h / 6),
+                              fill: '#212121', opacity: 0.6}));
+    }
+    const label = String(x.microbatch) + (chunks > 1 ? `.${x.chunk || 0}` : '');
+    if (row >= 12 && w > 6 * label.length + 3) {
+      const t = svg('text', {x: X(x.start_s) + 2, y: y + h / 2 + 4, 'font-size': 10,
+                             class: 'slot-label'});
       t.textContent = label;
       box.append(t);
     }
   });
-  axisTicks(end).forEach((t) => {
-    const x = left + (width - left) * t / end;
+  const ticks = axisTicks(end / zoom);  // about five ticks per chart width at any zoom
+  const step = ticks.length > 1 ? ticks[1] - ticks[0] : end;
+  for (let t = 0; t <= end * (1 + 1e-9); t += step) {
+    const x = X(t);
     box.append(svg('line', {x1: x, x2: x, y1: rowsH, y2: rowsH + 5, stroke: '#212121'}));
-    const label = svg('text', {x: x > width - 50 ? x - 50 : x, y: rowsH + 18,
-                               'font-size': 11});
+    const label = svg('text', {x: x > width - 60 ? x - 55 : x, y: rowsH + 18, 'font-size': 11});
     label.textContent = t ? seconds(t) : '0';
     box.append(label);
-  });
-  const legend = svg('text', {x: left, y: rowsH + 44, 'font-size': 12});
-  legend.textContent = 'solid: forward (F), faded: backward (B), grey: idle (bubble); ' +
-      'Fi = micro-batch i' + (chunks > 1 ? ', .c = model chunk c' : '') +
-      '; hover a pass for its times';
-  box.append(legend);
+  }
   return box;
+}
+
+// The pipeline timeline: a time axis, a legend for forward / backward / recompute / idle,
+// each pass labelled with its micro-batch (and model chunk, interleaved), and zoom: the
+// -/+ buttons and the slider widen the time axis, which scrolls inside its own box.
+function timeline(schedule, pp, breakdown) {
+  // analysis.json writes each slot as a row of schedule.fields (older files: objects)
+  const fields = schedule.fields || [];
+  const slots = schedule.slots.map((x) => (Array.isArray(x) ?
+      Object.fromEntries(fields.map((f, k) => [f, x[k]])) : x));
+  const chunks = 1 + Math.max(0, ...slots.map((x) => x.chunk || 0));
+  const share = recomputeShare(breakdown);
+  const zooms = [1, 2, 4, 8, 16, 32];
+  // start at the least zoom where the shortest pass has room for its label (at most 8x)
+  const end = Math.max(...slots.map((x) => x.end_s), 1e-12);
+  const shortest = Math.min(...slots.map((x) => x.end_s - x.start_s));
+  let level = 0;
+  while (level < 3 && 890 * zooms[level] * shortest / end < 24) level += 1;
+  const scroller = el('div', {class: 'timeline-scroll',
+                              style: 'overflow-x:auto; max-width:980px; border:1px solid #ddd'});
+  const slider = el('input', {type: 'range', min: 0, max: zooms.length - 1, step: 1,
+                              value: 0, class: 'timeline-zoom'});
+  const shown = el('span', {class: 'timeline-zoom-level'}, '1x');
+  const draw = () => {
+    const centre = (scroller.scrollLeft + scroller.clientWidth / 2) /
+        Math.max(1, scroller.scrollWidth);
+    slider.value = String(level);
+    shown.textContent = `${zooms[level]}x`;
+    scroller.replaceChildren(timelineSvg(slots, pp, zooms[level], share));
+    scroller.scrollLeft = centre * scroller.scrollWidth - scroller.clientWidth / 2;
+  };
+  const minus = el('button', {class: 'timeline-zoom-out', title: 'zoom out'}, '−');
+  const plus = el('button', {class: 'timeline-zoom-in', title: 'zoom in'}, '+');
+  minus.onclick = () => { level = Math.max(0, level - 1); draw(); };
+  plus.onclick = () => { level = Math.min(zooms.length - 1, level + 1); draw(); };
+  slider.oninput = () => { level = Number(slider.value); draw(); };
+  const key = (color, text) => el('span', {style: 'margin-right:14px'},
+      el('span', {style: `display:inline-block;width:14px;height:10px;background:${color};` +
+                         'margin-right:4px'}), text);
+  const legend = el('div', {class: 'timeline-legend', style: 'font-size:12px;margin:4px 0'},
+      key(KIND_COLORS.F, 'forward'), key(KIND_COLORS.B, 'backward'),
+      ...(share > 0 ? [key(KIND_COLORS.R, 'recompute (start of each backward)')] : []),
+      key(IDLE_COLOR, 'idle (bubble)'),
+      el('span', {}, 'number = micro-batch' + (chunks > 1 ?
+          '.model chunk (odd chunks have a dark top band)' : '') + '; hover a pass for its times'));
+  const controls = el('div', {class: 'timeline-controls', style: 'font-size:12px'},
+                      'zoom ', minus, slider, plus, ' ', shown);
+  scroller.append(timelineSvg(slots, pp, zooms[level], share));
+  slider.value = String(level);
+  shown.textContent = `${zooms[level]}x`;
+  return el('div', {class: 'timeline-box'}, controls, legend, scroller);
 }
 
 function layerTable(layers) {
@@ -341,7 +410,7 @@ async function showRun(run, container) {
       el('h3', {}, 'Device mesh and placement'), meshTable(plan),
       el('h3', {}, `Pipeline schedule (${plan.strategy.schedule}, ` +
          `${a.schedule.num_microbatches} micro-batches)`),
-      timeline(a.schedule, plan.strategy.pp),
+      timeline(a.schedule, plan.strategy.pp, plan.predicted.breakdown),
       el('h3', {}, 'Layers (click a column to sort)'), layerTable(a.layers));
 }
 
