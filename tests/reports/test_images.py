@@ -128,8 +128,19 @@ def test_write_analysis_images_read_back_with_tensorboard(tmp_path):
     assert not [t for t in tags["tensors"] if "device_" in t]
     text = tf.make_ndarray(acc.Tensors("plan/chosen")[0].tensor_proto).item().decode()
     assert chosen.name in text and f"pp={chosen.strategy.pp}" in text
-    ranked = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("candidates/step_time_s")]
-    assert ranked == pytest.approx([c.predicted.step_time_s for c in result.candidates])
+    # the candidates' step times: a ranked table, not a scalar drawn as a line over rank
+    ranked = tf.make_ndarray(acc.Tensors("candidates/step_time_s")[0].tensor_proto).item().decode()
+    assert "candidates/step_time_s" not in tags["scalars"]
+    assert acc.SummaryMetadata("candidates/step_time_s").plugin_data.plugin_name == "text"
+    from tfplan.reports.tables import fmt_seconds, ranked_candidates
+    fit, unfit = ranked_candidates(result.candidates)
+    rows = [line for line in ranked.splitlines() if line.startswith("| ") and
+            line[2].isdigit()]
+    assert len(rows) == len(result.candidates)
+    for k, (row, cand) in enumerate(zip(rows, fit + unfit), start=1):
+        assert row.startswith(f"| {k} |") and cand.name in row
+        assert fmt_seconds(cand.predicted.step_time_s) in row
+    assert "| 1.000x |" in rows[0]
     event = acc.Tensors("plan/memory_per_stage")[0]
     width, height, png = event.tensor_proto.string_val[:3]
     image = Image.open(io.BytesIO(png))
