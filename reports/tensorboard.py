@@ -5,10 +5,9 @@ Pipeline position: last stage. ``plan analyze --out DIR`` calls
 ``tensorboard --logdir DIR/tensorboard``. Text summaries hold the per-layer
 profile, the ranked candidates and the chosen plan with its reason (markdown
 tables, the same rows the terminal shows; devices named as ranges per pipeline stage,
-``reports.device_groups``) and, in ``candidates/step_time_s``, the candidates' predicted
-step times by rank (a table, not a chart: ``candidate_step_times`` says why); scalars
-hold the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
-memory, and its peak memory per pipeline stage (one chart, x = the stage): six tags
+``reports.device_groups``); scalars hold each candidate's predicted step time (x = its
+rank), the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
+memory, and its peak memory per pipeline stage (one chart, x = the stage): seven tags
 whatever the cluster size. Images (``reports.images``) show the chosen plan's pipeline
 schedule, its memory per stage against capacity and the layer graph coloured by stage.
 ``analysis.json`` (``plugin_analysis``) holds the same per stage, never per device, so
@@ -21,14 +20,14 @@ import os
 from typing import Sequence
 
 from tfplan.core.atomic import copy_file, write_json
-from tfplan.planner import cost_model as cm
 from tfplan.planner.plan import Plan
 from tfplan.profiler.model_profile import ModelProfile
 from tfplan.reports.device_groups import mesh, stage_groups
+from tfplan.reports.layer_table import FIELDS as LAYER_FIELDS, layer_table
 from tfplan.reports.images import memory_bars, plan_images, plan_schedule
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_fraction, fmt_seconds, fmt_tflops, markdown_table, mfu,
-                            profile_rows, ranked_candidates)
+                            profile_rows)
 
 
 def plan_markdown(plan: Plan) -> str:
@@ -91,34 +90,14 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
                                           "(x = the stage)")
         for tag, image in plan_images(profile, chosen).items():
             tf.summary.image(tag, image[None], step=0)
-        tf.summary.text("candidates/step_time_s", candidate_step_times(candidates, chosen),
-                        step=0)
+        for rank, cand in enumerate(candidates):
+            # One point per candidate, x = rank: a bar chart of the ranking.
+            tf.summary.scalar("candidates/step_time_s", cand.predicted.step_time_s, step=rank,
+                              description=cand.name)
     writer.flush()
     writer.close()
     write_plugin_analysis(logdir, profile, chosen, candidates, run_id=run_id)
     return logdir
-
-
-def candidate_step_times(candidates: Sequence[Plan], chosen: Plan) -> str:
-    """The candidates' predicted step times as a markdown table, ranked (the ones that fit
-    by step time, then the ones that do not): rank, strategy, step time, how many times
-    the fastest that fits, fits.
-
-    A text table, not a scalar: TensorBoard's Scalars tab draws every scalar tag as a
-    line over its steps, smoothed by default, and has no bar chart. With x = a
-    candidate's rank it drew a curve through categories that have no order in between
-    (rank 2.5 is not a plan) and its smoothing mixed neighbours' times, so the chart
-    showed a trend that does not exist. Ranks are categories: a table says it plainly,
-    and the ``plan/candidates`` table carries the rest of their columns."""
-    fit, unfit = ranked_candidates(candidates)
-    fastest = fit[0].predicted.step_time_s if fit else None
-    rows = [(str(k), ("* " if c.name == chosen.name else "") + c.name,
-             fmt_seconds(c.predicted.step_time_s),
-             f"{c.predicted.step_time_s / fastest:.3f}x" if fastest else "-",
-             "yes" if c.predicted.fits else "NO")
-            for k, c in enumerate(fit + unfit, start=1)]
-    return markdown_table(("rank", "strategy", "predicted step time", "over the fastest "
-                           "that fits", "fits"), rows)
 
 
 def plan_summary(plan: Plan, detail: bool = True) -> dict:
@@ -154,28 +133,23 @@ def _round(x: float) -> float:
 
 def plugin_analysis(profile: ModelProfile, chosen: Plan, candidates: Sequence[Plan]) -> dict:
     """What the "Parallel plan" dashboard shows for one run (``reports.plugin``): the
-    plans (``plan_summary``: per pipeline stage, never per device), per-layer rows (with
-    the cost model's time per micro-batch on the plan's device), the simulated pipeline
-    schedule and the memory bars (one per stage)."""
-    s, device = chosen.strategy, chosen.cluster.device
+    plans (``plan_summary``: per pipeline stage, never per device), per-layer rows of the
+    chosen plan as it runs them (``layers``) and the layer tables of the chosen plan and
+    the runner-up with their stage totals (``layer_tables``, ``reports.layer_table``), the
+    simulated pipeline schedule and the memory bars (one per stage)."""
     where = chosen.device_of_layer()
-    stage_of = {name: k % s.pp for k, st in enumerate(chosen.stages) for name in st.layers}
-    layers = []
-    for l in profile.layers:
-        fwd, bwd = cm.layer_fwd_bwd_time_s(l, s.microbatch_size, profile.batch_size, device,
-                                           profile.precision,
-                                           measured_batch_size=profile.measured_batch_size)
-        layers.append({
-            "name": l.name, "type": l.type, "params": l.params,
-            "flops": (l.flops_fwd + l.flops_bwd) / profile.batch_size * s.microbatch_size,
-            "memory_bytes": l.state_bytes + l.activation_saved_bytes / profile.batch_size
-            * s.microbatch_size,
-            "time_s": fwd + bwd, "stage": stage_of.get(l.name), "device": where.get(l.name)})
+    # the layer table as each plan runs it (reports.layer_table): the chosen plan's, and
+    # the runner-up's to compare
+    tables = [layer_table(profile, chosen)] + [
+        layer_table(profile, c) for c in [c for c in candidates if c.name != chosen.name][:1]]
+    layers = [dict(zip(LAYER_FIELDS, row), device=where.get(row[0]))
+              for row in tables[0]["rows"]]
     slots, m = plan_schedule(chosen)
     return {
         "plan": plan_summary(chosen),
         "candidates": [plan_summary(c, detail=False) for c in candidates],
         "layers": layers,
+        "layer_tables": tables,
         # slots as rows of SLOT_FIELDS: thousands of them in a long interleaved pipeline
         "schedule": {"num_microbatches": m, "drawn_microbatches": 1 + max(
             (x.microbatch for x in slots), default=-1), "fields": list(SLOT_FIELDS), "slots": [
