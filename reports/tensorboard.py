@@ -5,9 +5,10 @@ Pipeline position: last stage. ``plan analyze --out DIR`` calls
 ``tensorboard --logdir DIR/tensorboard``. Text summaries hold the per-layer
 profile, the ranked candidates and the chosen plan with its reason (markdown
 tables, the same rows the terminal shows; devices named as ranges per pipeline stage,
-``reports.device_groups``); scalars hold each candidate's predicted step time (x = its
-rank), the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
-memory, and its peak memory per pipeline stage (one chart, x = the stage): seven tags
+``reports.device_groups``) and, in ``candidates/step_time_s``, the candidates' predicted
+step times by rank (a table, not a chart: ``candidate_step_times`` says why); scalars
+hold the chosen plan's step time, samples/s, model TFLOP/s per device, MFU and peak
+memory, and its peak memory per pipeline stage (one chart, x = the stage): six tags
 whatever the cluster size. Images (``reports.images``) show the chosen plan's pipeline
 schedule, its memory per stage against capacity and the layer graph coloured by stage.
 ``analysis.json`` (``plugin_analysis``) holds the same per stage, never per device, so
@@ -27,7 +28,7 @@ from tfplan.reports.layer_table import FIELDS as LAYER_FIELDS, layer_table
 from tfplan.reports.images import memory_bars, plan_images, plan_schedule
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_fraction, fmt_seconds, fmt_tflops, markdown_table, mfu,
-                            profile_rows)
+                            profile_rows, ranked_candidates)
 
 
 def plan_markdown(plan: Plan) -> str:
@@ -90,14 +91,34 @@ def write_analysis(logdir: str | os.PathLike, profile: ModelProfile, chosen: Pla
                                           "(x = the stage)")
         for tag, image in plan_images(profile, chosen).items():
             tf.summary.image(tag, image[None], step=0)
-        for rank, cand in enumerate(candidates):
-            # One point per candidate, x = rank: a bar chart of the ranking.
-            tf.summary.scalar("candidates/step_time_s", cand.predicted.step_time_s, step=rank,
-                              description=cand.name)
+        tf.summary.text("candidates/step_time_s", candidate_step_times(candidates, chosen),
+                        step=0)
     writer.flush()
     writer.close()
     write_plugin_analysis(logdir, profile, chosen, candidates, run_id=run_id)
     return logdir
+
+
+def candidate_step_times(candidates: Sequence[Plan], chosen: Plan) -> str:
+    """The candidates' predicted step times as a markdown table, ranked (the ones that fit
+    by step time, then the ones that do not): rank, strategy, step time, how many times
+    the fastest that fits, fits.
+
+    A text table, not a scalar: TensorBoard's Scalars tab draws every scalar tag as a
+    line over its steps, smoothed by default, and has no bar chart. With x = a
+    candidate's rank it drew a curve through categories that have no order in between
+    (rank 2.5 is not a plan) and its smoothing mixed neighbours' times, so the chart
+    showed a trend that does not exist. Ranks are categories: a table says it plainly,
+    and the ``plan/candidates`` table carries the rest of their columns."""
+    fit, unfit = ranked_candidates(candidates)
+    fastest = fit[0].predicted.step_time_s if fit else None
+    rows = [(str(k), ("* " if c.name == chosen.name else "") + c.name,
+             fmt_seconds(c.predicted.step_time_s),
+             f"{c.predicted.step_time_s / fastest:.3f}x" if fastest else "-",
+             "yes" if c.predicted.fits else "NO")
+            for k, c in enumerate(fit + unfit, start=1)]
+    return markdown_table(("rank", "strategy", "predicted step time", "over the fastest "
+                           "that fits", "fits"), rows)
 
 
 def plan_summary(plan: Plan, detail: bool = True) -> dict:
