@@ -127,6 +127,26 @@ def memory_bars(plan: Plan) -> list[tuple[str, int]]:
     return [(f"stage {g.stage}", g.peak_memory_bytes) for g in stage_groups(plan)]
 
 
+def memory_scale(capacity: float, largest: float) -> tuple[float, bool, str]:
+    """``(top, capacity_on_scale, caption)`` of a memory chart: a linear byte axis from 0
+    to ``top``. The capacity line is drawn when the capacity is at most four times the
+    largest bar; else the axis ends just above the largest bar, so that a 15 MiB model on
+    a 5.89 GiB device still draws visible bars, and the caption names the scale, how far
+    off it the capacity is and the headroom left (the dashboard says the same)."""
+    largest = max(largest, 1.0)
+    on_scale = capacity <= 4 * largest
+    top = 1.1 * max(largest, capacity if on_scale else 0.0)
+    free = capacity - largest
+    room = (f"headroom {_gib(free)} ({100 * free / capacity:.1f}% free)" if free >= 0
+            else f"the fullest stage is {_gib(-free)} over")
+    if on_scale:
+        return top, True, (f"linear axis from 0; capacity {_gib(capacity)} (red line); "
+                           f"{room}" + (" on the fullest stage" if free >= 0 else ""))
+    return top, False, (f"linear axis 0 to {_gib(top)} (zoomed to the bars); capacity "
+                        f"{_gib(capacity)} = {capacity / largest:,.0f}x the fullest stage, "
+                        f"off scale; {room}")
+
+
 def layer_positions(profile: ModelProfile) -> dict[str, tuple[int, int]]:
     """(column, row) of each layer: column = longest path from the model's inputs,
     row = order within the column. A block's entries feed each other both ways (its own
@@ -261,20 +281,18 @@ def _gib(n: float) -> str:
 
 def memory_image(plan: Plan, width: int = 1200, height: int = 480) -> np.ndarray:
     """Predicted peak memory per device of each pipeline stage (bars, values on them)
-    on a byte axis, against the device capacity (red line; named in the title and left
+    on a byte axis, against the device capacity (red line; named in the caption and left
     off the axis when it is more than four times the largest bar, so small models do not
-    draw an empty box)."""
+    draw an empty box; ``memory_scale``)."""
     bars = memory_bars(plan)
     capacity = plan.predicted.memory_capacity_bytes
     largest = max([n for _, n in bars] + [1])
-    show_capacity = capacity <= 4 * largest
-    top_value = 1.1 * max(largest, capacity if show_capacity else 0)
-    left, right, bottom, top = 110, 20, 50, 50
+    top_value, show_capacity, caption = memory_scale(capacity, largest)
+    left, right, bottom, top = 110, 20, 50, 64
     image, draw = _canvas(width, height)
     small, big = _font(16), _font(20)
-    draw.text((left, 12), f"peak memory per device, per pipeline stage (capacity "
-              f"{_gib(capacity)}" + ("" if show_capacity else ", off this scale") + ")",
-              fill=TEXT, font=big)
+    draw.text((left, 8), "peak memory per device, per pipeline stage", fill=TEXT, font=big)
+    draw.text((10, 36), caption, fill=TEXT, font=_font(15))
     plot_h, plot_w = height - top - bottom, width - left - right
     for v in axis_ticks(top_value, _byte_unit(top_value)):  # the axis: round values
         y = top + plot_h - plot_h * v / top_value

@@ -173,10 +173,20 @@ function memoryBars(plan) {
                             stroke: COLORS[3], 'stroke-width': 2}));
   }
   const label = svg('text', {x: left, y: height + bottom + 14, 'font-size': 12});
-  label.textContent = 'peak memory per device of each pipeline stage; capacity ' +
-      bytes(capacity) + (showCapacity ? ' (red line)' : ' (off this scale)');
+  label.textContent = 'peak memory per device of each pipeline stage';
   box.append(label);
-  return box;
+  // the scale, named: linear from 0; where the capacity is off it, how far, and the
+  // headroom left (reports/images.py memory_scale says the same under the PNG)
+  const free = capacity - largest;
+  const room = free >= 0 ? `headroom ${bytes(free)} (${(100 * free / capacity).toFixed(1)}% ` +
+      'free)' : `the fullest stage is ${bytes(-free)} over`;
+  const scale = el('p', {class: 'memory-scale', style: 'font-size:12px;margin:2px 0 8px'},
+      showCapacity ? `Linear axis from 0; capacity ${bytes(capacity)} (red line); ${room}` +
+          (free >= 0 ? ' on the fullest stage.' : '.') :
+          `Linear axis from 0 to ${bytes(top)}, zoomed to the bars: the capacity, ` +
+          `${bytes(capacity)}, is ${Math.round(capacity / largest).toLocaleString()}x the ` +
+          `fullest stage and off this scale; ${room}.`);
+  return el('div', {class: 'memory-box'}, box, scale);
 }
 
 function shortDevice(d) {
