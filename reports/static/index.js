@@ -347,28 +347,119 @@ function timeline(schedule, pp, breakdown) {
   return el('div', {class: 'timeline-box'}, controls, legend, scroller);
 }
 
-function layerTable(layers) {
-  const columns = [['name', 'layer'], ['type', 'type'], ['params', 'params'],
-                   ['flops', 'FLOPs / micro-batch'], ['memory_bytes', 'memory'],
-                   ['time_s', 'time / micro-batch'], ['stage', 'stage']];
-  const table = el('table', {class: 'layers'});
-  let key = 'time_s', descending = true;
-  const draw = () => {
-    const sorted = [...layers].sort((a, b) => {
-      const d = a[key] < b[key] ? -1 : a[key] > b[key] ? 1 : 0;
-      return descending ? -d : d;
-    });
-    table.replaceChildren(el('tr', {}, ...columns.map(([k, name]) => {
-      const th = el('th', {'data-key': k}, name + (k === key ? (descending ? ' ▼' : ' ▲') : ''));
-      th.onclick = () => { descending = k === key ? !descending : true; key = k; draw(); };
-      return th;
-    })), ...sorted.map((l) => el('tr', {},
-        el('td', {}, l.name), el('td', {}, l.type), el('td', {}, l.params.toLocaleString()),
-        el('td', {}, l.flops.toExponential(3)), el('td', {}, bytes(l.memory_bytes)),
-        el('td', {}, seconds(l.time_s)), el('td', {}, String(l.stage)))));
+// Natural order of layer names: "attn_2" before "attn_10".
+const NATURAL = new Intl.Collator(undefined, {numeric: true, sensitivity: 'base'});
+
+// The per-layer tables as the plans run them (analysis.json "layer_tables",
+// reports/layer_table.py): each layer's time and memory on one device of its stage --
+// split by tp, sharded by ZeRO, recomputed or not -- per pipeline stage, with the rows
+// (ZeRO buffers, recomputation, margin) that make the stage's total the memory chart's.
+// A filter on name or type and a top-k per stage. Older analysis files: "layers" only.
+function layerTables(a) {
+  const tables = a.layer_tables || [{plan: a.plan.name, stages: null, rows: null}];
+  const columns = [['name', 'layer'], ['type', 'type'], ['params', 'params / device'],
+                   ['flops', 'FLOPs / micro-batch'], ['time_s', 'time / micro-batch'],
+                   ['state_bytes', 'state'], ['activation_bytes', 'activations'],
+                   ['memory_bytes', 'memory / device']];
+  const cell = (k, l) => {
+    const v = l[k];
+    if (v === undefined || v === null) return '-';
+    if (k === 'name') return v + (l.split ? ' (split)' : '');
+    if (k === 'params') return v.toLocaleString();
+    if (k === 'flops') return v.toExponential(3);
+    if (k === 'time_s') return seconds(v);
+    if (k.endsWith('_bytes')) return bytes(v);
+    return String(v);
   };
+  const which = el('select', {class: 'layer-plan'}, ...tables.map((t, i) =>
+      el('option', {value: String(i)}, (i ? 'compared: ' : 'chosen: ') + t.plan)));
+  const filter = el('input', {type: 'search', class: 'layer-filter',
+                              placeholder: 'filter: layer name or type'});
+  const topk = el('select', {class: 'layer-topk'}, ...[['10', 'top 10'], ['20', 'top 20'],
+      ['50', 'top 50'], ['0', 'all']].map(([v, t]) => el('option', {value: v}, t)));
+  topk.value = '20';
+  const stagePick = el('select', {class: 'layer-stage'});
+  const body = el('div', {class: 'layer-tables'});
+  let key = 'memory_bytes', descending = true;
+  const rowsOf = (t) => (t.rows ? t.rows.map((r) => Object.fromEntries(
+      t.fields.map((f, k) => [f, r[k]]))) : a.layers);
+  const stagesOf = (t, layers) => t.stages || [...new Set(layers.map((l) => l.stage))]
+      .sort((x, y) => x - y).map((s) => ({stage: s, rows: []}));
+  const fillStages = () => {
+    const t = tables[Number(which.value)];
+    const stages = stagesOf(t, rowsOf(t));
+    const keep = stagePick.value;
+    stagePick.replaceChildren(el('option', {value: 'all'}, 'all stages'),
+        ...stages.map((g) => el('option', {value: String(g.stage)}, `stage ${g.stage}`)));
+    stagePick.value = [...stagePick.options].some((o) => o.value === keep) ? keep : 'all';
+  };
+  const draw = () => {
+    const t = tables[Number(which.value)];
+    const layers = rowsOf(t);
+    const words = filter.value.trim().toLowerCase();
+    const k = Number(topk.value);
+    const compare = (x, y) => {
+      const d = key === 'name' || key === 'type' ? NATURAL.compare(x[key], y[key]) :
+          x[key] < y[key] ? -1 : x[key] > y[key] ? 1 : 0;
+      return descending ? -d : d;
+    };
+    const head = () => el('tr', {}, ...columns.map(([c, name]) => {
+      const th = el('th', {'data-key': c}, name + (c === key ? (descending ? ' ▼' : ' ▲') : ''));
+      th.onclick = () => {
+        descending = c === key ? !descending : c !== 'name' && c !== 'type';
+        key = c;
+        draw();
+      };
+      return th;
+    }));
+    const sections = stagesOf(t, layers).filter((g) => stagePick.value === 'all' ||
+                                                       String(g.stage) === stagePick.value)
+        .map((g) => {
+          const mine = layers.filter((l) => l.stage === g.stage);
+          const shown = mine.filter((l) => !words || l.name.toLowerCase().includes(words) ||
+                                           String(l.type).toLowerCase().includes(words))
+              .sort(compare);
+          const top = k ? shown.slice(0, k) : shown;
+          const sum = mine.reduce((x, l) => x + (l.memory_bytes || 0), 0);
+          const n = columns.length;
+          const extra = (label, value, cls) => el('tr', {class: cls},
+              el('td', {colspan: String(n - 1)}, label), el('td', {}, bytes(value)));
+          const rows = [head(), ...top.map((l) => el('tr', {class: 'layer-row'},
+              ...columns.map(([c]) => el('td', {}, cell(c, l)))))];
+          if (t.stages) {
+            rows.push(extra(`all ${mine.length} layers of the stage` +
+                            (top.length < mine.length ? ` (${top.length} shown)` : ''),
+                            g.layers_bytes, 'stage-layers'),
+                      ...g.rows.map((r) => extra(r.label, r.bytes, 'stage-extra')),
+                      extra('stage total (peak per device, as the memory chart)',
+                            g.total_bytes, 'stage-total'));
+          } else {
+            rows.push(extra(`all ${mine.length} layers (unsplit: an older analysis.json)`, sum,
+                            'stage-layers'));
+          }
+          return el('div', {class: 'layer-stage-table'},
+              el('h4', {}, `stage ${g.stage}: ${shown.length} of ${mine.length} layers match` +
+                 (k && shown.length > k ? `, top ${k} by ${columns.find(([c]) => c === key)[1]}`
+                     : '')),
+              el('table', {class: 'layers'}, ...rows));
+        });
+    body.replaceChildren(...sections);
+  };
+  which.onchange = () => { fillStages(); draw(); };
+  filter.oninput = draw;
+  topk.onchange = draw;
+  stagePick.onchange = draw;
+  fillStages();
   draw();
-  return table;
+  return el('div', {class: 'layers-box'},
+      el('p', {class: 'layer-caption', style: 'font-size:12px'},
+         'Each layer on one device of its pipeline stage as the plan runs it: split layers ' +
+         '(tp) divided by tp, state sharded by the ZeRO stage over the data-parallel ' +
+         'replicas, activations of the micro-batches in flight less what is recomputed. ' +
+         'Click a column to sort.'),
+      el('div', {class: 'layer-controls', style: 'font-size:12px'},
+         which, ' ', stagePick, ' ', filter, ' ', topk),
+      body);
 }
 
 async function showRun(run, container) {
@@ -421,7 +512,7 @@ async function showRun(run, container) {
       el('h3', {}, `Pipeline schedule (${plan.strategy.schedule}, ` +
          `${a.schedule.num_microbatches} micro-batches)`),
       timeline(a.schedule, plan.strategy.pp, plan.predicted.breakdown),
-      el('h3', {}, 'Layers (click a column to sort)'), layerTable(a.layers));
+      el('h3', {}, 'Layers per stage, as planned'), layerTables(a));
 }
 
 export async function render() {
