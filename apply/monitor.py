@@ -16,6 +16,12 @@ the plan's report (``reports``). Per training step it writes, under DIR:
   the measured and the predicted step time together, and one with samples/s (the
   Scalars tab draws a chart per tag, so it shows them apart).
 
+At the end of each epoch and of training it also writes
+``DIR/train/plugins/parallel_plan/training.json`` (``TRAINING_FILE``): the plan's name,
+the steps measured, the median measured and the predicted step time and their ratio,
+so that the "Parallel plan" dashboard (``reports.plugin``) lists training runs without
+reading event files.
+
 The first ``warmup_steps`` steps (tracing and compiling the step function) are not
 written. Step times are measured on the host, so they include the framework's per-step
 overhead the plan predicts only when it was calibrated (``plan analyze --measured``).
@@ -44,6 +50,23 @@ def _layout_summary() -> bytes:
             layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(
                 tag=[tags])) for title, tags in STEP_TIME_CHART])])
     return custom_scalar.pb(layout).SerializeToString()
+
+
+TRAINING_FILE = os.path.join("plugins", "parallel_plan", "training.json")  # under DIR/train
+
+
+def training_summary(plan: Plan, step_times_s: list[float]) -> dict:
+    """What ``TRAINING_FILE`` holds: the measured steps' median step time against the
+    plan's prediction (the median: a few slow steps -- a checkpoint, a host hiccup --
+    do not move it)."""
+    import statistics
+    from tfplan.core.schema import SCHEMA_VERSION
+    measured = statistics.median(step_times_s) if step_times_s else None
+    predicted = plan.predicted.step_time_s
+    return {"schema_version": SCHEMA_VERSION, "plan": plan.name,
+            "model": plan.model_name, "steps": len(step_times_s),
+            "measured_step_time_s": measured, "predicted_step_time_s": predicted,
+            "measured_over_predicted": measured / predicted if measured else None}
 
 
 class PlanMonitor(keras.callbacks.Callback):
@@ -89,6 +112,18 @@ class PlanMonitor(keras.callbacks.Callback):
             tf.summary.scalar("measured/over_predicted", elapsed / predicted.step_time_s,
                               step=step)
 
+    def _write_training_summary(self) -> None:
+        from tfplan.core.atomic import write_json
+        path = os.path.join(self.logdir, "train", TRAINING_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, training_summary(self.plan, self.step_times_s))
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        if self.step_times_s:
+            self._write_training_summary()
+
     def on_train_end(self, logs=None) -> None:
         if self._writer is not None:
             self._writer.flush()
+        if self.step_times_s:
+            self._write_training_summary()

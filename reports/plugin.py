@@ -15,6 +15,10 @@ Routes (under ``/data/plugin/parallel_plan``):
   the runs that have an analysis this plugin cannot read (not JSON, half-written, an
   older schema, a symlink out of the logdir), each with the reason, so that one bad
   file never hides the others;
+  plus ``"training": [{"run": name, "plan": ..., "steps": n, "measured_step_time_s": ...,
+  "predicted_step_time_s": ..., "measured_over_predicted": ...} or {"run", "error"}]``:
+  the training runs ``apply.monitor.PlanMonitor`` wrote (``training.json``, read under
+  the same real-path rule);
 * ``/analysis?run=NAME`` -- that run's analysis.json; a run that is not one found
   under the logdir gets 404, an analysis that resolves outside the logdir 403, one that
   does not read 422, each with ``{"error": why}``.
@@ -41,6 +45,7 @@ from tfplan.core.schema import check_version, field
 
 PLUGIN_NAME = "parallel_plan"
 ANALYSIS_FILE = "analysis.json"
+TRAINING_FILE = "training.json"  # apply.monitor.PlanMonitor's summary of a training run
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 OUTSIDE = ("analysis.json is a symlink that resolves outside the logdir; it is not read. "
            "Copy the file into the run instead of linking it.")
@@ -75,6 +80,37 @@ def scan_runs(logdir: str) -> tuple[dict[str, str], dict[str, str]]:
             else:
                 outside[run] = OUTSIDE
     return runs, outside
+
+
+def find_training_runs(logdir: str) -> list[dict[str, Any]]:
+    """The training runs under ``logdir``: one entry per ``training.json`` that
+    ``apply.monitor.PlanMonitor`` wrote and that resolves inside the logdir, with its
+    measured and predicted step time, or the reason it does not read."""
+    found = []
+    root = os.path.realpath(logdir)
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".tfplan-"))
+        if os.path.basename(here) != PLUGIN_NAME or TRAINING_FILE not in files:
+            continue
+        run = os.path.relpath(os.path.dirname(os.path.dirname(here)), root)
+        path = os.path.join(here, TRAINING_FILE)
+        if not _inside(path, root):
+            found.append({"run": run, "error": OUTSIDE.replace(ANALYSIS_FILE, TRAINING_FILE)})
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            check_version(doc, TRAINING_FILE)
+            entry = {"run": run, "plan": field(doc, "plan", TRAINING_FILE, str),
+                     "steps": field(doc, "steps", TRAINING_FILE, int)}
+            for key in ("measured_step_time_s", "predicted_step_time_s",
+                        "measured_over_predicted"):
+                value = doc.get(key)
+                entry[key] = float(value) if isinstance(value, (int, float)) else None
+        except (OSError, ValueError, SchemaError) as e:
+            entry = {"run": run, "error": f"{TRAINING_FILE} does not read: {e}"}
+        found.append(entry)
+    return found
 
 
 def find_runs(logdir: str) -> dict[str, str]:
@@ -143,7 +179,8 @@ class ParallelPlanPlugin(base_plugin.TBPlugin):
         self._summaries: dict[str, tuple[tuple[int, int], Any]] = {}
 
     def is_active(self) -> bool:
-        return bool(self._logdir) and any(scan_runs(self._logdir))
+        return bool(self._logdir) and (any(scan_runs(self._logdir)) or
+                                       bool(find_training_runs(self._logdir)))
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js",
@@ -189,7 +226,8 @@ class ParallelPlanPlugin(base_plugin.TBPlugin):
                 unreadable.append({"run": run, "error": str(e)})
         for path in set(self._summaries) - set(runs.values()):
             self._summaries.pop(path, None)
-        return _json({"runs": listed, "unreadable": sorted(unreadable, key=lambda r: r["run"])})
+        return _json({"runs": listed, "unreadable": sorted(unreadable, key=lambda r: r["run"]),
+                      "training": find_training_runs(self._logdir)})
 
     @wrappers.Request.application
     def _serve_analysis(self, request: wrappers.Request) -> wrappers.Response:

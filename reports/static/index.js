@@ -515,6 +515,25 @@ async function showRun(run, container) {
       el('h3', {}, 'Layers per stage, as planned'), layerTables(a));
 }
 
+// Training runs apply.wrap(model, plan, logdir=...) measured (apply/monitor.py writes a
+// training.json the plugin lists): the median measured step time against the prediction.
+function trainingRuns(training) {
+  const ratio = (r) => (r === null || r === undefined ? '-' : `${r.toFixed(2)}x`);
+  const time = (t) => (t === null || t === undefined ? '-' : seconds(t));
+  return el('div', {class: 'training-runs'},
+      el('h3', {}, 'Training runs: measured against predicted'),
+      el('table', {class: 'training'},
+          el('tr', {}, ...['run', 'plan', 'steps measured', 'measured step time (median)',
+                           'predicted', 'measured / predicted'].map((h) => el('th', {}, h))),
+          ...training.map((t) => (t.error ?
+              el('tr', {class: 'training-error'}, el('td', {}, t.run),
+                 el('td', {colspan: '5'}, t.error)) :
+              el('tr', {}, el('td', {}, t.run), el('td', {}, t.plan),
+                 el('td', {}, String(t.steps)), el('td', {}, time(t.measured_step_time_s)),
+                 el('td', {}, time(t.predicted_step_time_s)),
+                 el('td', {class: 'training-ratio'}, ratio(t.measured_over_predicted)))))));
+}
+
 export async function render() {
   const style = el('style', {}, `
     body { font-family: Roboto, sans-serif; margin: 16px; color: #212121; }
@@ -525,13 +544,14 @@ export async function render() {
   const selector = el('select', {class: 'run-selector'});
   const container = el('div', {class: 'run'});
   document.body.append(style, title, selector, container);
-  let runs, unreadable;
+  let runs, unreadable, training;
   try {
-    ({runs, unreadable = []} = await getJson('./runs'));
+    ({runs, unreadable = [], training = []} = await getJson('./runs'));
   } catch (e) {
     container.replaceChildren(el('p', {class: 'run-error'}, `Cannot list the runs: ${e.message}`));
     return;
   }
+  if (training.length) selector.before(trainingRuns(training));
   if (!runs.length && !unreadable.length) {
     container.textContent = 'No run with a parallel plan under the logdir: run plan analyze ' +
         '--out DIR and point TensorBoard at DIR/tensorboard.';
