@@ -19,6 +19,7 @@ import os
 from tfplan.reports.analysis_dir import Analysis, read_analysis_dir, save_candidates  # noqa: F401
 from tfplan.reports.images import plan_images
 from tfplan.reports.device_groups import stage_groups
+from tfplan.reports.layer_table import layer_table
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_fraction, fmt_seconds, fmt_tflops, mfu, profile_rows)
 
@@ -53,6 +54,35 @@ def stage_rows(a: Analysis) -> list[tuple[str, ...]]:
              fmt_bytes(g.peak_memory_bytes)) for g in stage_groups(a.chosen)]
 
 
+PLANNED_HEADER = ("layer", "type", "split", "time / micro-batch", "state", "activations",
+                  "memory / device")
+PLANNED_TOP = 10  # layers per stage in the HTML report (the dashboard filters and sorts)
+
+
+def planned_layer_sections(a: Analysis, top: int = PLANNED_TOP
+                           ) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """Per pipeline stage of the chosen plan: a title and the rows of its ``top`` layers by
+    memory on one device as planned (``reports.layer_table``), then the stage's other rows
+    (ZeRO buffers, recomputation, margin) and its total, the stage's predicted peak."""
+    t = layer_table(a.profile, a.chosen)
+    rows = [dict(zip(t["fields"], r)) for r in t["rows"]]
+    out = []
+    for g in t["stages"]:
+        mine = sorted((r for r in rows if r["stage"] == g["stage"]),
+                      key=lambda r: -r["memory_bytes"])
+        body = [(r["name"], r["type"], "tp" if r["split"] else "", fmt_seconds(r["time_s"]),
+                 fmt_bytes(r["state_bytes"]), fmt_bytes(r["activation_bytes"]),
+                 fmt_bytes(r["memory_bytes"])) for r in mine[:top]]
+        body.append((f"all {len(mine)} layers", "", "", "", "", "",
+                     fmt_bytes(g["layers_bytes"])))
+        body += [(x["label"], "", "", "", "", "", fmt_bytes(x["bytes"])) for x in g["rows"]]
+        body.append(("stage total (peak per device)", "", "", "", "", "",
+                     fmt_bytes(g["total_bytes"])))
+        out.append((f"Stage {g['stage']}: top {min(top, len(mine))} of {len(mine)} layers by "
+                    "memory per device", body))
+    return out
+
+
 def _table(header, rows) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
@@ -68,7 +98,8 @@ def _png_data_uri(image) -> str:
 
 
 def html_report(a: Analysis) -> str:
-    """One self-contained HTML page: summary, candidates, pictures, per-layer profile."""
+    """One self-contained HTML page: summary, candidates, pictures, the layers per stage as
+    planned, per-layer profile."""
     images = "".join(
         f'<figure><img alt="{html.escape(tag)}" src="{_png_data_uri(image)}">'
         f"<figcaption>{html.escape(tag)}</figcaption></figure>"
@@ -90,6 +121,9 @@ img {{ max-width: 100%; border: 1px solid #eee; }} figure {{ margin: 1em 0; }}
 <h2>The chosen plan</h2>
 {_table(STAGE_HEADER, stage_rows(a))}
 {images}
+<h2>Layers per stage, as planned (split by tp, sharded by ZeRO, recomputed or not)</h2>
+{"".join(f"<h3>{html.escape(title)}</h3>" + _table(PLANNED_HEADER, rows)
+         for title, rows in planned_layer_sections(a))}
 <h2>Per-layer profile (batch {a.profile.batch_size})</h2>
 {_table(PROFILE_HEADER, profile_rows(a.profile))}
 </body></html>

@@ -195,3 +195,22 @@ def test_dashboard_table_filters_and_keeps_the_top_k(planned, tmp_path):
     assert names == sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in
                                                  __import__("re").split(r"(\d+)", n)])
     assert len(out["compared"]) == len(doc["layer_tables"][1]["stages"])
+
+
+def test_html_report_shows_the_layers_per_stage_as_planned(planned):
+    from tfplan.reports.report import planned_layer_sections
+    from tfplan.reports.tables import fmt_bytes
+
+    profile, result, _ = planned
+
+    class A:  # the two fields planned_layer_sections reads
+        pass
+    a = A()
+    a.profile, a.chosen = profile, result.chosen
+    sections = planned_layer_sections(a, top=3)
+    predicted = dict(result.chosen.predicted.peak_memory_bytes_per_device)
+    assert len(sections) == result.chosen.strategy.pp
+    for k, (title, rows) in enumerate(sections):
+        assert title.startswith(f"Stage {k}: top 3 of ")
+        assert rows[-1][0].startswith("stage total")
+        assert rows[-1][-1] == fmt_bytes(predicted[result.chosen.stages[k].devices[0]])
