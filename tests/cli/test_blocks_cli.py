@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.cli.test_input_shape_cli import run
+from tests.cli.helpers import run
 
 OPAQUE_FILE = textwrap.dedent("""
     import keras

@@ -7,14 +7,12 @@ import TensorFlow and keras_hub again for every case.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import textwrap
 
 import pytest
 
-import tfplan.cli as cli
+from tests.cli.helpers import run
 
 GPT2_FILE = textwrap.dedent("""
     import keras_hub
@@ -31,17 +29,6 @@ FIXED_FILE = textwrap.dedent("""
         x = keras.Input(shape=(4,), name="features")
         return keras.Model(x, keras.layers.Dense(2, name="head")(x))
 """)
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    """``plan ARGV`` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse usage errors
-            code = e.code if isinstance(e.code, int) else 2
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -8,30 +8,17 @@ reads the width from ``COLUMNS`` (set per test), and stdout is not a terminal he
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 
 import pytest
 
-import tfplan.cli as cli
+from tests.cli.helpers import run
 from tfplan.reports.tables import CANDIDATE_HEADER, SHORT_HEADER
 
 ARGS = ["analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "64"]
 # a cell of the table: between two box-drawing bars
 BAR = "│"
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    """``plan ARGV`` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse usage errors
-            code = e.code if isinstance(e.code, int) else 2
-    return code, out.getvalue(), err.getvalue()
 
 
 def analyze(tmp_path, monkeypatch, columns: int | None, *flags: str) -> str:
