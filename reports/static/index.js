@@ -480,22 +480,57 @@ async function showRun(run, container) {
         .map((p) => el('div', {},
         el('h4', {}, `Memory per stage: ${p.name}`), memoryBars(p))));
   };
-  const candidates = el('table', {class: 'candidates'},
-      el('tr', {}, ...['compare', '#', 'strategy', 'step time', 'TFLOP/s/dev', 'MFU',
-                       'peak memory', 'fits']
-          .map((h) => el('th', {}, h))),
-      ...a.candidates.map((c, i) => {
-        const box = el('input', {type: 'checkbox'});
-        box.checked = picked.has(i);
-        box.onchange = () => { box.checked ? picked.add(i) : picked.delete(i); redraw(); };
-        const peak = c.predicted.peak_memory_bytes;
-        return el('tr', {}, el('td', {}, box), el('td', {}, String(i + 1)),
-                  el('td', {}, (c.name === plan.name ? '* ' : '') + c.name),
-                  el('td', {}, seconds(c.predicted.step_time_s)),
-                  el('td', {}, tflops(c.predicted.model_tflops_per_device)),
-                  el('td', {}, percent(c.predicted.mfu)), el('td', {}, bytes(peak)),
-                  el('td', {}, c.predicted.fits ? 'yes' : 'NO'));
-      }));
+  // every candidate with its shape and breakdown; a click on a heading sorts by it (again:
+  // the other way), the rank column keeps the planner's ranking
+  const br = (c, k) => c.predicted.breakdown[k];
+  const shape = (c) => c.strategy;
+  const columns = [
+    ['#', (c, i) => i + 1, (c, i) => String(i + 1)],
+    ['strategy', (c) => c.name, (c) => (c.name === plan.name ? '* ' : '') + c.name],
+    ['dp', (c) => shape(c).dp, (c) => String(shape(c).dp)],
+    ['tp', (c) => shape(c).tp, (c) => String(shape(c).tp)],
+    ['pp', (c) => shape(c).pp, (c) => String(shape(c).pp)],
+    ['micro-batches', (c) => shape(c).num_microbatches,
+     (c) => `${shape(c).num_microbatches} x ${shape(c).microbatch_size}`],
+    ['step time', (c) => c.predicted.step_time_s, (c) => seconds(c.predicted.step_time_s)],
+    ['compute', (c) => br(c, 'compute_s'), (c) => seconds(br(c, 'compute_s'))],
+    ['comm', (c) => br(c, 'communication_s'), (c) => seconds(br(c, 'communication_s'))],
+    ['bubble', (c) => br(c, 'bubble_s'), (c) => seconds(br(c, 'bubble_s'))],
+    ['recompute', (c) => br(c, 'recompute_s'), (c) => seconds(br(c, 'recompute_s'))],
+    ['TFLOP/s/dev', (c) => c.predicted.model_tflops_per_device,
+     (c) => tflops(c.predicted.model_tflops_per_device)],
+    ['MFU', (c) => c.predicted.mfu, (c) => percent(c.predicted.mfu)],
+    ['peak memory', (c) => c.predicted.peak_memory_bytes,
+     (c) => bytes(c.predicted.peak_memory_bytes)],
+    ['fits', (c) => (c.predicted.fits ? 1 : 0), (c) => (c.predicted.fits ? 'yes' : 'NO')]];
+  let order = {column: 0, descending: false};
+  const candidates = el('table', {class: 'candidates'});
+  const fillCandidates = () => {
+    const key = columns[order.column][1];
+    const rows = a.candidates.map((c, i) => [c, i]);
+    rows.sort(([x, i], [y, j]) => {
+      const u = key(x, i), v = key(y, j);
+      const cmp = typeof u === 'string' ? NATURAL.compare(u, v) : u - v;
+      return (order.descending ? -cmp : cmp) || i - j;
+    });
+    const head = el('tr', {}, el('th', {}, 'compare'), ...columns.map(([h], k) => {
+      const th = el('th', {style: 'cursor:pointer', title: 'sort by ' + h},
+                    h + (k === order.column ? (order.descending ? ' \u25bc' : ' \u25b2') : ''));
+      th.onclick = () => {
+        order = {column: k, descending: k === order.column ? !order.descending : false};
+        fillCandidates();
+      };
+      return th;
+    }));
+    candidates.replaceChildren(head, ...rows.map(([c, i]) => {
+      const box = el('input', {type: 'checkbox'});
+      box.checked = picked.has(i);
+      box.onchange = () => { box.checked ? picked.add(i) : picked.delete(i); redraw(); };
+      return el('tr', {}, el('td', {}, box), ...columns.map(([, , text]) => el('td', {},
+                                                                            text(c, i))));
+    }));
+  };
+  fillCandidates();
   redraw();
   container.replaceChildren(
       el('h2', {}, `Chosen: ${plan.name}`),

@@ -214,3 +214,89 @@ def test_html_report_shows_the_layers_per_stage_as_planned(planned):
         assert title.startswith(f"Stage {k}: top 3 of ")
         assert rows[-1][0].startswith("stage total")
         assert rows[-1][-1] == fmt_bytes(predicted[result.chosen.stages[k].devices[0]])
+
+
+CANDIDATES_PAGE = """<!doctype html><html><body><script type="module">
+import {render} from './index.js';
+await render();
+const out = {};
+const table = document.querySelector('table.candidates');
+const heads = () => [...table.querySelectorAll('tr')[0].children].map((th) => th.textContent);
+const column = (name) => {
+  const k = heads().findIndex((h) => h.startsWith(name));
+  return [...table.querySelectorAll('tr')].slice(1).map((r) => r.children[k].textContent);
+};
+out.heads = heads();
+out.ranks = column('#');
+const click = (name) => [...table.querySelectorAll('th')].find(
+    (th) => th.textContent.startsWith(name)).click();
+click('pp');
+out.ppUp = column('pp');
+click('pp');
+out.ppDown = column('pp');
+click('step time');
+out.byTime = column('#');
+const pre = document.createElement('pre');
+pre.id = 'result';
+pre.textContent = JSON.stringify(out);
+document.body.append(pre);
+</script></body></html>"""
+
+
+def test_dashboard_candidates_have_their_shape_and_breakdown_and_sort(planned, tmp_path):
+    """The candidates table: shape (dp, tp, pp, micro-batches) and breakdown columns; a
+    click on a heading sorts by it, a second click the other way."""
+    chromium = _chromium()
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; .ci/run installs Debian's chromium")
+        pytest.skip("chromium is not installed here (apt-get install chromium)")
+    profile = planned[0]
+    result = search(profile, parse_cluster("8xA100-80GB"), 16)  # every shape, ranked
+    assert len({c.strategy.pp for c in result.candidates}) > 1
+    doc = plugin_analysis(profile, result.chosen, result.candidates)
+    out = _render(tmp_path, doc, result, CANDIDATES_PAGE)
+    for column in ("dp", "tp", "pp", "micro-batches", "compute", "comm", "bubble"):
+        assert any(h.startswith(column) for h in out["heads"]), out["heads"]
+    n = len(doc["candidates"])
+    assert out["ranks"] == [str(i + 1) for i in range(n)]  # the planner's ranking first
+    pp = [c["strategy"]["pp"] for c in doc["candidates"]]
+    assert [int(x) for x in out["ppUp"]] == sorted(pp)
+    assert [int(x) for x in out["ppDown"]] == sorted(pp, reverse=True)
+    by_time = sorted(range(n), key=lambda i: (doc["candidates"][i]["predicted"]["step_time_s"],
+                                              i))
+    assert out["byTime"] == [str(i + 1) for i in by_time]
+
+
+def _render(tmp_path, doc, result, page: str) -> dict:
+    """``page`` (which imports index.js and leaves JSON in <pre id=result>) rendered in
+    headless Chromium against ``doc`` as the run's analysis."""
+    import html
+
+    site = tmp_path / "site"
+    site.mkdir()
+    shutil.copy(os.path.join(ROOT, "reports", "static", "index.js"), site / "index.js")
+    (site / "index.html").write_text(page)
+    (site / "analysis").write_text(json.dumps(doc))
+    (site / "runs").write_text(json.dumps({"runs": [{"run": "gpt", "model": "gpt",
+                                                     "plan": result.chosen.name}],
+                                           "unreadable": []}))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.RequestHandlerClass.log_message = lambda *a: None
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        profile_dir = tmp_path / "chromium-profile"
+        profile_dir.mkdir()
+        flags = ["--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--virtual-time-budget=15000",
+                 f"--user-data-dir={profile_dir}"]
+        url = f"http://127.0.0.1:{server.server_address[1]}/index.html"
+        dom = subprocess.run([_chromium(), *flags, "--dump-dom", url], capture_output=True,
+                             text=True, timeout=120).stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert '<pre id="result">' in dom, dom[-3000:]
+    return json.loads(html.unescape(dom.split('<pre id="result">')[1].split("</pre>")[0]))
