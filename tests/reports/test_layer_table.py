@@ -146,38 +146,7 @@ def test_dashboard_table_filters_and_keeps_the_top_k(planned, tmp_path):
         pytest.skip("chromium is not installed here (apt-get install chromium)")
     profile, result, compared = planned
     doc = plugin_analysis(profile, result.chosen, compared)
-    site = tmp_path / "site"
-    site.mkdir()
-    shutil.copy(os.path.join(ROOT, "reports", "static", "index.js"), site / "index.js")
-    (site / "index.html").write_text(PAGE)
-    (site / "analysis").write_text(json.dumps(doc))  # ./analysis?run=... (query ignored)
-    (site / "runs").write_text(json.dumps({"runs": [{"run": "gpt", "model": "gpt",
-                                                     "plan": result.chosen.name}],
-                                           "unreadable": []}))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-
-    class Quiet(http.server.ThreadingHTTPServer):
-        pass
-    server = Quiet(("127.0.0.1", 0), handler)
-    server.RequestHandlerClass.log_message = lambda *a: None
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        profile_dir = tmp_path / "chromium-profile"
-        profile_dir.mkdir()
-        flags = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--virtual-time-budget=15000",
-                 f"--user-data-dir={profile_dir}"]
-        url = f"http://127.0.0.1:{server.server_address[1]}/index.html"
-        dom = subprocess.run([chromium, *flags, "--dump-dom", url], capture_output=True,
-                             text=True, timeout=120).stdout
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert '<pre id="result">' in dom, dom[-3000:]
-    import html
-    out = json.loads(html.unescape(dom.split('<pre id="result">')[1].split("</pre>")[0]))
+    out = _render(tmp_path, doc, result, PAGE)
     table = doc["layer_tables"][0]
     per_stage = [[r for r in table["rows"] if r[2] == g["stage"]] for g in table["stages"]]
     assert len(out["initial"]) == len(table["stages"]) == result.chosen.strategy.pp
