@@ -107,6 +107,17 @@ class Strategy:
     # "global" over the whole step's batch, as one device; "local" per replica and
     # micro-batch (GPipe). Plan files without it are "global".
     batch_norm: str = "global"
+    # expert-parallel degree (Lepikhin et al., 2020, GShard; Rajbhandari et al., 2022,
+    # DeepSpeed-MoE): each mixture-of-experts layer's experts split over ep ranks of the
+    # data-parallel group (ep divides dp), tokens sent to their experts' rank and back
+    # (all-to-all); replicas r and r' hold the same experts when r % ep == r' % ep (expert
+    # data parallelism: dp / ep copies of each expert). 1: every replica holds every expert
+    ep: int = 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """Copies of each expert: dp / ep (the group an expert's gradient is all-reduced in)."""
+        return self.dp // self.ep
 
     @property
     def num_devices(self) -> int:
@@ -126,7 +137,8 @@ class Strategy:
     def describe(self) -> str:
         """The strategy in one line: degrees, micro-batches, schedule and every saver on."""
         parts = [f"dp={self.dp}, tp={self.tp}, pp={self.pp}"
-                 + (f", cp={self.cp}" if self.cp > 1 else ""),
+                 + (f", cp={self.cp}" if self.cp > 1 else "")
+                 + (f", ep={self.ep}" if self.ep > 1 else ""),
                  f"{self.num_microbatches} micro-batch(es) of {self.microbatch_size}",
                  f"schedule {self.schedule}"
                  + (f" ({self.virtual_stages} chunks per device)" if self.virtual_stages > 1
@@ -149,7 +161,7 @@ class Strategy:
                 "optimizer_sharding": self.optimizer_sharding,
                 "sequence_parallel": self.sequence_parallel, "offload": self.offload,
                 "virtual_stages": self.virtual_stages, "layout": self.layout,
-                "batch_norm": self.batch_norm}
+                "batch_norm": self.batch_norm, "ep": self.ep}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
@@ -176,7 +188,12 @@ class Strategy:
             virtual_stages=field(d, "virtual_stages", k, int, where=w, optional=True, default=1,
                                  minimum=1),
             layout=field(d, "layout", k, str, where=w, optional=True, default=DEFAULT_LAYOUT),
-            batch_norm=field(d, "batch_norm", k, str, where=w, optional=True, default="global"))
+            batch_norm=field(d, "batch_norm", k, str, where=w, optional=True, default="global"),
+            ep=field(d, "ep", k, int, where=w, optional=True, default=1, minimum=1))
+        if s.dp % s.ep:
+            raise SchemaError(f"Plan.strategy.ep is {s.ep} with dp={s.dp}; expert parallelism "
+                              "splits the experts over ranks of the data-parallel group, so ep "
+                              "must divide dp.")
         if s.offload not in OFFLOAD:
             raise SchemaError(f"Plan.strategy.offload is {s.offload!r}; expected one of "
                               f"{OFFLOAD}.")

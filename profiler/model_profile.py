@@ -122,6 +122,27 @@ class LayerProfile:
     # a custom attention block's query heads (``profiler.attention_blocks``: split by heads
     # as a whole, its projections and core with it); 0 for every other layer
     attention_heads: int = 0
+    # mixture-of-experts layers only (``profiler.moe``; 0 elsewhere): E experts, top_k
+    # chosen per token, the parameters in the stacked expert weights (what expert
+    # parallelism divides), the capacity factor (0.0: none, no token dropped), the tokens
+    # routed per profile batch (T), the bytes one direction of the all-to-all carries for
+    # them (dispatch: T k d x activation bytes; the combine carries as much back), the
+    # routed experts' forward FLOPs (T k per-token expert FLOPs; part of flops_fwd), and
+    # the forward FLOPs the layer as written executes in its experts when it computes
+    # more than the routed work (a block running every expert on every token; 0 otherwise)
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_expert_params: int = 0
+    moe_capacity_factor: float = 0.0
+    moe_tokens: int = 0
+    moe_dispatch_bytes: int = 0
+    moe_expert_flops_fwd: int = 0
+    moe_executed_flops_fwd: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts layer (``profiler.moe``)."""
+        return self.moe_experts > 0
 
     @property
     def kind(self) -> str:
@@ -173,6 +194,7 @@ class LayerProfile:
             **({"attention_heads": self.attention_heads} if self.attention_heads else {}),
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
             **{n: getattr(self, n) for n in ("base_type", "block", "opaque") if getattr(self, n)},
+            **({n: getattr(self, n) for n in MOE_FIELDS} if self.is_moe else {}),
         }
 
     @classmethod
@@ -187,7 +209,8 @@ class LayerProfile:
                            ("matmul_flops_bwd", 0), ("memory_traffic_bytes_fwd", 0),
                            ("memory_traffic_bytes_bwd", 0), ("attention_core_flops_fwd", 0),
                            ("attention_core_saved_bytes", 0), ("attention_kv_bytes", 0),
-                           ("attention_kv_heads", 0), ("attention_heads", 0)):
+                           ("attention_kv_heads", 0), ("attention_heads", 0),
+                           *((n, 0) for n in MOE_FIELDS if n != "moe_capacity_factor")):
             ints[n] = field(d, n, k, int, where=where, minimum=0, optional=True,
                             default=default)
         ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,
@@ -205,8 +228,16 @@ class LayerProfile:
             output_shape=_output_shape_from(d, where),
             **{n: field(d, n, k, str, where=where, optional=True, default="")
                for n in ("base_type", "block", "opaque")},
+            moe_capacity_factor=field(d, "moe_capacity_factor", k, float, where=where,
+                                      optional=True, default=0.0, minimum=0),
             **ints,
         )
+
+
+# LayerProfile's mixture-of-experts fields, written only for MoE layers
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_expert_params", "moe_capacity_factor",
+              "moe_tokens", "moe_dispatch_bytes", "moe_expert_flops_fwd",
+              "moe_executed_flops_fwd")
 
 
 def _output_shape_from(d: Mapping[str, Any], where: str) -> tuple[int | None, ...] | None:
