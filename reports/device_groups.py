@@ -119,7 +119,7 @@ def stage_groups(plan: Plan) -> list[StageGroup]:
 
 def mesh(plan: Plan) -> dict[str, Any]:
     """The dp x tp x pp grid (module docstring) as plain values for ``analysis.json``:
-    ``{"dp", "tp", "pp", "cp", "virtual_stages", "devices", "nodes", "devices_per_node",
+    ``{"dp", "tp", "pp", "cp", "ep", "virtual_stages", "devices", "nodes", "devices_per_node",
     "columns": [[first replica, last replica], ...], "rows": [{"stage", "layers", "where",
     "cells": [{"device", "devices", "nodes"}]}]}``; a cell's ``device`` is the first
     device of its first replica's tensor group, ``nodes`` the node range of all its
@@ -141,7 +141,7 @@ def mesh(plan: Plan) -> dict[str, Any]:
                           "nodes": _ranges(nodes) if nodes else ""})
         rows.append({"stage": g.stage, "layers": g.layers, "where": g.where,
                      "peak_memory_bytes": g.peak_memory_bytes, "cells": cells})
-    return {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp,
+    return {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp, "ep": s.ep,
             "virtual_stages": s.virtual_stages, "devices": len(plan.devices),
             "nodes": plan.cluster.num_nodes, "devices_per_node": plan.cluster.devices_per_node,
             "columns": [list(c) for c in columns], "rows": rows}

@@ -219,7 +219,10 @@ function meshTable(plan) {
       `dp=${m.dp} × tp=${m.tp} × pp=${m.pp}` + (m.cp > 1 ? ` × cp=${m.cp}` : '') +
       ` = ${m.devices.toLocaleString()} devices on ${m.nodes} node(s) of ` +
       `${m.devices_per_node}; a cell is one data-parallel replica's tensor group of ` +
-      `${s.tp} device(s) on one stage, named by its first device, with its node.`);
+      `${s.tp} device(s) on one stage, named by its first device, with its node.` +
+      (m.ep > 1 ? ` Experts are split over ep=${m.ep} neighbouring replicas (each holds ` +
+       `1/${m.ep} of every mixture-of-experts layer's experts; ${m.dp / m.ep} copies of each).`
+       : ''));
   return el('div', {class: 'mesh-grid'}, caption,
             el('table', {class: 'mesh', style: 'font-size:11px'}, head, ...rows));
 }
