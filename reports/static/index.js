@@ -493,6 +493,9 @@ async function showRun(run, container) {
     ['dp', (c) => shape(c).dp, (c) => String(shape(c).dp)],
     ['tp', (c) => shape(c).tp, (c) => String(shape(c).tp)],
     ['pp', (c) => shape(c).pp, (c) => String(shape(c).pp)],
+    // expert parallelism: only when some candidate splits experts (plans before it: ep 1)
+    ...(a.candidates.some((c) => (shape(c).ep || 1) > 1) ?
+      [['ep', (c) => shape(c).ep || 1, (c) => String(shape(c).ep || 1)]] : []),
     ['micro-batches', (c) => shape(c).num_microbatches,
      (c) => `${shape(c).num_microbatches} x ${shape(c).microbatch_size}`],
     ['step time', (c) => c.predicted.step_time_s, (c) => seconds(c.predicted.step_time_s)],
