@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--global-batch", type=_global_batch, required=True,
                    help="samples per training step, over all devices")
     _add_model_options(a)
-    a.add_argument("--fix", metavar="dp=D,tp=T,pp=P,cp=C",
+    a.add_argument("--fix", metavar="dp=D,tp=T,pp=P,cp=C,ep=E",
                    help="evaluate this one strategy instead of searching (reported even if it "
-                        "does not fit; tp may span nodes); unnamed degrees are 1")
+                        "does not fit; tp may span nodes); unnamed degrees are 1; ep (expert "
+                        "parallelism, models with mixture-of-experts layers) must divide dp "
+                        "and every such layer's experts, and alone restricts the search to it")
     a.add_argument("--microbatch-size", type=_positive_int, metavar="M",
                    help="what-if: samples per micro-batch (default: searched)")
     a.add_argument("--recompute", choices=("none", "selective", "full"),
@@ -372,15 +374,15 @@ def parse_fix(text: str | None) -> dict[str, int] | None:
     fixed: dict[str, int] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
-        if not sep or key not in ("dp", "tp", "pp", "cp") or not value.isdigit() \
+        if not sep or key not in ("dp", "tp", "pp", "cp", "ep") or not value.isdigit() \
                 or int(value) < 1:
             raise PlannerError(
-                f"--fix {text!r}: each part must be dp=N, tp=N, pp=N or cp=N with N >= 1 "
+                f"--fix {text!r}: each part must be dp=N, tp=N, pp=N, cp=N or ep=N with N >= 1 "
                 f"(received {part.strip()!r}); e.g. --fix dp=2,pp=2.")
         if key in fixed:
             raise PlannerError(
                 f"--fix {text!r} gives {key} twice ({key}={fixed[key]} and {key}={value}); "
-                f"give each of dp, tp, pp, cp at most once, e.g. --fix {key}={value}.")
+                f"give each of dp, tp, pp, cp, ep at most once, e.g. --fix {key}={value}.")
         fixed[key] = int(value)
     return fixed
 
@@ -705,6 +707,10 @@ def _check_before_profiling(args: argparse.Namespace, fix: dict[str, Any] | None
     if b % dp:
         raise PlannerError(f"--fix dp={dp} does not divide the global batch {b}; choose a dp "
                            "that divides it (or change --global-batch).")
+    if "dp" in fix and dp % fix.get("ep", 1):
+        raise PlannerError(f"--fix ep={fix['ep']} does not divide dp={dp}: expert parallelism "
+                           "splits the experts over ranks of the data-parallel group. Choose an "
+                           "ep that divides dp.")
     if args.microbatch_size is not None:
         check_microbatch_size(args.microbatch_size, b, dp)
     if args.time_limit is not None and not 0 < args.time_limit < float("inf"):

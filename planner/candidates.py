@@ -11,8 +11,10 @@ context-parallel degree (``cp_degrees``), pp at most the layers, dp dividing the
 batch), a micro-batch size (divisors of the local batch; ``hybrid_choices``), a schedule
 (GPipe, 1F1B, or interleaved 1F1B with v model chunks per device, Narayanan et al., SC'21,
 Sec. 2.2.2), activation recomputation (none, selective, full), the ZeRO stage, sequence
-parallelism, offloading, and the device layout (``planner.topology``: Megatron-LM's tp-dp-pp, and dp-outer tp-pp-dp where
-it differs and keeps every replica in a node: ``dp_outer_differs``).
+parallelism, offloading, the expert-parallel degree ep (models with mixture-of-experts
+layers: ``expert_parallel_degrees``), and the device layout (``planner.topology``:
+Megatron-LM's tp-dp-pp, and dp-outer tp-pp-dp where it differs and keeps every replica in a
+node: ``dp_outer_differs``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Mapping
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.planner.context import SearchContext
+from tfplan.planner.experts import expert_degrees
 from tfplan.planner.plan import DEFAULT_LAYOUT
 from tfplan.planner.sequence import SEQUENCE_LOCAL_TYPES, has_sequence, sequence_length
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES
@@ -51,6 +54,7 @@ class Choice:
     sequence_parallel: bool = False  # tp > 1 only
     cp: int = 1  # context-parallel degree
     offload: str = "none"  # planner.plan.OFFLOAD
+    ep: int = 1  # expert-parallel degree (planner.experts): divides dp and every layer's E
 
     @property
     def optimizer_sharding(self) -> bool:
@@ -64,7 +68,8 @@ class Choice:
     @property
     def name(self) -> str:
         parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}"
-                 + (f" cp={self.cp}" if self.cp > 1 else ""), f"mbs={self.microbatch_size}",
+                 + (f" cp={self.cp}" if self.cp > 1 else "")
+                 + (f" ep={self.ep}" if self.ep > 1 else ""), f"mbs={self.microbatch_size}",
                  f"m={self.num_microbatches}"]
         if self.pp > 1:
             parts.append(self.schedule + (f" v={self.virtual_stages}"
@@ -161,6 +166,7 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
         recomputes = (knobs["recompute"],) if "recompute" in knobs else \
             ("none", "selective", "full") if has_attention else ("none", "full")
         offload_options = (knobs["offload"],) if "offload" in knobs else offloads
+        eps = expert_parallel_degrees(ctx, dp, knobs)
         if savers_on:
             recomputes = recomputes if "recompute" in knobs else ("full",)
             zeros = zeros if "zero_stage" in knobs else (max(zeros),)
@@ -179,13 +185,15 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
                     for zero in zeros:
                         classic = tp == 1 and cp == 1 and rc == "none" and not zero and (
                             (pp == 1 and m == 1) or (dp == 1 and schedule == "gpipe"))
-                        if skip_classic and classic and offload_options == ("none",):
+                        if skip_classic and classic and offload_options == ("none",) \
+                                and eps == [1]:
                             continue
                         out += [Choice(dp, tp, pp, mbs, m, schedule, rc, int(zero), v, layout,
-                                       sp, cp, offload)
+                                       sp, cp, offload, ep)
                                 for layout in layouts for sp in sps
-                                for offload in offload_options
-                                if not (skip_classic and classic and offload == "none")]
+                                for offload in offload_options for ep in eps
+                                if not (skip_classic and classic and offload == "none"
+                                        and ep == 1)]
     return out
 
 
@@ -211,6 +219,17 @@ def cp_degrees(ctx: SearchContext, room: int, knobs: Mapping[str, Any]) -> list[
     if not seq or seq < CP_MIN_SEQUENCE or ctx.units:  # blocks: see search._fixed
         return [1]
     return [c for c in divisors(room) if c <= MAX_CP and seq % (2 * c) == 0] or [1]
+
+
+def expert_parallel_degrees(ctx: SearchContext, dp: int, knobs: Mapping[str, Any]
+                            ) -> list[int]:
+    """Expert-parallel degrees to search at data-parallel degree ``dp``: every divisor of dp
+    that divides each mixture-of-experts layer's E (``experts.expert_degrees``; [1] for a
+    model without them), or the fixed ``ep`` where dp allows it."""
+    allowed = expert_degrees(ctx.profile, dp)
+    if "ep" in knobs:
+        return [knobs["ep"]] if knobs["ep"] in allowed else []
+    return allowed
 
 
 def with_virtual_stages(schedules: tuple[str, ...], knobs: Mapping[str, Any], pp: int,

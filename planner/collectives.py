@@ -160,3 +160,40 @@ def tensor_group_allreduce_time_s(nbytes: float, tp: int, cluster: ClusterSpec) 
     nodes."""
     return allreduce_time_s(nbytes, members_per_node(range(tp), cluster.devices_per_node),
                             cluster.intra_node_link, cluster.inter_node_link)
+
+
+def all_to_all_time_s(nbytes: float, per_node: Sequence[int], intra: LinkSpec,
+                      inter: LinkSpec | None) -> float:
+    """All-to-all in which every member holds ``nbytes`` (N) and sends N/n of it to each of
+    the other n - 1 members (keeping its own N/n), over a group with ``per_node[j]`` members
+    on node j (``topology.members_per_node``), n = sum of the members.
+
+    Pairwise exchange: n - 1 transfers of N/n bytes per rank, each costing alpha + (N/n) /
+    beta of the link it crosses (Thakur, Rabenseifner & Gropp, "Optimization of collective
+    communication operations in MPICH", IJHPCA 2005, the pairwise-exchange all-to-all:
+    (p - 1) alpha + (p - 1)/p N beta). A rank with k members on its own node sends k - 1
+    slices over the intra-node link and n - k over its inter-node link; NCCL posts all of
+    them at once (its all-to-all is a group of ncclSend/ncclRecv to every peer: NCCL docs,
+    "Point-to-point communication", all-to-all example), so NVLink and the NIC work side by
+    side and the slower of the two sets paces the rank:
+
+        t = max( (k-1) (alpha_intra + N / (n beta_intra)),
+                 (n-k) (alpha_inter + N / (n beta_inter)) ),
+
+    k the fewest members any node holds (that rank sends most across nodes). One node (or
+    no inter-node link): t = (n-1) (alpha + N / (n beta)) on the intra-node link; n = 1: 0.
+    Expert parallelism's token dispatch and combine (Lepikhin et al., "GShard", 2020;
+    Rajbhandari et al., "DeepSpeed-MoE", ICML 2022, Sec. 5.2) are priced with it.
+    """
+    counts = [k for k in per_node if k]
+    n = sum(counts)
+    if n < 1:
+        raise ValueError(f"all-to-all over {n} devices; expected n >= 1")
+    if n == 1:
+        return 0.0
+    share = nbytes / n
+    if len(counts) <= 1 or inter is None:
+        return (n - 1) * (intra.latency_s + share / intra.bandwidth_bytes_per_s)
+    k = min(counts)
+    return max((k - 1) * (intra.latency_s + share / intra.bandwidth_bytes_per_s),
+               (n - k) * (inter.latency_s + share / inter.bandwidth_bytes_per_s))

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from tfplan.core.cluster import ClusterSpec, DeviceSpec
+from tfplan.planner.experts import padded_expert_flops
 from tfplan.planner.plan import Breakdown
 from tfplan.profiler.model_profile import LayerProfile
 
@@ -112,7 +113,9 @@ def layer_fwd_bwd_time_s(layer: LayerProfile, samples: float, profile_batch_size
     layer overhead: ``roofline_time_s`` of the layer's numbers scaled to the samples.
 
     Profiles without the op-class split (``LayerProfile.has_op_classes`` false) price
-    every FLOP as a contraction, as before the split was recorded.
+    every FLOP as a contraction, as before the split was recorded. A mixture-of-experts
+    layer with a capacity factor adds its padded expert matmuls
+    (``experts.padded_expert_flops``) to both its FLOPs and its contractions.
 
     A layer with measured times (``profiler.calibrate``: ``measured_fwd_s`` for
     ``measured_batch_size`` samples) is priced from them instead, the overhead kept
@@ -127,14 +130,17 @@ def layer_fwd_bwd_time_s(layer: LayerProfile, samples: float, profile_batch_size
         return tuple(half + max(0.0, t - half) * g
                      for t in (layer.measured_fwd_s, layer.measured_bwd_s))
     fused = fused_traffic_bytes(layer) if fuses_elementwise(device) else (math.inf, math.inf)
+    pad = padded_expert_flops(layer)
     out = []
-    for flops, mm, traffic, bound in ((layer.flops_fwd, layer.matmul_flops_fwd,
-                                       layer.memory_traffic_bytes_fwd, fused[0]),
-                                      (layer.flops_bwd, layer.matmul_flops_bwd,
-                                       layer.memory_traffic_bytes_bwd, fused[1])):
+    for flops, mm, traffic, bound, extra in ((layer.flops_fwd, layer.matmul_flops_fwd,
+                                              layer.memory_traffic_bytes_fwd, fused[0], pad[0]),
+                                             (layer.flops_bwd, layer.matmul_flops_bwd,
+                                              layer.memory_traffic_bytes_bwd, fused[1], pad[1])):
         traffic = min(traffic, bound)
         if not layer.has_op_classes:
             mm, traffic = flops, 0
+        if extra:
+            flops, mm = max(0.0, flops + extra), max(0.0, mm + extra)
         out.append(roofline_time_s(mm * f, (flops - mm) * f, traffic * f, device, precision)
                    + half)
     return out[0], out[1]

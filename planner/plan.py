@@ -258,6 +258,10 @@ class Prediction:
     samples_per_s: float
     model_tflops_per_device: float
     hardware_tflops_per_device: float = 0.0  # recomputation FLOPs included
+    # expert parallelism's token all-to-alls per step (dispatch and combine, forward and
+    # backward: ``planner.experts``), part of breakdown.communication_s; 0 without them.
+    # Written only when > 0; plan files without it read 0
+    all_to_all_s: float = 0.0
 
     @property
     def headroom_bytes(self) -> int:
@@ -279,6 +283,7 @@ class Prediction:
                 "samples_per_s": self.samples_per_s,
                 "model_tflops_per_device": self.model_tflops_per_device,
                 "hardware_tflops_per_device": self.hardware_tflops_per_device,
+                **({"all_to_all_s": self.all_to_all_s} if self.all_to_all_s else {}),
                 "headroom_bytes": self.headroom_bytes}
 
     @classmethod
@@ -301,6 +306,8 @@ class Prediction:
                                           minimum=0),
             hardware_tflops_per_device=field(d, "hardware_tflops_per_device", k, float, where=w,
                                              minimum=0, optional=True, default=0.0),
+            all_to_all_s=field(d, "all_to_all_s", k, float, where=w, minimum=0, optional=True,
+                               default=0.0),
         )
 
 

@@ -56,6 +56,11 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   values over the cp ranks in the forward and reduce-scatters their gradients in the
   backward (``collectives.allgather_time_s``), hidden behind the layer's own compute
   where it can be, and keeps the gathered keys and values for the backward.
+- Expert parallelism (``Choice.ep``, ``planner.experts``): each mixture-of-experts layer's
+  expert state divided by ep (ZeRO sharding it over the d/ep ranks that hold the same
+  experts), four all-to-alls per MoE layer per micro-batch over the ep group of each
+  pipeline device (``collectives.all_to_all_time_s``, exposed), and the experts' gradients
+  all-reduced over the d/ep ranks holding the same experts; the dense gradients as before.
 - Tensor parallelism across nodes (a fixed tp > devices_per_node):
   ``collectives.tensor_group_allreduce_time_s`` (hierarchical over the nodes it spans).
 - Data-parallel gradient all-reduce: over the dp group of each pipeline device
@@ -73,6 +78,7 @@ import numpy as np
 
 from tfplan.planner import collectives as coll
 from tfplan.planner import cost_model as cm
+from tfplan.planner import experts
 from tfplan.planner.candidates import Choice
 from tfplan.planner.context import SearchContext
 from tfplan.planner.partition import device_loads, even_partition, min_max_partition
@@ -97,6 +103,7 @@ class Estimate:
     stage_bounds: tuple[tuple[int, int], ...]  # [start, stop) per stage in topological order
     stage_memory_bytes: tuple[int, ...]
     hardware_flops: float  # per step, whole cluster, recomputation included
+    all_to_all_s: float = 0.0  # expert parallelism's all-to-alls per step (slowest device)
 
     @property
     def step_time_s(self) -> float:
@@ -122,6 +129,7 @@ class Pricer:
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
         self.cache: dict = {}
         self.total_flops = float(p.flops_fwd + p.flops_bwd)
+        self.has_moe = any(l.is_moe for l in p.layers)
 
     def splits_for(self, tp: int) -> tuple[str, ...]:
         """Each layer's split at tensor-parallel degree ``tp`` ("" = replicated): the
@@ -165,7 +173,8 @@ class Pricer:
         cp_group = members_per_node(range(0, cp * tp, tp), cluster.devices_per_node)
         cols: dict[str, list[float]] = {name: [] for name in (
             "fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "inp", "layer_in",
-            "param", "cw", "gather", "core_fwd", "core_act", "cpf", "cpb")}
+            "param", "cw", "gather", "core_fwd", "core_act", "cpf", "cpb",
+            "xparam", "xgrad", "xopt", "xcw", "a2a")}
         for i, l in enumerate(self.layers):
             split = splits[i]
             k = tp if split else 1
@@ -195,6 +204,7 @@ class Pricer:
             else:
                 core_fwd = core_act = 0.0
             gather = (l.compute_weight_bytes or l.param_bytes) / k
+            share = experts.expert_share(l)
             for name, value in (
                     ("fwd", t_fwd), ("bwd", t_bwd), ("tpf", tpf), ("tpb", tpb),
                     ("opt", l.optimizer_bytes / k), ("grad", l.grad_bytes / k), ("act", act),
@@ -203,11 +213,17 @@ class Pricer:
                                                     else 0) or self.input_bytes[i]) * f / cp),
                     ("param", l.param_bytes / k), ("cw", l.compute_weight_bytes / k),
                     ("gather", gather), ("core_fwd", core_fwd), ("core_act", core_act),
-                    ("cpf", cpf), ("cpb", cpb)):
+                    ("cpf", cpf), ("cpb", cpb),
+                    # the experts' share of the state (planner.experts), divided by ep later;
+                    # one rank's dispatch bytes per all-to-all (its 1/cp of the tokens)
+                    ("xparam", l.param_bytes / k * share), ("xgrad", l.grad_bytes / k * share),
+                    ("xopt", l.optimizer_bytes / k * share),
+                    ("xcw", l.compute_weight_bytes / k * share),
+                    ("a2a", experts.dispatch_bytes(l, mbs, b) / cp)):
                 cols[name].append(value)
         arr = {name: np.array(v, dtype=float) for name, v in cols.items()}
         for name in ("fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "param", "cw",
-                     "core_fwd", "cpf", "cpb"):
+                     "core_fwd", "cpf", "cpb", "xparam", "xgrad", "xopt", "xcw"):
             arr["sum_" + name] = np.concatenate([[0.0], np.cumsum(arr[name])])
         self.cache[key] = arr
         return arr
@@ -269,15 +285,16 @@ class Pricer:
         return np.zeros_like(a["fwd"])
 
     def devices(self, tp: int, mbs: int, pp: int, recompute: str, v: int, dp: int,
-                layout: str = DEFAULT_LAYOUT, sp: bool = False, cp: int = 1
+                layout: str = DEFAULT_LAYOUT, sp: bool = False, cp: int = 1, ep: int = 1
                 ) -> dict[str, np.ndarray]:
         """Per pipeline device, per micro-batch: the sums over its chunks of every
         per-layer number ``estimate`` needs (numpy, one entry per device), cached by
         everything they depend on; ``estimate`` then only applies the schedule, the
         micro-batch count, ZeRO and offloading. Only the boundary sends ("send") depend on
-        dp (here dp x cp: the ranks between tp and pp) and the layout: the rest is
-        computed once per (tp, mbs, pp, recompute, v, sp, cp)."""
-        key = ("dev", tp, mbs, pp, recompute, v, dp, layout, sp, cp)
+        dp (here dp x cp: the ranks between tp and pp) and the layout, and the expert
+        numbers (``_experts``) on ep too: the rest is computed once per (tp, mbs, pp,
+        recompute, v, sp, cp)."""
+        key = ("dev", tp, mbs, pp, recompute, v, dp, layout, sp, cp, ep)
         if key in self.cache:
             return self.cache[key]
         base = self._chunk_sums(tp, mbs, pp, recompute, v, sp, cp)
@@ -290,8 +307,51 @@ class Pricer:
                 send[k] = 2 * coll.pipeline_send_time_s(nbytes, tp, link, cluster.intra_node_link)
         d = dict(base)
         d["send"] = send.reshape(v, pp).sum(axis=0)  # chunk k on device k % pp
+        d["a2a"] = np.zeros(pp)
+        if self.has_moe:
+            self._experts(d, tp, mbs, pp, v, dp, layout, sp, cp, ep)
         self.cache[key] = d
         return d
+
+    def _experts(self, d: dict, tp: int, mbs: int, pp: int, v: int, dp: int, layout: str,
+                 sp: bool, cp: int, ep: int) -> None:
+        """Fill ``d`` (one pipeline device per entry) with the expert-parallel numbers at
+        degree ``ep`` (``planner.experts``): "a2a", the all-to-alls' seconds per micro-batch
+        (ALL_TO_ALLS_PER_LAYER per MoE layer over the ep group of the device's stage, each
+        layer priced on its own: ``collectives.all_to_all_time_s``); "dense_*" and
+        "expert_*", the state split into the replicated part and the experts' part already
+        divided by ep; the largest layer's gathered weights and gradient with the experts
+        divided by ep; and each stage's ep and expert-data-parallel groups' members per
+        node ("_ep_groups"). ``dp`` here is dp x cp (the replica group)."""
+        cluster = self.ctx.cluster
+        a = self.arrays(tp, mbs, sp, cp)
+        lo = np.array([b[0] for b in d["bounds"]])
+        groups = []
+        a2a = np.zeros(pp * v)
+        for s in range(pp):
+            ep_group, edp_group = experts.expert_group_devices(
+                dp_group_devices(layout, dp, tp, pp, s), ep, cp)
+            per_node = cluster.devices_per_node
+            groups.append((members_per_node(ep_group, per_node),
+                           members_per_node(edp_group, per_node)))
+        for k, (start, stop) in enumerate(d["bounds"]):
+            ep_nodes = groups[k % pp][0]
+            a2a[k] = experts.ALL_TO_ALLS_PER_LAYER * sum(
+                coll.all_to_all_time_s(nbytes, ep_nodes, cluster.intra_node_link,
+                                       cluster.inter_node_link)
+                for nbytes in a["a2a"][start:stop] if nbytes)
+        d["a2a"] = a2a.reshape(v, pp).sum(axis=0)
+        d["_ep_groups"] = groups  # (ep group, expert-data-parallel group) members per node
+        for name in ("param", "grad", "opt", "cw"):
+            d["expert_" + name] = d["x" + name] / ep
+            d["dense_" + name] = d[name] - d["x" + name]
+        if ep > 1:
+            def largest(per_layer: np.ndarray) -> np.ndarray:
+                return np.maximum.reduceat(per_layer, lo).reshape(v, pp).max(axis=0)
+
+            xgather = np.where(a["cw"] > 0, a["xcw"], a["xparam"])
+            d["largest_gather"] = largest(a["gather"] - xgather * (1 - 1 / ep))
+            d["largest_grad"] = largest(a["grad"] - a["xgrad"] * (1 - 1 / ep))
 
     def _chunk_sums(self, tp: int, mbs: int, pp: int, recompute: str, v: int,
                     sp: bool = False, cp: int = 1) -> dict[str, np.ndarray]:
@@ -314,7 +374,7 @@ class Pricer:
 
         sums = {name: chunk_sums(name) for name in (
             "fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "param", "cw",
-            "core_fwd", "cpf", "cpb")}
+            "core_fwd", "cpf", "cpb", "xparam", "xgrad", "xopt", "xcw")}
         d = {name: per_device(values) for name, values in sums.items()}
         if recompute == "full":
             d["recompute"] = d["fwd"] + d["tpf"] + d["cpf"]
@@ -366,26 +426,20 @@ class Pricer:
         cluster = ctx.cluster
         v, pp, m = c.virtual_stages, c.pp, c.num_microbatches
         d = self.devices(c.tp, c.microbatch_size, pp, c.recompute, v, c.replicas, c.layout,
-                         c.sequence_parallel, c.cp)
+                         c.sequence_parallel, c.cp, c.ep)
         compute = d["fwd"] + d["bwd"]
-        comm = d["tpf"] + d["tpb"] + d["cpf"] + d["cpb"] + d["send"]
+        comm = d["tpf"] + d["tpb"] + d["cpf"] + d["cpb"] + d["send"] + d["a2a"]
         stage_times = compute + comm + d["recompute"]
         k = self._in_flight(c.schedule, pp, m, v)
         replicas, zero = c.replicas, c.zero_stage if c.replicas > 1 else 0
-        held = sharding.state_bytes(d["param"], d["cw"], d["grad"], d["opt"], replicas=replicas,
-                                    zero_stage=zero, offload=c.offload,
-                                    largest_gather=d["largest_gather"],
-                                    largest_grad=d["largest_grad"])
+        held, (w, cw, g, o), shard = self._state(d, c, zero)
         memories = np.ceil(cm.with_margin_bytes(held + k * d["kept"] + d["working"]))
-        shard = replicas if zero >= 1 else 1
         if c.offload == "none":
-            opt_s = cm.optimizer_time_s(d["param"] / shard, d["grad"] / shard, d["opt"] / shard,
-                                        cluster.device)
+            opt_s = cm.optimizer_time_s(w / shard, g / shard, o / shard, cluster.device)
         else:
             opt_s = sharding.offload_time_s(
-                c.offload, m, weights=d["param"], compute_weights=d["cw"], grads=d["grad"],
-                optimizer=d["opt"], shard=shard, cluster=cluster, forward_s=d["fwd"],
-                backward_s=d["bwd"])
+                c.offload, m, weights=w, compute_weights=cw, grads=g, optimizer=o, shard=shard,
+                cluster=cluster, forward_s=d["fwd"], backward_s=d["bwd"])
         dp_s = 0.0
         if replicas > 1:
             allreduce, gather, updated, per_layer = self._dp_collectives(d, c)
@@ -416,7 +470,43 @@ class Pricer:
         bounds = d["bounds"]
         # memory per stage of the plan: each chunk reports its device's peak
         return Estimate(c, breakdown, bounds, tuple(int(memories[k % pp])
-                                                    for k in range(len(bounds))), hw)
+                                                    for k in range(len(bounds))), hw,
+                        all_to_all_s=m * float(d["a2a"][slow]))
+
+    def _state(self, d: dict, c: Choice, zero: int) -> tuple:
+        """Per pipeline device: the bytes of weights, gradients and optimizer state it holds
+        (``sharding.state_bytes``), the (weights, compute weights, gradients, optimizer
+        state) its optimizer updates, before dividing by the returned shard count.
+
+        With mixture-of-experts layers (``planner.experts``, module docstring's Memory):
+        state(dense, d) + state(experts / ep, d / ep), d = dp x cp; the largest-layer terms
+        (ZeRO-2/3's unsharded bucket and gathered weights) counted once, with the dense
+        part. The optimizer's shard of the update is then (dense + experts) / d under ZeRO
+        (dense / d + experts / ep / (d / ep)), so the device's bytes are returned already
+        divided, with shard 1."""
+        replicas = c.replicas
+        if not self.has_moe:
+            held = sharding.state_bytes(d["param"], d["cw"], d["grad"], d["opt"],
+                                        replicas=replicas, zero_stage=zero, offload=c.offload,
+                                        largest_gather=d["largest_gather"],
+                                        largest_grad=d["largest_grad"])
+            return held, (d["param"], d["cw"], d["grad"], d["opt"]), \
+                replicas if zero >= 1 else 1
+        dense = [d["dense_" + n] for n in ("param", "cw", "grad", "opt")]
+        expert = [d["expert_" + n] for n in ("param", "cw", "grad", "opt")]
+        expert_replicas = replicas // c.ep
+        held = sharding.state_bytes(*dense, replicas=replicas, zero_stage=zero,
+                                    offload=c.offload, largest_gather=d["largest_gather"],
+                                    largest_grad=d["largest_grad"]) \
+            + sharding.state_bytes(*expert, replicas=expert_replicas,
+                                   zero_stage=zero if expert_replicas > 1 else 0,
+                                   offload=c.offload, largest_gather=0.0, largest_grad=0.0)
+        if zero >= 1:
+            updated = [x / replicas + y / expert_replicas for x, y in zip(dense, expert)]
+        else:
+            updated = [x + y for x, y in zip(dense, expert)]
+        updated[1] = dense[1] + expert[1]  # the compute weights offloading fetches: unsharded
+        return held, tuple(updated), 1
 
     def _in_flight(self, schedule: str, pp: int, m: int, v: int) -> np.ndarray:
         """``cost_model.microbatches_in_flight`` of each pipeline device; cached."""
@@ -434,13 +524,31 @@ class Pricer:
         (ZeRO-3 gathers and reduce-scatters layer by layer: its time at 0 bytes). Cached in
         ``d``, which is already specific to the group and layout (``devices``)."""
         if "_dp" not in d:
-            gather_bytes = np.where(d["cw"] > 0, d["cw"], d["param"])
-            d["_dp"] = (self.dp_allreduce_s(d["grad"], c),
-                        self.dp_allreduce_s(gather_bytes, c) / 2,
-                        self.dp_allreduce_s(d["param"], c) / 2,
+            if self.has_moe and c.ep > 1:  # the dense state over d, the experts' over d / ep
+                gather_bytes = np.where(d["cw"] > 0, d["dense_cw"], d["dense_param"])
+                expert_gather = np.where(d["cw"] > 0, d["expert_cw"], d["expert_param"])
+                grad, param = d["dense_grad"], d["dense_param"]
+                experts_s = [self._expert_allreduce_s(x, d) for x in (
+                    d["expert_grad"], expert_gather, d["expert_param"])]
+            else:
+                gather_bytes = np.where(d["cw"] > 0, d["cw"], d["param"])
+                grad, param = d["grad"], d["param"]
+                experts_s = [0.0, 0.0, 0.0]
+            d["_dp"] = (self.dp_allreduce_s(grad, c) + experts_s[0],
+                        self.dp_allreduce_s(gather_bytes, c) / 2 + experts_s[1] / 2,
+                        self.dp_allreduce_s(param, c) / 2 + experts_s[2] / 2,
                         self.dp_allreduce_s(0.0, c) / 2 * np.maximum(0.0,
                                                                      d["weighted_layers"] - 1))
         return d["_dp"]
+
+    def _expert_allreduce_s(self, nbytes: np.ndarray, d: dict) -> np.ndarray:
+        """All-reduce of the experts' ``nbytes[s]`` (already divided by ep) over each
+        pipeline device's expert-data-parallel group, the d / ep ranks holding the same
+        experts (``experts.expert_group_devices``; 0 when that is one rank)."""
+        cluster = self.ctx.cluster
+        return np.array([coll.allreduce_time_s(nbytes[s], edp, cluster.intra_node_link,
+                                               cluster.inter_node_link)
+                         for s, (_, edp) in enumerate(d["_ep_groups"])])
 
     def dp_allreduce_s(self, nbytes, c: Choice):
         """Gradient all-reduce of ``nbytes[s]`` over the data-parallel group of each
@@ -497,7 +605,7 @@ class Pricer:
                               recompute=c.recompute,
                               zero_stage=c.zero_stage, sequence_parallel=c.sequence_parallel,
                               cp=c.cp, offload=c.offload,
-                              virtual_stages=c.virtual_stages, layout=c.layout),
+                              virtual_stages=c.virtual_stages, layout=c.layout, ep=c.ep),
             stages=stages,
             predicted=Prediction(
                 step_time_s=step, breakdown=e.breakdown, peak_memory_bytes_per_device=memory,
@@ -506,7 +614,8 @@ class Pricer:
                 model_tflops_per_device=cm.model_tflops_per_device(
                     (p.flops_fwd + p.flops_bwd) / p.batch_size, ctx.global_batch, step, n_dev),
                 hardware_tflops_per_device=cm.hardware_tflops_per_device(
-                    e.hardware_flops, step, n_dev)),
+                    e.hardware_flops, step, n_dev),
+                all_to_all_s=e.all_to_all_s),
             solver=f"closed form ({self._split_solver(c.tp)}; stages by min-max bisection "
                    "over the topological order)",
             tp_splits=tuple((name, split) for name, split in zip(names, self.splits_for(c.tp))
@@ -544,12 +653,13 @@ def full_recompute_memory(boundary_bytes: np.ndarray, saved_bytes: np.ndarray,
 
 
 def best_per_shape(estimates: list[Estimate], capacity: int) -> list[Estimate]:
-    """The KEEP_PER_SHAPE fastest that fit for each (dp, tp, pp, layout), else its
-    least-memory one."""
-    groups: dict[tuple[int, int, int, str], list[Estimate]] = {}
+    """The KEEP_PER_SHAPE fastest that fit for each (dp, tp, pp, layout, ep), else its
+    least-memory one (ep in the key: the plans without expert parallelism stay to compare
+    with)."""
+    groups: dict[tuple[int, int, int, str, int], list[Estimate]] = {}
     for e in estimates:
-        groups.setdefault((e.choice.dp, e.choice.tp, e.choice.pp, e.choice.layout),
-                          []).append(e)
+        groups.setdefault((e.choice.dp, e.choice.tp, e.choice.pp, e.choice.layout,
+                           e.choice.ep), []).append(e)
     kept = []
     for key in sorted(groups):
         group = groups[key]

@@ -35,6 +35,10 @@ Candidates in this first cut:
   KEEP_PER_SHAPE fastest that fit per (dp, tp, pp, layout) are kept and the MAX_RANKED
   fastest fitting candidates listed.
 
+Models with mixture-of-experts layers: every hybrid also at each expert-parallel degree ep
+dividing dp and every layer's expert count (``candidates.expert_parallel_degrees``, priced
+as ``planner.experts`` says); the reason then says why the chosen ep (``_expert_reason``).
+
 Knobs (``fix`` without a shape; ``plan analyze --schedule``, ``--zero-stage``, ...)
 restrict only what they name: the classic candidates stay when they agree with every
 knob (``_classic_allowed``, ``_matches``); with a shape they fix one strategy, which is
@@ -54,6 +58,8 @@ from tfplan.planner import cost_model as cm
 from tfplan.planner.batch_stats import with_batch_norm
 from tfplan.planner.candidates import Choice, divisors, hybrid_choices
 from tfplan.planner.context import SearchContext, search_context
+from tfplan.planner.experts import (ALL_TO_ALLS_PER_LAYER, check_expert_degree, expert_share,
+                                    moe_layers)
 from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                          min_max_stage_memory, min_stages_to_fit)
 from tfplan.planner.placement_search import placement_plans
@@ -68,7 +74,7 @@ MAX_MICROBATCHES_PER_STAGE = 8  # m <= 8 pp: past that the bubble is < 1/9 of th
 MAX_PIPELINE_DEGREES = 16  # above this many pp values: powers of two and the largest only
 SHAPE_KEYS = ("dp", "tp", "pp", "cp", "num_microbatches")
 KNOB_KEYS = ("microbatch_size", "recompute", "schedule", "zero_stage", "optimizer_sharding",
-             "sequence_parallel", "offload", "virtual_stages", "layout")
+             "sequence_parallel", "offload", "virtual_stages", "layout", "ep")
 FIX_KEYS = SHAPE_KEYS + KNOB_KEYS
 MAX_RANKED = 20  # fitting candidates listed (the chosen one first)
 # A simple plan (``_is_simple``) within 3% of the fastest is chosen over it: the cost
@@ -100,6 +106,8 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     """
     ctx = search_context(profile, cluster, global_batch, batch_norm)
     knobs = _check_fix(fix) if fix is not None else {}
+    if "ep" in knobs:  # a dp to divide: the fixed one, else ep itself (any dp it divides)
+        check_expert_degree(profile, knobs["ep"], knobs.get("dp", knobs["ep"]))
     if ctx.batch_barrier and knobs.get("schedule") in ("1f1b", "interleaved") and \
             knobs.get("num_microbatches", 2) > 1:
         raise PlannerError(
@@ -159,8 +167,8 @@ def search(profile: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     listed = f"the {len(fitting)} fastest that fit are listed"
     if not_fitting:
         listed += f", and apart from them {len(not_fitting)} that do not fit"
-    chosen = ranked[0].with_reason(_reason(ranked) + f" {evaluated} strategies were priced; "
-                                   f"{listed}.")
+    chosen = ranked[0].with_reason(_reason(ranked) + _expert_reason(ranked[0], plans, profile)
+                                   + f" {evaluated} strategies were priced; {listed}.")
     return SearchResult(chosen=chosen, candidates=(chosen, *ranked[1:]), evaluated=evaluated)
 
 
@@ -171,7 +179,8 @@ def _classic_allowed(knobs: Mapping[str, Any]) -> bool:
     knobs that name anything else leave them out (``_matches`` filters the rest)."""
     return knobs.get("recompute", "none") == "none" and not knobs.get("zero_stage") \
         and not knobs.get("sequence_parallel") and knobs.get("offload", "none") == "none" \
-        and knobs.get("schedule", "gpipe") == "gpipe" and "virtual_stages" not in knobs
+        and knobs.get("schedule", "gpipe") == "gpipe" and "virtual_stages" not in knobs \
+        and knobs.get("ep", 1) == 1
 
 
 def _matches(s: Strategy, knobs: Mapping[str, Any]) -> bool:
@@ -452,6 +461,8 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
         raise PlannerError(f"fix asks for num_microbatches={m}, which does not divide the "
                            f"global batch {b}.")
     knobs = {k: v for k, v in fix.items() if k in KNOB_KEYS}
+    if knobs.get("ep") == 1:  # every classic plan has ep = 1
+        del knobs["ep"]
     classic = tp == 1 and cp == 1 and not knobs and (dp == 1 or pp == 1) and (pp > 1 or m in (None, 1))
     evaluated = 1
     if classic and pp == 1:
@@ -487,7 +498,7 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
               f"{fmt_seconds(pred.step_time_s)} per step and needs {fmt_bytes(pred.max_memory_bytes)} "
               f"of {fmt_bytes(pred.memory_capacity_bytes)} per device")
     reason += "." if pred.fits else "; it does NOT fit in memory."
-    plan = plan.with_reason(reason)
+    plan = plan.with_reason(reason + _expert_reason(plan, [plan], ctx.profile))
     return SearchResult(chosen=plan, candidates=(plan,), evaluated=evaluated)
 
 
@@ -533,6 +544,54 @@ def _reason(ranked: list[Plan]) -> str:
         f = faster[0]
         text += (f"; the faster {f.name} ({fmt_seconds(f.predicted.step_time_s)}) would need "
                  f"{fmt_bytes(f.predicted.max_memory_bytes)} per device and does not fit")
+    return text + "."
+
+
+def _expert_reason(chosen: Plan, plans: list[Plan], profile: ModelProfile) -> str:
+    """Why ``chosen`` has its expert-parallel degree, for a model with mixture-of-experts
+    layers ("" otherwise): the experts' state in all and on the busiest pipeline stage's
+    devices with and without the split, what its all-to-alls cost per step, and the best
+    plan of ``plans`` on the other side (with expert parallelism if ``chosen`` has none,
+    without if it has)."""
+    layers = moe_layers(profile)
+    if not layers:
+        return ""
+    s = chosen.strategy
+    expert_state = {l.name: l.state_bytes * expert_share(l) for l in layers}
+    total = sum(expert_state.values())
+    per_device = max(sum(expert_state.get(name, 0.0) for name in stage.layers)
+                     for stage in chosen.stages)  # a MoE layer is replicated over tp
+    others = [p for p in plans if (p.strategy.ep > 1) != (s.ep > 1)]
+    other = min(others, key=_rank_key) if others else None
+    if s.ep > 1:
+        text = (f" Expert parallelism ep={s.ep}: the experts' weights, gradients and optimizer "
+                f"state are {fmt_bytes(total)} in all, {fmt_bytes(per_device)} per device of "
+                f"the busiest pipeline stage if every replica held every expert"
+                + (f", more than the {fmt_bytes(chosen.predicted.memory_capacity_bytes)} a "
+                   "device has" if cm.with_margin_bytes(per_device)
+                   > chosen.predicted.memory_capacity_bytes else "")
+                + f"; split over {s.ep} ranks of each data-parallel group they take "
+                f"{fmt_bytes(per_device / s.ep)} (before ZeRO), and the {ALL_TO_ALLS_PER_LAYER} "
+                f"token all-to-alls per MoE layer and micro-batch cost "
+                f"{fmt_seconds(chosen.predicted.all_to_all_s)} per step")
+        label = "without expert parallelism"
+    else:
+        text = (f" No expert parallelism (ep=1): every data-parallel replica holds all the "
+                f"experts, {fmt_bytes(per_device)} of their state per device of the busiest "
+                "pipeline stage, and no token all-to-all is needed")
+        label = "with expert parallelism"
+    if other is not None:
+        o = other.predicted
+        if not o.fits:
+            text += (f"; the fastest plan {label}, {other.name}, would need "
+                     f"{fmt_bytes(o.max_memory_bytes)} per device and does not fit in "
+                     f"{fmt_bytes(o.memory_capacity_bytes)}")
+        else:
+            text += (f"; the fastest plan {label}, {other.name}, takes "
+                     f"{fmt_seconds(o.step_time_s)} per step vs "
+                     f"{fmt_seconds(chosen.predicted.step_time_s)}"
+                     + (f" (all-to-alls {fmt_seconds(o.all_to_all_s)})" if o.all_to_all_s
+                        else ""))
     return text + "."
 
 

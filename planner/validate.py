@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tfplan.core.errors import PlanMismatchError, PlannerError
+from tfplan.planner.experts import check_expert_degree
 from tfplan.planner.plan import LAYOUTS, PLACEMENTS, Plan
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -25,7 +26,8 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
     live model (``profiler.signature.model_signature``: (layer, type, params) in
     the model's order), as ``apply.wrap`` passes it.
 
-    Checks: the model signature; strategy numbers (dp*tp*pp <= devices,
+    Checks: the model signature; strategy numbers (dp*tp*pp <= devices, ep dividing dp
+    and, against a ModelProfile, every mixture-of-experts layer's expert count,
     microbatch_size * num_microbatches * dp == global_batch, schedule, layout); every
     profiled layer in exactly one stage, stages contiguous in the profile order
     (for ``placement == "general"`` instead: dp = tp = 1 and one micro-batch,
@@ -46,6 +48,7 @@ def validate_plan(plan: Plan, model: ModelProfile | Signature, *,
     _check_stages(plan, [name for name, _, _ in signature], fail)
     if isinstance(model, ModelProfile):
         _check_blocks(plan, model, fail)
+        _check_experts(plan, model, fail)
     _check_tp_splits(plan, [name for name, _, _ in signature], fail)
     _check_devices(plan, fail)
     _check_prediction(plan, fail)
@@ -65,8 +68,21 @@ def _check_blocks(plan: Plan, profile: ModelProfile, fail) -> None:
                      "in one stage. Re-plan: stages cut between blocks only.")
 
 
+def _check_experts(plan: Plan, profile: ModelProfile, fail) -> None:
+    """ep > 1 only for a model with mixture-of-experts layers, dividing each one's E
+    (``planner.experts.check_expert_degree``; ep | dp is ``_check_strategy``'s)."""
+    s = plan.strategy
+    try:
+        check_expert_degree(profile, s.ep, s.dp)
+    except PlannerError as e:
+        fail(f"its expert-parallel degree is wrong: {e}")
+
+
 def _check_strategy(plan: Plan, fail) -> None:
     s, cluster = plan.strategy, plan.cluster
+    if s.ep < 1 or s.dp % s.ep:
+        fail(f"ep = {s.ep} with dp = {s.dp}; expected ep >= 1 dividing dp (expert parallelism "
+             "splits the experts over ranks of the data-parallel group).")
     if s.num_devices > cluster.num_devices:
         fail(f"dp*cp*tp*pp = {s.dp}*{s.cp}*{s.tp}*{s.pp} = {s.num_devices} devices, but cluster "
              f"{cluster.name!r} has {cluster.num_devices}. Re-plan for this cluster.")
