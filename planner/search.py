@@ -219,11 +219,11 @@ def _offloaded(ctx: SearchContext, pricer: Pricer, knobs: Mapping[str, Any],
 
 
 def _is_simple(p: Plan) -> bool:
-    """No tensor parallelism, no dp x pp hybrid, no recomputation, no ZeRO-1: what
-    ``apply.wrap`` runs today."""
+    """No tensor parallelism, no dp x pp hybrid, no recomputation, no ZeRO-1, no expert
+    parallelism: what ``apply.wrap`` runs with the fewest moving parts."""
     s = p.strategy
     return s.tp == 1 and (s.dp == 1 or s.pp == 1) and s.recompute == "none" \
-        and not s.optimizer_sharding and s.cp == 1 and s.offload == "none"
+        and not s.optimizer_sharding and s.cp == 1 and s.offload == "none" and s.ep == 1
 
 
 def _rank_key(p: Plan):
@@ -524,7 +524,8 @@ def _reason(ranked: list[Plan]) -> str:
                 f"{f'{slower:.1f}' if slower >= 0.1 else f'{slower:.2g}'}% of the "
                 f"fastest ({fastest.name}, {fmt_seconds(pred.step_time_s)} vs "
                 f"{fmt_seconds(fastest.predicted.step_time_s)} per step), and a plan without "
-                "tensor parallelism, a dp x pp hybrid, recomputation, ZeRO or offloading "
+                "tensor parallelism, a dp x pp hybrid, recomputation, ZeRO, offloading or "
+                "expert parallelism "
                 f"within {100 * SIMPLICITY_TOLERANCE:.0f}% of the fastest is preferred (the "
                 f"cost model's error is larger); it {fits_text}")
     else:
@@ -559,8 +560,9 @@ def _expert_reason(chosen: Plan, plans: list[Plan], profile: ModelProfile) -> st
     s = chosen.strategy
     expert_state = {l.name: l.state_bytes * expert_share(l) for l in layers}
     total = sum(expert_state.values())
-    per_device = max(sum(expert_state.get(name, 0.0) for name in stage.layers)
-                     for stage in chosen.stages)  # a MoE layer is replicated over tp
+    per_device = max(sum(expert_state.get(name, 0.0) for k, stage in enumerate(chosen.stages)
+                         if k % s.pp == device for name in stage.layers)
+                     for device in range(s.pp))  # chunk k on device k % pp; tp replicates
     others = [p for p in plans if (p.strategy.ep > 1) != (s.ep > 1)]
     other = min(others, key=_rank_key) if others else None
     if s.ep > 1:
@@ -621,7 +623,15 @@ def _nothing_fits(ctx: SearchContext, ranked: list[Plan], estimates: list[Estima
     if more:
         fixes.append(more)
     worst = max(p.layers, key=lambda l: l.state_bytes)
-    if cm.with_margin_bytes(worst.state_bytes) > cap:
+    if cm.with_margin_bytes(worst.state_bytes) > cap and worst.is_moe:
+        experts_bytes = worst.state_bytes * expert_share(worst)
+        text += (f" Layer {worst.name!r} alone holds {fmt_bytes(worst.state_bytes)} of weights, "
+                 "gradients and optimizer state (before the allocator margin), "
+                 f"{fmt_bytes(experts_bytes)} of it in its {worst.moe_experts} experts: expert "
+                 "parallelism divides that part by ep (up to ep = "
+                 f"{worst.moe_experts}, with at least as many data-parallel replicas), "
+                 "tensor parallelism none of it (planner.experts).")
+    elif cm.with_margin_bytes(worst.state_bytes) > cap:
         text += (f" Layer {worst.name!r} alone holds {fmt_bytes(worst.state_bytes)} of weights, "
                  "gradients and optimizer state (before the allocator margin), so more devices "
                  "more devices help only through tensor parallelism, which divides it by tp "

@@ -267,3 +267,22 @@ def test_switch_sized_model_plans_quickly():
     print(f"\n1.6T MoE on 1024 H100: {time.perf_counter() - start:.1f} s, "
           f"{result.evaluated} strategies; chose {result.chosen.name}")
     assert result.chosen.predicted.fits and result.chosen.strategy.ep > 1
+
+
+def test_nothing_fits_names_expert_parallelism_for_a_moe_layer():
+    from tfplan.core.errors import InfeasiblePlanError
+    profile = _tiny_moe()
+    moe = next(l for l in profile.layers if l.is_moe)
+    cluster = _big_cluster(nodes=1, memory_bytes=moe.state_bytes // 8)
+    with pytest.raises(InfeasiblePlanError, match="in its 8 experts: expert parallelism "
+                                                  "divides that part by ep"):
+        search(profile, cluster, 8)
+
+
+def test_cli_fix_accepts_ep():
+    from tfplan.cli import parse_fix
+    assert parse_fix("dp=16,ep=8") == {"dp": 16, "ep": 8}
+    with pytest.raises(PlannerError, match="ep=N with N >= 1"):
+        parse_fix("ep=0")
+    with pytest.raises(PlannerError, match="gives ep twice"):
+        parse_fix("ep=2,ep=4")
