@@ -146,20 +146,10 @@ class Accounting:
 
     # bytes
     def bytes_of(self, t: Any) -> int | None:
-        if not t.shape.is_fully_defined() or t.dtype.name in ("resource", "variant"):
-            return None
-        size = self.override if self.override and t.dtype.is_floating else t.dtype.size
-        return t.shape.num_elements() * size
+        return tensor_bytes(t, self.override)
 
     def traffic_bytes(self, op: Any) -> int:
-        """Bytes an op that is not a contraction reads and writes: its inputs plus its
-        outputs (unknown shapes count 0), or 0 for ``NO_TRAFFIC_OPS``. The roofline's
-        memory side (Williams, Waterman & Patterson, "Roofline", CACM 2009): each op
-        reads its operands from memory and writes its results back, as TensorFlow's
-        executor runs them without fusion."""
-        if op.type in NO_TRAFFIC_OPS:
-            return 0
-        return sum(self.bytes_of(t) or 0 for t in (*op.inputs, *op.outputs))
+        return traffic_bytes(op, self.override)
 
     def run(self, graph: Any, grads: Sequence[Any]) -> Trace:
         fwd, loss, grad, end = (self.marks[k] for k in ("fwd", "loss", "grad", "end"))
@@ -431,6 +421,27 @@ class Accounting:
                 seen.add(key)
                 self.layers[self.owner[i]].compute_weight_bytes += \
                     self.bytes_of(op.outputs[0]) or 0
+
+
+def tensor_bytes(t: Any, float_size: int | None = None) -> int | None:
+    """Bytes of a traced tensor (None: unknown shape, or a resource/variant handle);
+    ``float_size``: bytes per element to price floating-point tensors in instead of
+    their own dtype (a profile in another precision)."""
+    if not t.shape.is_fully_defined() or t.dtype.name in ("resource", "variant"):
+        return None
+    size = float_size if float_size and t.dtype.is_floating else t.dtype.size
+    return t.shape.num_elements() * size
+
+
+def traffic_bytes(op: Any, float_size: int | None = None) -> int:
+    """Bytes an op that is not a contraction reads and writes: its inputs plus its
+    outputs (unknown shapes count 0), or 0 for ``NO_TRAFFIC_OPS``. The roofline's
+    memory side (Williams, Waterman & Patterson, "Roofline", CACM 2009): each op
+    reads its operands from memory and writes its results back, as TensorFlow's
+    executor runs them without fusion."""
+    if op.type in NO_TRAFFIC_OPS:
+        return 0
+    return sum(tensor_bytes(t, float_size) or 0 for t in (*op.inputs, *op.outputs))
 
 
 def _is_random(op_type: str) -> bool:

@@ -42,6 +42,7 @@ from tfplan.profiler.input_shapes import (model_inputs, resolve_input_shapes, sa
                                           show_shape, unresolved)
 from tfplan.profiler.loader import ModelSource, build
 from tfplan.profiler.model_profile import Edge, LayerProfile, ModelProfile
+from tfplan.profiler.moe import apply_moe, moe_layers, suspect_warnings
 from tfplan.profiler.op_attribution import Trace
 from tfplan.profiler.op_flops import prod
 from tfplan.profiler.op_graph import InputSpec, model_input_specs, trace_training_step
@@ -217,6 +218,7 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
                                "FLOPs")
         layers.append(_layer_profile(key, layer, got, not_counted, slots, override,
                                      blocks.get(key, "")))
+    layers = _with_moe(layers, paths, trace, sources, override, warnings)
     names = [key for key, _ in paths]
     edges = _edges(replicate_edges(runs, trace.edges), names, functional)
     inputs = {key: [] for key in names}
@@ -229,6 +231,20 @@ def profile_and_trace(model: Any, batch_size: int = 1, *, precision: str | None 
         optimizer=slots.name, optimizer_slots_per_param=slots.slots_per_param,
         layers=tuple(layers), edges=tuple(edges), warnings=tuple(warnings),
         input_shapes=tuple((s.name, tuple(s.shape[1:])) for s in specs)), trace
+
+
+def _with_moe(layers: list[LayerProfile], paths: list[tuple[str, Any]], trace: Trace,
+              sources: Mapping[str, str], override: str | None, warnings: list[str]
+              ) -> list[LayerProfile]:
+    """``layers`` with the mixtures of experts priced by their routed work
+    (``profiler.moe``); its warnings go to ``warnings``."""
+    found, missing = moe_layers(paths)
+    if not (found or missing):
+        return layers
+    by_key, notes = apply_moe({l.name: l for l in layers}, found, trace, sources,
+                              dtype_bytes(override) if override else None)
+    warnings.extend(notes + suspect_warnings(missing, trace, sources))
+    return [by_key[l.name] for l in layers]
 
 
 def _has_graph(model: Any) -> bool:

@@ -1,0 +1,231 @@
+"""Mixture-of-experts layers through the profiler (``profiler.moe``): routed FLOPs in closed
+form, exact parameters, the ``moe_*`` fields, the not-recognised warning, JSON round trip,
+and a trillion-parameter MoE profiled symbolically.
+
+Symbols: T = b s tokens, d width, E experts, k top_k, h expert width, C rows per expert of
+our layer's dispatch buffer (T, or ceil(cf T k / E)), R = min(T k, E C) routed rows.
+float32, ``profiler.op_flops``' rules (a multiply-add 2, each element-wise op 1 per output
+element, Softmax 5 per element, reductions in - out, Cumsum out).
+
+Our ``MixtureOfExperts`` (GELU, biases): per expert row 4 d h (two contractions) + h + d
+(bias adds) + 5 h (exact GELU: Mul, Neg, Mul, Erfc, Mul). Its own routing ops
+(``tfplan.layers.routing``, as traced): the router 2 T d E, Softmax 5 T E, the top-k choice
+T (E - k) (``profiler.moe``), the gates' normalisation for k > 1 (Sum T k - T, RealDiv T k),
+the GShard slots 3 k T E - k T + 3 k T (Cumsum, Mul and Sum over the one-hot, Less, Mul,
+Add) + 5 scalar ops on the buffer's sizes (+ 3 with a capacity factor: ``capacity``'s
+Mul, Ceil and Maximum), and the combine 2 T k d - T d (gate Mul, Sum over the k choices).
+
+keras_hub's Mixtral expert bank per row (every expert on every token as written): 6 d h
+(gate, up, down) + 3 h (SiLU: Mul, Sigmoid, Mul) + h (gate x up). Qwen-MoE's: its gate and
+up in one [E, d, 2h] kernel (4 d h) + the down 2 h d, SiLU 3 h and the product h.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import keras
+import pytest
+import tensorflow as tf
+
+from tfplan.layers import MixtureOfExperts
+from tfplan.profiler.model_profile import ModelProfile
+from tfplan.profiler.static import profile_and_trace, profile_model
+
+B, S, D, E, H = 2, 6, 8, 4, 16
+T = B * S
+
+
+def capacity(k: int, cf: float | None) -> int:
+    return T if cf is None else max(1, math.ceil(cf * T * k / E))
+
+
+def per_row() -> int:
+    return 4 * D * H + H + D + 5 * H
+
+
+def routing(k: int, cf: float | None) -> int:
+    """Our layer's ops outside the experts (module docstring)."""
+    return (2 * T * D * E + 5 * T * E + T * (E - k) + (2 * T * k - T if k > 1 else 0)
+            + 3 * k * T * E - k * T + 3 * k * T + 5 + (3 if cf else 0)
+            + 2 * T * k * D - T * D)
+
+
+def our_model(k: int, cf: float | None):
+    x = keras.Input((S, D))
+    y = keras.layers.Dense(D, name="before")(x)  # the layer's input needs a gradient
+    y = MixtureOfExperts(E, k, H, capacity_factor=cf, name="moe")(y)
+    return keras.Model(x, y, name="tiny_moe")
+
+
+@pytest.mark.parametrize("k,cf", [(1, None), (2, None), (2, 1.25), (1, 0.5)])
+def test_our_layer_routed_flops_in_closed_form(k, cf):
+    with tf.Graph().as_default():
+        model = our_model(k, cf)
+        layer = model.get_layer("moe")
+        p = profile_model(model, B, optimizer="sgd")
+        moe = p.layer("moe")
+        assert moe.params == layer.count_params() == D * E + E * (2 * D * H + H + D)
+        assert p.params == model.count_params()
+    executed_rows, routed_rows = E * capacity(k, cf), min(T * k, E * capacity(k, cf))
+    assert (moe.moe_experts, moe.moe_top_k, moe.moe_tokens) == (E, k, T)
+    assert moe.moe_expert_params == E * (2 * D * H + H + D)
+    assert moe.moe_capacity_factor == (cf or 0.0)
+    assert moe.moe_dispatch_bytes == T * k * D * 4
+    assert moe.moe_expert_flops_fwd == routed_rows * per_row()
+    executed = executed_rows * per_row()
+    assert moe.moe_executed_flops_fwd == (executed if executed > routed_rows * per_row() else 0)
+    assert moe.flops_fwd == routing(k, cf) + routed_rows * per_row()
+    assert moe.matmul_flops_fwd == 2 * T * D * E + routed_rows * 4 * D * H
+    assert moe.matmul_flops_bwd == 2 * moe.matmul_flops_fwd  # input and weight gradients
+    assert moe.not_counted == ()  # the top-k and the combine's data-dependent gradient
+    assert moe.is_moe and not p.layer("before").is_moe
+    assert not any("mixture of experts" in w for w in p.warnings)
+
+
+def test_every_expert_chosen_is_the_layer_as_written():
+    """k = E with no capacity: the routing asks for every row the layer runs, so the
+    profile is the trace as written (plus the top-k choice: 0 comparisons)."""
+    with tf.Graph().as_default():
+        p, trace = profile_and_trace(our_model(E, None), B, optimizer="sgd")
+    moe = p.layer("moe")
+    traced = {ph: sum(r.flops for r in trace.ops if r.owner == "moe" and r.phase == ph)
+              for ph in ("fwd", "bwd")}
+    assert moe.flops_fwd == traced["fwd"] == routing(E, None) + E * T * per_row()
+    assert moe.moe_executed_flops_fwd == 0 and moe.moe_expert_flops_fwd == E * T * per_row()
+    # the combine's gradient keeps all T k choices: its two data-dependent ops priced so
+    assert moe.flops_bwd == traced["bwd"] + T * E + T * E * D
+
+
+def test_profile_round_trips_through_json():
+    with tf.Graph().as_default():
+        p = profile_model(our_model(2, 1.25), B, optimizer="sgd")
+    doc = p.to_dict()
+    again = ModelProfile.from_dict(doc)
+    assert again == p
+    moe_doc = next(l for l in doc["layers"] if l["name"] == "moe")
+    assert moe_doc["moe_capacity_factor"] == 1.25 and moe_doc["moe_top_k"] == 2
+    assert "moe_experts" not in next(l for l in doc["layers"] if l["name"] == "before")
+
+
+class TopKWithoutRouter(keras.layers.Layer):
+    """Looks like an MoE (a top-k op, stacked [E, d, h] weights) but has no router: its
+    scores are the input's first E features."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(E, shape[-1], H), name="w")
+        self.v = self.add_weight(shape=(E, H, shape[-1]), name="v")
+
+    def call(self, x):
+        flat = tf.reshape(x, [-1, x.shape[-1]])
+        gates, _ = tf.math.top_k(flat[:, :E], k=2)
+        y = tf.einsum("ehd,ech->ecd", self.v, tf.einsum("td,edh->eth", flat, self.w))
+        return tf.reshape(tf.reduce_sum(y, 0), tf.shape(x)) * tf.reduce_sum(gates)
+
+
+def test_a_layer_that_looks_like_an_moe_but_is_not_recognised_is_named():
+    with tf.Graph().as_default():
+        x = keras.Input((S, D))
+        model = keras.Model(x, TopKWithoutRouter(name="odd")(x))
+        p = profile_model(model, B, optimizer="sgd")
+    (warning,) = [w for w in p.warnings if "looks like a mixture of experts" in w]
+    assert "layer odd" in warning and "no router" in warning and f"{E} units" in warning
+    assert not p.layer("odd").is_moe
+
+
+# --- keras_hub ----------------------------------------------------------------------------
+L, N, KV, F_HUB, V = 2, 4, 2, 24, 64
+
+
+def hub_profile(make):
+    keras_hub = pytest.importorskip("keras_hub")
+    with tf.Graph().as_default():
+        backbone = make(keras_hub)
+        ids = keras.Input((S,), dtype="int32", name="token_ids")
+        pm = keras.Input((S,), dtype="int32", name="padding_mask")
+        model = keras.Model([ids, pm], backbone({"token_ids": ids, "padding_mask": pm}))
+        p = profile_model(model, B, optimizer="sgd")
+        return p, model.count_params(), backbone
+
+
+def _check_entries_params(p, backbone):
+    """Each entry's params against its layer's own count (a block: weights no sub-entry
+    holds), so the total is exact."""
+    for blk in backbone.transformer_layers:
+        moe = blk._sparse_moe_block
+        prefix = f"{backbone.name}/{blk.name}/{moe.name}"
+        assert p.layer(prefix).params == 0
+        assert p.layer(f"{prefix}/{moe.expert_bank.name}").params == \
+            moe.expert_bank.count_params()
+        yield prefix, moe
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mixtral_expert_bank_priced_by_routed_tokens(k):
+    HID = 32
+    p, total, bb = hub_profile(lambda hub: hub.models.MixtralBackbone(
+        vocabulary_size=V, num_layers=L, num_query_heads=N, num_key_value_heads=KV,
+        hidden_dim=HID, intermediate_dim=F_HUB, num_experts=E, top_k=k, sliding_window=S))
+    assert p.params == total
+    row = 6 * HID * F_HUB + 4 * F_HUB
+    entries = list(_check_entries_params(p, bb))
+    assert len(entries) == L
+    for prefix, moe in entries:
+        block, router = p.layer(prefix), p.layer(f"{prefix}/{moe._sparse_feedforward_gate_dense.name}")
+        bank = p.layer(f"{prefix}/{moe.expert_bank.name}")
+        assert not block.is_moe and not router.is_moe and bank.is_moe
+        assert router.flops_fwd == 2 * T * HID * E
+        assert (bank.moe_experts, bank.moe_top_k, bank.moe_tokens) == (E, k, T)
+        assert bank.moe_expert_params == bank.params == 3 * E * HID * F_HUB
+        assert bank.moe_expert_flops_fwd == bank.flops_fwd == T * k * row
+        assert bank.moe_executed_flops_fwd == E * T * row
+        assert bank.matmul_flops_fwd == T * k * 6 * HID * F_HUB
+        assert bank.matmul_flops_bwd == 2 * bank.matmul_flops_fwd
+        assert bank.moe_dispatch_bytes == T * k * HID * 4 and bank.moe_capacity_factor == 0.0
+        assert block.not_counted == () and bank.not_counted == ()
+    assert not any("mixture of experts" in w for w in p.warnings)
+    assert ModelProfile.from_dict(p.to_dict()) == p
+
+
+def test_qwen_moe_expert_bank_and_shared_expert():
+    HID, MOE_F, SHARED_F, k = 32, 16, 40, 2
+    p, total, bb = hub_profile(lambda hub: hub.models.QwenMoeBackbone(
+        vocabulary_size=V, num_layers=L, num_query_heads=N, num_key_value_heads=KV,
+        hidden_dim=HID, intermediate_dim=F_HUB, moe_intermediate_dim=MOE_F,
+        shared_expert_intermediate_dim=SHARED_F, num_experts=E, top_k=k))
+    assert p.params == total
+    row = 4 * HID * MOE_F + 2 * MOE_F * HID + 4 * MOE_F
+    moes = [l for l in p.layers if l.is_moe]
+    assert len(moes) == L
+    for bank in moes:
+        assert bank.name.endswith("/experts") and bank.type == "QwenMoeExperts"
+        assert bank.moe_expert_params == bank.params == E * (2 * HID * MOE_F + MOE_F * HID)
+        assert (bank.moe_top_k, bank.moe_tokens) == (k, T)
+        assert bank.moe_expert_flops_fwd == bank.flops_fwd == T * k * row
+        assert bank.moe_executed_flops_fwd == E * T * row
+        block = p.layer(bank.name.rsplit("/", 1)[0])
+        assert block.not_counted == ()
+        shared = [l for l in p.layers if l.name.startswith(block.name + "/shared_expert_dense/")]
+        assert shared and not any(l.is_moe for l in shared)  # the shared expert stays dense
+        assert sum(l.matmul_flops_fwd for l in shared) == 3 * 2 * T * HID * SHARED_F
+
+
+# --- a trillion parameters, symbolically ----------------------------------------------------
+def test_trillion_parameter_moe_profiles_without_weights():
+    experts, width, hidden, seq = 2048, 1024, 238_419, 8
+    start = time.monotonic()
+    with tf.Graph().as_default():
+        x = keras.Input((seq, width))
+        layer = MixtureOfExperts(experts, 2, hidden, capacity_factor=1.0, name="moe")
+        model = keras.Model(x, layer(x), name="huge_moe")
+        p = profile_model(model, 1, optimizer="sgd")
+    elapsed = time.monotonic() - start
+    expected = width * experts + experts * (2 * width * hidden + hidden + width)
+    moe = p.layer("moe")
+    assert moe.params == p.params == expected > 1e12
+    assert moe.moe_expert_params == expected - width * experts
+    tokens, c = seq, math.ceil(1.0 * seq * 2 / experts)
+    row = 4 * width * hidden + hidden + width + 5 * hidden
+    assert moe.moe_expert_flops_fwd == min(tokens * 2, experts * c) * row
+    assert moe.moe_executed_flops_fwd == experts * c * row
+    assert elapsed < 60, f"{elapsed:.0f} s"
