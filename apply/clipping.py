@@ -52,14 +52,16 @@ def _global_clipnorm(optimizer: Any) -> float | None:
 
 
 def clipped_over_one_copy(optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any],
-                          copies: int) -> list[Any]:
+                          copies: int, one_copy: Sequence[Any] | None = None) -> list[Any]:
     """``gradients`` (``copies`` blocks of n, block r for copy r of the n weights) scaled
-    as ``global_clipnorm`` scales one copy's; unchanged without global clipping."""
+    as ``global_clipnorm`` scales one copy's; unchanged without global clipping.
+    ``one_copy``: the gradients that make one copy of the model when block 0 does not
+    (expert shards spread over several replicas: ``apply.expert_parallel``)."""
     clip = _global_clipnorm(optimizer)
     if clip is None or copies <= 1:
         return list(gradients)
     n = len(gradients) // copies
-    scale = _clip_scale(optimizer, gradients[:n], clip)
+    scale = _clip_scale(optimizer, gradients[:n] if one_copy is None else one_copy, clip)
     if scale is None:
         return list(gradients)
     out = []

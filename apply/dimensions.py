@@ -55,7 +55,26 @@ def unapplied_dimensions(s: Any) -> list[str]:
                    f"tp={s.tp}, pp={s.pp}, zero_stage={s.zero_stage}")
     if s.offload != "none":
         out += _offload_rule(s)
+    out += _expert_rule(s)
     return out
+
+
+def _expert_rule(s: Any) -> list[str]:
+    """Expert parallelism (``apply.expert_parallel``): on ``apply.tensor_parallel``'s
+    data-parallel copies with tp = 1 and cp = 1, without ZeRO (its owner copies assume
+    every copy of a weight equal) or offload (the shards are built on their devices)."""
+    ep = getattr(s, "ep", 1)
+    if ep <= 1:
+        return []
+    clashes = [what for what, on in (
+        (f"tp={s.tp}", s.tp > 1), (f"cp={s.cp}", s.cp > 1),
+        (f"zero_stage={s.zero_stage}", s.zero_stage > 0),
+        (f"offload={s.offload!r}", s.offload != "none")) if on]
+    if not clashes:
+        return []
+    return [f"ep={ep} (expert parallelism, apply.expert_parallel) runs with data and "
+            "pipeline parallelism only (expected tp = cp = 1, zero_stage 0, offload "
+            f"'none'); this plan has {', '.join(clashes)}"]
 
 
 def _offload_rule(s: Any) -> list[str]:

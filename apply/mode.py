@@ -13,10 +13,15 @@ Two parts:
   per worker process, a MultiWorkerMirroredStrategy between them (``apply.multi_worker``,
   ``apply.multi_worker_hybrid``), when every data-parallel replica lies on one worker.
   ``REMOTE``: worker 0 drives every worker's devices (``apply.remote``), when a replica
-  (its pipeline stages or tp ranks) spans workers, or a general placement spans them.
+  (its pipeline stages or tp ranks) spans workers, or a general placement spans them, or
+  the plan is expert parallel (``ep > 1``: its tokens travel between the replicas of an
+  ep group as placed transfers inside one graph, ``apply.expert_parallel``; one program
+  per worker has no such transfers, so every multi-worker ep plan runs here, also one
+  whose ep groups lie inside workers).
 * ``Mode``: what the model does, the names ``apply.wrap``'s docstring lists:
   ``single_device``, ``pipeline``, ``placement`` (a general placement),
-  ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, or ZeRO-1 with dp > 1),
+  ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, ZeRO-1 with dp > 1, or
+  ep > 1: the replicas as copies in one graph, never MirroredStrategy),
   ``context_parallel`` (cp > 1),
   ``multi_worker`` (one device per worker, data parallel) and ``multi_worker_hybrid``
   (anything more per worker, or ZeRO-1 across workers). A ``REMOTE`` plan runs the
@@ -155,7 +160,8 @@ def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]],
                replica_workers: list[set[int | None]]) -> Processes:
     if len(tasks) <= 1:
         return Processes.ONE_HOST
-    if plan.placement == "general" or any(len(where) > 1 for where in replica_workers):
+    if (plan.placement == "general" or any(len(where) > 1 for where in replica_workers)
+            or plan.strategy.ep > 1):  # expert parallel: transfers between replicas
         return Processes.REMOTE
     return Processes.PER_WORKER
 
@@ -203,11 +209,11 @@ def execution_mode(plan: Plan) -> ExecutionMode:
     # replicas span workers: apply.remote), with the plan's device names
     if s.cp > 1:  # apply.context_parallel (apply.dimensions says which shapes run)
         return ExecutionMode(Mode.CONTEXT_PARALLEL, processes, workers)
-    if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding):
+    if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding) or s.ep > 1:
         # apply.tensor_parallel: any dp (one host) and pp; with tp = 1 and dp x pp it is a
         # pipeline replicated dp times, the gradients summed across the replicas; ZeRO-1
         # (optimizer_sharding) runs there too, each replica updating its share
-        # (apply.zero)
+        # (apply.zero); so does expert parallelism (ep > 1: apply.expert_parallel)
         return ExecutionMode(Mode.TENSOR_PARALLEL, processes, workers)
     if plan.placement == "general":
         if dp > 1 or s.num_microbatches != 1:

@@ -57,7 +57,7 @@ CachedMultiHeadAttention).
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import keras
 import numpy as np
@@ -88,6 +88,9 @@ from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
 
+Substitute = Callable[[Any, int, str], Any]  # (layer, replica, its device) -> layer or None
+
+
 @keras.saving.register_keras_serializable(package="tfplan")
 class TensorParallelModel(PlacedModel):
     """A PlacedModel whose split layers run on several devices each.
@@ -108,6 +111,7 @@ class TensorParallelModel(PlacedModel):
         # every device the model touches (compile refuses XLA when there are several)
         self.stage_devices = tuple(dict.fromkeys([*self.stage_devices, *tp_devices]))
         self._others = _Replicas(())
+        self._reduction = _ReductionGroups({})  # every replica, unless set_reduction_groups
         # sequence parallelism (apply.sequence_parallel): {per-token layer: its tp devices},
         # and the unsplit layers that run on the whole sequence: those not per-token, and
         # per-token ones whose inputs turned out not [batch, seq, hidden] when traced
@@ -131,6 +135,21 @@ class TensorParallelModel(PlacedModel):
     def replica_models(self) -> tuple[Any, ...]:
         return (self, *self._others.models)
 
+    def set_reduction_groups(self, groups: Mapping[int, Sequence[Sequence[int]]]) -> None:
+        """Weights whose data-parallel copies are not all copies of one value: {id(replica
+        0's variable): a partition of the replicas 0..dp-1}. A copy's gradient is summed over
+        its part only, ``set_weights``/``load_weights`` copy it from its part's first
+        replica, and ``global_clipnorm`` counts one copy per part (expert shards,
+        ``apply.expert_parallel``: the replicas with the same ep rank). Every other weight:
+        one part, all replicas."""
+        self._reduction = _ReductionGroups(
+            {key: tuple(tuple(part) for part in parts) for key, parts in groups.items()})
+
+    def reduction_groups(self, variable: Any) -> tuple[tuple[int, ...], ...]:
+        """The partition of the replicas ``variable`` (replica 0's) is reduced over."""
+        dp = 1 + len(self._others.models)
+        return self._reduction.groups.get(id(variable), (tuple(range(dp)),))
+
     @property
     def trainable_variables(self) -> list[Any]:
         """Replica 0's trainable variables, then each other replica's, in the same order
@@ -146,13 +165,16 @@ class TensorParallelModel(PlacedModel):
             return super()._forward_loss(x, y, sample_weight)
         replicas = (self, *self._others.models)
         parts = split_microbatches((x, None, None), len(replicas), self._batch_error)
-        predictions = []
+        predictions, added = [], []
         for model, (xr, _, _) in zip(replicas, parts):
             predictions.append(model(xr, training=True))
+            added.append(list(model.losses))  # add_loss, regularizers: this replica's
         with tf.device(self.output_device):  # the loss of the whole (micro-)batch
             y_pred = concat_batches(predictions)
             loss = compat.compute_loss(self, x=x, y=y, y_pred=y_pred,
                                        sample_weight=sample_weight, training=True)
+            if any(added[1:]):  # Keras added replica 0's losses; make it every replica's mean
+                loss = loss + _replica_mean_correction(added)
             scaled = self._scale_loss(loss)
         return y_pred, loss, scaled
 
@@ -209,16 +231,20 @@ class TensorParallelModel(PlacedModel):
             apply_sharded(super()._apply_gradients, gradients, variables, dp)
             return
         if dp > 1:  # each copy of a weight gets the sum of all replicas' gradients for it
-            n = len(variables) // dp
+            n = len(variables) // dp  # (of its reduction group's: set_reduction_groups)
             summed = list(gradients)
             for i in range(n):
-                grads = [gradients[r * n + i] for r in range(dp)]
-                if any(g is None for g in grads):
+                if any(gradients[r * n + i] is None for r in range(dp)):
                     continue
-                for r in range(dp):  # the same sum, in the same order, on each replica
-                    with tf.device(tf_variable(variables[r * n + i]).device):
-                        summed[r * n + i] = sum_gradients(grads)
-            gradients = clipped_over_one_copy(self.optimizer, summed, variables, dp)
+                for part in self.reduction_groups(variables[i]):
+                    grads = [gradients[r * n + i] for r in part]
+                    for r in part:  # the same sum, in the same order, on each replica
+                        with tf.device(tf_variable(variables[r * n + i]).device):
+                            summed[r * n + i] = sum_gradients(grads)
+            one_copy = [summed[part[0] * n + i] for i in range(n)  # global_clipnorm's
+                        for part in self.reduction_groups(variables[i])]
+            gradients = clipped_over_one_copy(self.optimizer, summed, variables, dp,
+                                              one_copy=one_copy)
             with optimizer_clipping_off(self.optimizer):  # global_clipnorm: apply.clipping
                 super()._apply_gradients(gradients, variables)
             return
@@ -254,10 +280,14 @@ class TensorParallelModel(PlacedModel):
         return merged_copies([_replica_layout(m) for m in (self, *self._others.models)])
 
     def _sync_replicas(self) -> None:
-        """Copy replica 0's weights to the others (after set_weights / load_weights)."""
-        for replica in self._others.models:
-            for mine, theirs in zip(self.weights, replica.weights):
-                theirs.assign(mine)
+        """Copy replica 0's weights to the others (after set_weights / load_weights); a
+        weight with reduction groups from its group's first replica."""
+        replicas = self.replica_models()
+        for r, replica in enumerate(replicas[1:], start=1):
+            for i, (mine, theirs) in enumerate(zip(self.weights, replica.weights)):
+                source = next(part[0] for part in self.reduction_groups(mine) if r in part)
+                if source != r:
+                    theirs.assign(replicas[source].weights[i])
 
 
 def _unsplit(layer: Any) -> list[np.ndarray]:
@@ -282,6 +312,23 @@ def _replica_layout(model: Any) -> list[CanonicalWeight]:
     return out
 
 
+def _replica_mean_correction(added: Sequence[Sequence[Any]]) -> Any:
+    """What turns replica 0's added losses (which Keras' loss already holds) into the
+    mean of every replica's: ``mean_r(L_r) - L_0``. Each replica's add_loss values (a MoE
+    layer's load-balancing loss, activity regularizers) are its part of the batch's, as
+    under MirroredStrategy; weight regularizers are equal on every copy, so unchanged."""
+    totals = [tf.add_n([tf.cast(v, tf.float32) for v in losses]) if losses
+              else tf.constant(0.0) for losses in added]
+    return tf.add_n(totals) / float(len(totals)) - totals[0]
+
+
+class _ReductionGroups:
+    """{id(replica 0's variable): partition of the replicas} (out of Keras' sight)."""
+
+    def __init__(self, groups: dict[int, tuple[tuple[int, ...], ...]]) -> None:
+        self.groups = groups
+
+
 class _Replicas:
     """The other data-parallel replicas of a TensorParallelModel, out of Keras' sight (their
     weights are replica 0's: weight files and ``model.weights`` hold one copy)."""
@@ -291,7 +338,8 @@ class _Replicas:
 
 
 def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str], *,
-                         recompute_layers: Collection[str] = ()) -> TensorParallelModel:
+                         recompute_layers: Collection[str] = (),
+                         substitute: Substitute | None = None) -> TensorParallelModel:
     """Clone ``view`` with ``plan.tp_splits``' layers sharded over their stage's tp
     devices, every other layer on its stage's rank 0, once per data-parallel replica
     (replica r on ``devices[r * tp:(r + 1) * tp]`` of each stage); copy the weights.
@@ -300,6 +348,10 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     parts, replica r runs part r, the loss is the whole batch's, and every copy of a
     weight is updated with the sum of all replicas' gradients for it (placed ``add_n``
     on each copy's device), so the copies stay equal and train like one device.
+
+    ``substitute(layer, r, device)``: a new, unbuilt layer replica r uses instead of a
+    clone of ``layer`` (built on ``device`` like any layer), or None for the usual clone
+    (``apply.expert_parallel``'s twins).
     """
     tp, dp = plan.strategy.tp, plan.strategy.dp
     if run_processes(plan) is Processes.PER_WORKER:  # one program per worker
@@ -313,7 +365,7 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     for r in range(dp):
         shift = {stage.devices[0]: stage.devices[r * tp] for stage in plan.stages}
         models.append(_replica(view, plan, r, {k: shift[d] for k, d in device_of_layer.items()},
-                               splits, inner, recompute_layers))
+                               splits, inner, recompute_layers, substitute))
     model = models[0]
     warn_gathered(plan.name, model.sequence_gathered)
     if dp > 1:
@@ -328,7 +380,8 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
 
 def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
              splits: dict[str, str], inner: dict[str, list[InnerSplit]],
-             recompute_layers: Collection[str]) -> TensorParallelModel:
+             recompute_layers: Collection[str],
+             substitute: Substitute | None = None) -> TensorParallelModel:
     tp = plan.strategy.tp
     shard_devices = {name: tuple(stage.devices[r * tp:(r + 1) * tp])
                      for stage in plan.stages for name in stage.layers}
@@ -343,6 +396,10 @@ def _replica(view: Any, plan: Plan, r: int, device_of_layer: dict[str, str],
 
     def clone_function(layer: Any) -> Any:
         with where(layer):
+            twin = substitute(layer, r, device_of_layer.get(layer.name, "")) \
+                if substitute is not None else None
+            if twin is not None:
+                return twin
             split = splits.get(layer.name, "")
             if split:
                 return sharded_clone(layer, split, shard_devices[layer.name], plan.name,

@@ -27,6 +27,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
      sharded over their stage's tp devices, one copy per data-parallel replica;
      ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
+   * ``ep > 1`` (expert parallelism; tp = cp = 1, no ZeRO or offload): tensor parallel
+     with every ``tfplan.layers.MixtureOfExperts`` holding 1/ep of its experts per replica
+     (``apply.expert_parallel``), on one host or driven by worker 0 across workers;
    * ``cp > 1`` (one host, tp = pp = 1): context parallel (``apply.context_parallel``:
      each sample's sequence cut over cp copies of the model, attention exchanging keys
      and values; ``dp`` copies of that);
@@ -72,6 +75,7 @@ from tfplan.apply.context_parallel import wrap_context_parallel
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
 from tfplan.apply.dimensions import check_applicable
+from tfplan.apply.expert_parallel import moe_group_warning, wrap_expert_parallel
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
 from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
@@ -117,6 +121,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             "(moving statistics, random seeds, as attention dropout draws); they keep their "
             "activations instead (apply.recompute).", stacklevel=2)
     recompute, cores = split_recompute(plan, recompute)  # whole layers / attention cores
+    grouped = moe_group_warning(plan, view)  # MoE capacity / aux loss per token group
+    if grouped:
+        warnings.warn(grouped, stacklevel=2)
     if mode.mode is Mode.MULTI_WORKER_HYBRID:
         wrapped = wrap_multi_worker_hybrid(view, plan, mode, recompute_layers=recompute)
     elif mode.mode is Mode.MULTI_WORKER:
@@ -138,6 +145,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     elif mode.mode is Mode.CONTEXT_PARALLEL:
         wrapped = wrap_context_parallel(view, plan, top_level_devices(plan),
                                         recompute_layers=recompute)
+    elif mode.mode is Mode.TENSOR_PARALLEL and plan.strategy.ep > 1:
+        wrapped = wrap_expert_parallel(view, plan, top_level_devices(plan),
+                                       recompute_layers=recompute)
     elif mode.mode is Mode.TENSOR_PARALLEL:
         wrapped = wrap_tensor_parallel(view, plan, top_level_devices(plan),
                                        recompute_layers=recompute)

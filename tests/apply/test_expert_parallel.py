@@ -1,0 +1,278 @@
+"""Expert parallelism (``apply.expert_parallel``): every replica holds 1/ep of the
+mixture-of-experts layer's experts; tokens travel to their experts' replica and back.
+
+The tiny MoE model (``tiny_moe``: 8 experts, top 2, no capacity limit, no aux loss) trains
+10 steps with ep=4 (dp=4), ep=2 x dp=4 and ep=2 x pp=2 (dp=2) like one device (losses and
+final weights within 1e-4), every expert shard and its optimizer slots on its replica's
+device; ep=2 across two local worker processes (worker 0 drives both: ``apply.remote``)
+likewise; weight files (with the optimizer state) move between the plain model and an ep
+plan both ways; what is not run is refused; a capacity factor or an aux loss under a split
+batch is a warning, and the aux losses of every replica are in the loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+if __name__ == "__main__":  # a worker: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+
+from tests.apply.helpers import (base_model, batches_of, cpus, fresh_optimizer,  # noqa: E402
+                                 load_model_file, make_plan, single_device_copy,
+                                 step_losses, tp_plan)
+
+STEPS, BATCH = 10, 16
+_REFERENCE: dict = {}
+
+
+def ep_plan(model, stage_devices, ep: int, **kwargs):
+    plan = make_plan(model, stage_devices, global_batch=BATCH, **kwargs)
+    return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, ep=ep),
+                               name=f"{plan.name} ep={ep}")
+
+
+def reference():
+    """(losses, final weights) of one device, 10 steps."""
+    if not _REFERENCE:
+        module, copy = single_device_copy("tiny_moe")
+        _REFERENCE["losses"] = step_losses(copy, batches_of(module, STEPS, BATCH))
+        _REFERENCE["weights"] = copy.get_weights()
+    return _REFERENCE["losses"], _REFERENCE["weights"]
+
+
+def wrapped(plan):
+    from tfplan import apply
+
+    module, model = base_model("tiny_moe")
+    w = apply.wrap(model, plan)
+    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    return module, w
+
+
+def _short(device: str) -> str:
+    return device.split("device:")[-1]
+
+
+def assert_experts_placed(w, plan) -> None:
+    """Replica r's twin holds experts (r % ep) * E/ep ..; its variables and their optimizer
+    slots are on replica r's device of the MoE layer's stage."""
+    from tfplan.apply.checkpoint import slot_variables
+    from tfplan.apply.expert_parallel import ExpertParallelMoE
+    from tfplan.apply.placement import tf_variable
+
+    s = plan.strategy
+    stage = next(st for st in plan.stages if "moe" in st.layers)
+    slots = slot_variables(w.optimizer)
+    for r, replica in enumerate(w.replica_models()):
+        twin = replica.get_layer("moe")
+        assert isinstance(twin, ExpertParallelMoE) and twin.ep_rank == r % s.ep
+        assert [t.ep_rank for t in twin.peers()] == list(range(s.ep))
+        want = _short(stage.devices[r])
+        for v in twin.weights:
+            if len(v.shape) > 1 and v is not twin.router_kernel:
+                assert v.shape[0] == 8 // s.ep, v.path
+            assert _short(tf_variable(v).device) == want, (r, v.path)
+            for k in range(2):  # Adam: momentum and velocity
+                slot = slots[(id(v), k)]
+                assert _short(tf_variable(slot).device) == want, (r, slot.path)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["ep4", "dp4xep2", "ep2xpp2"])
+def test_expert_parallel_trains_like_one_device(kind):
+    import numpy as np
+
+    from tfplan.apply.mode import execution_mode
+
+    _, model = base_model("tiny_moe")
+    if kind == "ep4":
+        plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=4)
+    elif kind == "dp4xep2":
+        plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2)
+    else:  # two pipeline stages, the MoE layer on the second; 2 micro-batches
+        plan = ep_plan(model, [cpus(0, 1), cpus(2, 3)], ep=2, num_microbatches=2,
+                       stage_layers=[("embed",), ("moe", "residual", "pool", "head")])
+    assert execution_mode(plan).mode == "tensor_parallel"
+    module, w = wrapped(plan)
+    losses, weights = reference()
+    np.testing.assert_allclose(step_losses(w, batches_of(module, STEPS, BATCH)), losses,
+                               rtol=1e-4)
+    for got, want in zip(w.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert_experts_placed(w, plan)
+
+
+def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
+    """An ep=4 model's file (weights and Adam state after 3 steps) loads into the plain
+    model, which then trains on like one device; the plain model's file loads into a
+    dp4 x ep2 model, whose shards (replica 3's too) take their slices."""
+    import keras
+    import numpy as np
+
+    _, model = base_model("tiny_moe")
+    module, w = wrapped(ep_plan(model, [cpus(0, 1, 2, 3)], ep=4))
+    batches = batches_of(module, 5, BATCH)
+    step_losses(w, batches[:3])
+    w.save_weights(str(tmp_path / "ep.weights.h5"))
+    _, plain = single_device_copy("tiny_moe")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(str(tmp_path / "ep.weights.h5"))
+    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(step_losses(plain, batches[3:]), step_losses(w, batches[3:]),
+                               rtol=1e-4)
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    module, other = wrapped(ep_plan(model, [cpus(4, 5, 6, 7)], ep=2))
+    other.load_weights(str(tmp_path / "plain.weights.h5"))
+    for got, want in zip(other.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    full = plain.get_layer("moe").expert_in_kernel.numpy()
+    shard = other.replica_models()[3].get_layer("moe").expert_in_kernel.numpy()
+    np.testing.assert_allclose(shard, full[4:], rtol=1e-6)  # rank 1 of group 1
+    more = batches_of(module, 7, BATCH)[5:]
+    np.testing.assert_allclose(step_losses(other, more), step_losses(plain, more), rtol=1e-4)
+    assert isinstance(keras.models.clone_model(plain), keras.Model)
+
+
+def test_aux_losses_of_every_replica_are_in_the_loss_with_a_warning():
+    """aux_loss_weight > 0 under dp2 x ep2: wrap warns that the loss is per group of
+    tokens; the first step's loss is the MSE plus the weight times the mean of each
+    replica's load-balancing loss; training runs."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfplan import apply
+    from tfplan.layers import routing
+
+    module = load_model_file("tiny_moe")
+    keras.utils.set_random_seed(1)
+    model = module.build_model(aux_loss_weight=0.5)
+    plan = ep_plan(model, [cpus(0, 1)], ep=2)
+    with pytest.warns(UserWarning, match="GShard's groups"):
+        w = apply.wrap(model, plan)
+    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    (x, y), = batches_of(module, 1, BATCH)
+    embed = keras.Model(model.inputs, model.get_layer("embed").output)
+    moe = model.get_layer("moe")
+    aux = []
+    for part in np.split(x, 2):
+        flat = tf.reshape(embed(part), [-1, module.WIDTH])
+        aux.append(float(routing.load_balancing_loss(moe.route(flat), moe.num_experts)))
+    mse = float(np.mean((np.asarray(model(x)) - y) ** 2))
+    losses = step_losses(w, [(x, y)] * 3)
+    np.testing.assert_allclose(losses[0], mse + 0.5 * np.mean(aux), rtol=1e-4)
+    assert np.all(np.isfinite(losses))
+
+
+def test_a_capacity_factor_under_a_split_batch_is_a_warning():
+    import keras
+
+    from tfplan import apply
+
+    module = load_model_file("tiny_moe")
+    keras.utils.set_random_seed(2)
+    model = module.build_model(capacity_factor=1.25)
+    with pytest.warns(UserWarning, match="capacity"):
+        apply.wrap(model, ep_plan(model, [cpus(0, 1, 2, 3)], ep=4))
+
+
+def test_what_expert_parallelism_does_not_run_is_refused():
+    import keras
+
+    from tfplan import apply
+    from tfplan.apply.dimensions import unapplied_dimensions
+    from tfplan.apply.expert_parallel import ExpertParallelError
+    from tfplan.core.errors import PlanMismatchError
+
+    _, model = base_model("tiny_moe")
+    s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
+    for change, what in (({"tp": 2}, "tp=2"), ({"cp": 2}, "cp=2"),
+                         ({"zero_stage": 1}, "zero_stage=1"), ({"zero_stage": 3}, "zero_stage=3"),
+                         ({"offload": "optimizer"}, "offload='optimizer'")):
+        (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, **change))
+                      if p.startswith("ep=2")]
+        assert what in problem and "expected tp = cp = 1" in problem
+    tp = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"),), dp=2)
+    tp = dataclasses.replace(tp, strategy=dataclasses.replace(tp.strategy, ep=2))
+    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has tp=2"):
+        apply.wrap(model, tp)
+    _, mlp = base_model("tiny_mlp")
+    with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
+        apply.wrap(mlp, ep_plan(mlp, [cpus(0, 1)], ep=2))
+    module = load_model_file("tiny_moe")
+    keras.utils.set_random_seed(3)
+    six = module.build_model(num_experts=6)
+    with pytest.raises(ExpertParallelError, match="num_experts=6 .*multiple of ep"):
+        apply.wrap(six, ep_plan(six, [cpus(0, 1, 2, 3)], ep=4))
+
+
+# --- across two worker processes (apply.remote) ------------------------------------------------
+
+WORKER_CASES = [("tiny_moe", "ep2")]
+
+
+def worker_plan(model):
+    """ep=2 over ``2xcpu:2``: replica r (ep rank r) on worker r's CPU 0."""
+    from tests.apply.test_multi_worker_hybrid import CPUS, WORKERS, dev
+
+    plan = ep_plan(model, [[dev(0, 0), dev(1, 0)]], ep=2)
+    one = plan.cluster
+    cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
+                                  devices_per_node=CPUS, inter_node_link=one.intra_node_link)
+    return dataclasses.replace(plan, cluster=cluster, name="tiny_moe ep2 across workers")
+
+
+def worker_main(out_dir: str) -> None:
+    from tfplan import apply
+    from tfplan.apply.checkpoint import slot_variables
+    from tfplan.apply.device_names import short_name
+    from tfplan.apply.placement import tf_variable
+    from tfplan.planner.plan import load_plan
+    from tests.apply.test_multi_worker_hybrid import scenario
+
+    plan = load_plan(os.path.join(out_dir, "plan0.json"))
+    apply.ensure_devices(plan)  # worker 1 serves its devices and exits here
+    module, model = base_model("tiny_moe")
+    w = apply.wrap(model, plan)
+    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    result = scenario(w, module, os.path.join(out_dir, "model.weights.h5"))
+    slots = slot_variables(w.optimizer)
+    result["shards"] = [  # each replica's expert variables and their slots: devices
+        sorted({short_name(tf_variable(x).device) for v in r.get_layer("moe").weights[1:]
+                for x in (v, slots[(id(v), 0)], slots[(id(v), 1)])})
+        for r in w.replica_models()]
+    with open(os.path.join(out_dir, "worker0.json"), "w", encoding="utf-8") as f:
+        json.dump({"results": {"tiny_moe ep2": result}}, f)
+
+
+def test_ep2_across_two_workers_trains_like_one_device(tmp_path):
+    """Worker 0 drives both workers' devices; the tokens of each replica reach the other
+    worker's experts over gRPC; losses, fit/evaluate/predict and a weight file round trip
+    equal one device's; each shard where the plan puts it."""
+    import numpy as np
+
+    from tfplan.apply.mode import execution_mode
+    from tfplan.planner.plan import save_plan
+    from tests.apply.test_multi_worker_hybrid import launch_with_references
+
+    plan = worker_plan(base_model("tiny_moe")[1])
+    mode = execution_mode(plan)
+    assert mode.remote and mode.mode == "tensor_parallel"
+    save_plan(plan, tmp_path / "plan0.json")
+    returncode, logs, references = launch_with_references(__file__, tmp_path, WORKER_CASES)
+    assert returncode == 0, logs[-6000:]
+    with open(tmp_path / "worker0.json", encoding="utf-8") as f:
+        result = json.load(f)["results"]["tiny_moe ep2"]
+    for key, want in references["tiny_moe ep2"].items():
+        np.testing.assert_allclose(result[key], want, rtol=1e-4, atol=1e-6, err_msg=key)
+    assert result["shards"] == [[d] for d in plan.stages[0].devices], result["shards"]
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
