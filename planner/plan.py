@@ -161,7 +161,8 @@ class Strategy:
                 "optimizer_sharding": self.optimizer_sharding,
                 "sequence_parallel": self.sequence_parallel, "offload": self.offload,
                 "virtual_stages": self.virtual_stages, "layout": self.layout,
-                "batch_norm": self.batch_norm, "ep": self.ep}
+                "batch_norm": self.batch_norm,
+                **({"ep": self.ep} if self.ep > 1 else {})}  # plans without experts unchanged
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":

@@ -323,23 +323,14 @@ class Pricer:
         divided by ep; the largest layer's gathered weights and gradient with the experts
         divided by ep; and each stage's ep and expert-data-parallel groups' members per
         node ("_ep_groups"). ``dp`` here is dp x cp (the replica group)."""
-        cluster = self.ctx.cluster
         a = self.arrays(tp, mbs, sp, cp)
         lo = np.array([b[0] for b in d["bounds"]])
-        groups = []
+        hi = np.array([b[1] for b in d["bounds"]])
+        groups = self._ep_groups(dp, tp, pp, layout, cp, ep)
         a2a = np.zeros(pp * v)
-        for s in range(pp):
-            ep_group, edp_group = experts.expert_group_devices(
-                dp_group_devices(layout, dp, tp, pp, s), ep, cp)
-            per_node = cluster.devices_per_node
-            groups.append((members_per_node(ep_group, per_node),
-                           members_per_node(edp_group, per_node)))
-        for k, (start, stop) in enumerate(d["bounds"]):
-            ep_nodes = groups[k % pp][0]
-            a2a[k] = experts.ALL_TO_ALLS_PER_LAYER * sum(
-                coll.all_to_all_time_s(nbytes, ep_nodes, cluster.intra_node_link,
-                                       cluster.inter_node_link)
-                for nbytes in a["a2a"][start:stop] if nbytes)
+        for s in range(pp):  # chunk k on device k % pp, in the ep group of that stage
+            prefix = self._a2a_prefix(tp, mbs, sp, cp, groups[s][0])
+            a2a[s::pp] = prefix[hi[s::pp]] - prefix[lo[s::pp]]
         d["a2a"] = a2a.reshape(v, pp).sum(axis=0)
         d["_ep_groups"] = groups  # (ep group, expert-data-parallel group) members per node
         for name in ("param", "grad", "opt", "cw"):
@@ -352,6 +343,43 @@ class Pricer:
             xgather = np.where(a["cw"] > 0, a["xcw"], a["xparam"])
             d["largest_gather"] = largest(a["gather"] - xgather * (1 - 1 / ep))
             d["largest_grad"] = largest(a["grad"] - a["xgrad"] * (1 - 1 / ep))
+
+    def _ep_groups(self, dp: int, tp: int, pp: int, layout: str, cp: int, ep: int
+                   ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per pipeline stage, the members per node of its ep group and of its
+        expert-data-parallel group (``experts.expert_group_devices`` of the stage's dp x cp
+        group, ``topology.dp_group_devices``); cached."""
+        key = ("ep groups", dp, tp, pp, layout, cp, ep)
+        if key not in self.cache:
+            per_node = self.ctx.cluster.devices_per_node
+            out = []
+            for s in range(pp):
+                ep_group, edp_group = experts.expert_group_devices(
+                    dp_group_devices(layout, dp, tp, pp, s), ep, cp)
+                out.append((members_per_node(ep_group, per_node),
+                            members_per_node(edp_group, per_node)))
+            self.cache[key] = out
+        return self.cache[key]
+
+    def _a2a_prefix(self, tp: int, mbs: int, sp: bool, cp: int, ep_nodes: tuple[int, ...]
+                    ) -> np.ndarray:
+        """Prefix sums over the layer order of each layer's all-to-all seconds per
+        micro-batch, ALL_TO_ALLS_PER_LAYER x ``collectives.all_to_all_time_s`` of its dispatch
+        bytes over an ep group with ``ep_nodes`` members per node (0 for layers without
+        experts); cached."""
+        key = ("a2a", tp, mbs, sp, cp, ep_nodes)
+        if key not in self.cache:
+            cluster = self.ctx.cluster
+            times = {}
+            per_layer = [0.0] * self.n
+            for i, nbytes in enumerate(self.arrays(tp, mbs, sp, cp)["a2a"]):
+                if nbytes:
+                    if nbytes not in times:
+                        times[nbytes] = experts.ALL_TO_ALLS_PER_LAYER * coll.all_to_all_time_s(
+                            nbytes, ep_nodes, cluster.intra_node_link, cluster.inter_node_link)
+                    per_layer[i] = times[nbytes]
+            self.cache[key] = np.concatenate([[0.0], np.cumsum(per_layer)])
+        return self.cache[key]
 
     def _chunk_sums(self, tp: int, mbs: int, pp: int, recompute: str, v: int,
                     sp: bool = False, cp: int = 1) -> dict[str, np.ndarray]:

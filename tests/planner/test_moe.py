@@ -286,3 +286,10 @@ def test_cli_fix_accepts_ep():
         parse_fix("ep=0")
     with pytest.raises(PlannerError, match="gives ep twice"):
         parse_fix("ep=2,ep=4")
+
+
+def test_plans_without_expert_parallelism_write_no_ep():
+    plan = search(chain_profile(), make_cluster(), 32).chosen
+    doc = plan.to_dict()
+    assert "ep" not in doc["strategy"] and "all_to_all_s" not in doc["predicted"]
+    assert Plan.from_dict(json.loads(json.dumps(doc))) == plan
