@@ -432,6 +432,11 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
     ui.table(f"{profile.model_name}: per-layer profile at batch size {profile.batch_size} "
              f"({profile.precision}, optimizer {profile.optimizer})",
              PROFILE_HEADER, profile_rows(profile))
+    moe = _moe_rows(profile)
+    if moe:
+        ui.table("mixtures of experts (profiler.moe): forward FLOPs as routed (T tokens x "
+                 "top-k choices) and as the layer is written", MOE_HEADER, moe,
+                 left_columns=1)
     for w in profile.warnings:
         ui.note(f"warning: {w}")
     if profile.not_counted:
@@ -446,6 +451,26 @@ def cmd_profile(args: argparse.Namespace, ui: "UI") -> int:
         for line in measured_summary(measured):
             ui.note(line)
     return 0
+
+
+MOE_HEADER = ("layer", "experts", "top-k", "capacity", "tokens", "expert params",
+              "routed fwd FLOPs", "as written", "all-to-all bytes")
+
+
+def _moe_rows(profile) -> list[tuple[str, ...]]:
+    """One row per mixture-of-experts entry of ``profile`` (``LayerProfile.is_moe``):
+    experts, top-k, capacity factor ("-": none), tokens routed, the stacked expert
+    parameters, the routed experts' forward FLOPs, what the layer as written runs in its
+    experts ("=": the routed work), and the bytes one all-to-all direction carries."""
+    from tfplan.core.units import fmt_bytes, fmt_count
+
+    return [(l.name, str(l.moe_experts), str(l.moe_top_k),
+             f"{l.moe_capacity_factor:g}" if l.moe_capacity_factor else "-",
+             f"{l.moe_tokens:,}", f"{l.moe_expert_params:,}",
+             fmt_count(l.moe_expert_flops_fwd),
+             fmt_count(l.moe_executed_flops_fwd) if l.moe_executed_flops_fwd else "=",
+             fmt_bytes(l.moe_dispatch_bytes))
+            for l in profile.layers if l.is_moe]
 
 
 def _measure(args: argparse.Namespace, ui: "UI", input_shapes: Sequence[Any] = ()):

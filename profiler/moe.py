@@ -139,7 +139,12 @@ def moe_layers(paths: Sequence[tuple[str, Any]]) -> tuple[list[MoeLayer], dict[s
             continue
         own = own_weights(layer)
         subs = sublayers(layer)
-        holders = [(key, own, False)] if _stacked(own) else []
+        holders = []
+        e_own = {_shape(w)[0] for w in own if len(w.shape) >= 3}
+        if len(e_own) == 1:  # the own weights stacked [E, ...] (a router [d, E] aside)
+            e0 = next(iter(e_own))
+            stacked = [w for w in own if len(w.shape) >= 2 and _shape(w)[0] == e0]
+            holders.append((key, stacked, False))
         holders += [(key_of[id(s)], list(s.weights), True) for s in subs
                     if id(s) in key_of and s.weights and _stacked(list(s.weights))
                     and not sublayers(s)]
@@ -337,6 +342,8 @@ def apply_moe(layers: Mapping[str, LayerProfile], found: Sequence[MoeLayer], tra
         top, k_traced = _top_k(routing_ops.fwd)
         k = m.top_k or k_traced
         entry = out[m.expert_entry]
+        if not (top or m.top_k):  # no top-k choice: a soft (dense) mixture, priced as written
+            continue
         if not (executed_rows and tokens and k):
             what = ("the experts' contractions ([E, rows, .] outputs)" if not executed_rows
                     else "the router's contraction ([T, E] output)" if not tokens

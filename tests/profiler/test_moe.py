@@ -29,7 +29,7 @@ import pytest
 import tensorflow as tf
 
 from tfplan.layers import MixtureOfExperts
-from tfplan.profiler.model_profile import ModelProfile
+from tfplan.profiler.model_profile import MOE_FIELDS, ModelProfile
 from tfplan.profiler.static import profile_and_trace, profile_model
 
 B, S, D, E, H = 2, 6, 8, 4, 16
@@ -133,6 +133,52 @@ def test_a_layer_that_looks_like_an_moe_but_is_not_recognised_is_named():
     assert not p.layer("odd").is_moe
 
 
+class DenseMoE(keras.layers.Layer):
+    """An MoE written densely in one layer (every expert on every token, weighted by the
+    router's top-k gates): a router weight of its own, a ``top_k`` attribute, stacked
+    experts. Recognised by structure; its experts' ops are found in its entry by shape."""
+
+    top_k = 2
+
+    def build(self, shape):
+        d = shape[-1]
+        self.router = self.add_weight(shape=(d, E), name="router")
+        self.w_in = self.add_weight(shape=(E, d, H), name="w_in")
+        self.w_out = self.add_weight(shape=(E, H, d), name="w_out")
+
+    def call(self, x):
+        flat = tf.reshape(x, [-1, x.shape[-1]])
+        probs = tf.nn.softmax(tf.matmul(flat, self.router))
+        top, chosen = tf.math.top_k(probs, k=self.top_k)
+        gates = tf.reduce_sum(tf.one_hot(chosen, E) * top[..., None], axis=1)  # [T, E]
+        y = tf.einsum("eth,ehd->etd", tf.nn.relu(tf.einsum("td,edh->eth", flat, self.w_in)),
+                      self.w_out)
+        out = tf.reduce_sum(y * tf.transpose(gates)[..., None], axis=0)
+        return tf.reshape(out, tf.shape(x))
+
+
+def test_a_dense_moe_of_its_own_weights_is_recognised_by_structure():
+    with tf.Graph().as_default():
+        x = keras.Input((S, D))
+        y = keras.layers.Dense(D, name="before")(x)
+        layer = DenseMoE(name="dense_moe")
+        model = keras.Model(x, layer(y))
+        p = profile_model(model, B, optimizer="sgd")
+        assert p.layer("dense_moe").params == layer.count_params()
+    moe = p.layer("dense_moe")
+    # per row: the two contractions, ReLU, and the gate Mul on the expert's output
+    row = 4 * D * H + H + D
+    assert (moe.moe_experts, moe.moe_top_k, moe.moe_tokens) == (E, 2, T)
+    assert moe.moe_expert_params == 2 * E * D * H
+    assert moe.moe_expert_flops_fwd == T * 2 * row
+    assert moe.moe_executed_flops_fwd == E * T * row
+    # router, Softmax, top-k, one-hot x top (T k E) and its sum (T k E - T E), the sum
+    # over the experts ((E - 1) T d), and the routed experts
+    assert moe.flops_fwd == (2 * T * D * E + 5 * T * E + T * (E - 2) + T * 2 * E
+                             + T * 2 * E - T * E + (E - 1) * T * D + T * 2 * row)
+    assert moe.not_counted == ()
+
+
 # --- keras_hub ----------------------------------------------------------------------------
 L, N, KV, F_HUB, V = 2, 4, 2, 24, 64
 
@@ -187,6 +233,34 @@ def test_mixtral_expert_bank_priced_by_routed_tokens(k):
     assert ModelProfile.from_dict(p.to_dict()) == p
 
 
+def test_mixtral_repeated_blocks_traced_once_keep_the_moe_numbers():
+    """Big models trace identical blocks once (``profiler.repeats``): the copied entries
+    get the same routed pricing as the traced ones."""
+    pytest.importorskip("keras_hub")
+    from keras_hub.src.models.mixtral.mixtral_decoder import MixtralTransformerDecoder
+
+    profiles = []
+    for repeat in (False, True):
+        with tf.Graph().as_default():
+            ids = keras.Input((S,), dtype="int32", name="token_ids")
+            x = keras.layers.Embedding(V, 16, name="embed")(ids)
+            for i in range(5):
+                x = MixtralTransformerDecoder(
+                    intermediate_dim=F_HUB, num_query_heads=N, num_key_value_heads=KV,
+                    num_experts=E, top_k=2, sliding_window=S, name=f"decoder_{i}")(x)
+            model = keras.Model(ids, x)
+            profiles.append(profile_model(model, B, optimizer="sgd", repeat_blocks=repeat))
+    whole, once = profiles
+    assert any("repeated blocks traced once" in w for w in once.warnings)
+    moes = [l for l in whole.layers if l.is_moe]
+    assert len(moes) == 5
+    fields = ("params", "flops_fwd", "matmul_flops_fwd", "matmul_flops_bwd",
+              "memory_traffic_bytes_fwd", *MOE_FIELDS)
+    assert [[getattr(l, f) for f in fields] for l in once.layers if l.is_moe] == \
+        [[getattr(l, f) for f in fields] for l in moes]
+    assert once.flops_fwd == whole.flops_fwd
+
+
 def test_qwen_moe_expert_bank_and_shared_expert():
     HID, MOE_F, SHARED_F, k = 32, 16, 40, 2
     p, total, bb = hub_profile(lambda hub: hub.models.QwenMoeBackbone(
@@ -229,3 +303,26 @@ def test_trillion_parameter_moe_profiles_without_weights():
     assert moe.moe_expert_flops_fwd == min(tokens * 2, experts * c) * row
     assert moe.moe_executed_flops_fwd == experts * c * row
     assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+# --- plan profile -------------------------------------------------------------------------
+def test_plan_profile_shows_the_moe_section_and_json_fields():
+    import json
+    import os
+
+    from tests.cli.helpers import run
+
+    model = os.path.join(os.path.dirname(__file__), "tiny_moe.py")
+    code, out, err = run(["profile", model, "--batch-size", str(B)])
+    assert code == 0, err
+    section = out[out.index("mixtures of experts"):]
+    (row,) = [line for line in section.splitlines() if line.lstrip("│ ").startswith("moe ")]
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    routed = min(T * 2, E * capacity(2, 1.25)) * per_row()
+    executed = E * capacity(2, 1.25) * per_row()
+    assert cells == ["moe", str(E), "2", "1.25", str(T), f"{E * (2 * D * H + H + D):,}",
+                     f"{routed / 1e3:.2f} K", f"{executed / 1e3:.2f} K", f"{T * 2 * D * 4} B"]
+    code, out, err = run(["profile", model, "--batch-size", str(B), "--json"])
+    assert code == 0, err
+    moe = next(l for l in json.loads(out)["layers"] if l["name"] == "moe")
+    assert moe["moe_expert_flops_fwd"] == routed and moe["moe_experts"] == E
