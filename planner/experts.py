@@ -23,6 +23,9 @@ the ranks holding the same weights (``Strategy.replicas``), ep the expert-parall
   d/ep copies ("expert data parallelism"), and ZeRO shards expert state over those d/ep
   ranks (DeepSpeed-MoE's expert-data-parallel group): per device
   state(W_dense, d) + state(W_expert / ep, d / ep) (``planner.sharding.state_bytes``).
+- Activations: with balanced routing a rank receives as many token rows from its ep group
+  as it sends, so the expert side keeps as many bytes for the backward as the layer's
+  profiled ``activation_saved_bytes`` say at every ep; they are not changed.
 - Gradients: the dense ones all-reduced over the d ranks as before, the experts' (/ep)
   over the d/ep ranks holding the same experts (``expert_group_devices``).
 - All-to-alls: per MoE layer per micro-batch the forward dispatches tokens to their
@@ -32,6 +35,7 @@ the ranks holding the same weights (``Strategy.replicas``), ep the expert-parall
   dispatch buffer is padded to C = cf T k / E rows per expert, E C = cf T k rows in all;
   1 otherwise), of which (ep-1)/ep leaves the rank. They are on the critical path (the
   experts wait for their tokens, the next layer for the combined output): priced exposed.
+  Full recomputation runs the forward's two again (counted as recomputation time).
 - Compute: routing assumed balanced (every expert receives T k / E tokens; GShard's
   auxiliary load-balancing loss aims at this), so a rank computes the same routed expert
   FLOPs whatever ep is: ``flops_fwd`` unchanged by ep. A capacity factor pads the expert

@@ -457,7 +457,9 @@ class Pricer:
                          c.sequence_parallel, c.cp, c.ep)
         compute = d["fwd"] + d["bwd"]
         comm = d["tpf"] + d["tpb"] + d["cpf"] + d["cpb"] + d["send"] + d["a2a"]
-        stage_times = compute + comm + d["recompute"]
+        # full recomputation runs each MoE layer's forward again: its dispatch and combine
+        recompute = d["recompute"] + d["a2a"] / 2 if c.recompute == "full" else d["recompute"]
+        stage_times = compute + comm + recompute
         k = self._in_flight(c.schedule, pp, m, v)
         replicas, zero = c.replicas, c.zero_stage if c.replicas > 1 else 0
         held, (w, cw, g, o), shard = self._state(d, c, zero)
@@ -484,10 +486,10 @@ class Pricer:
                               bubble_s=cm.batch_barrier_bubble_s(pp, t_stage, m)
                               if ctx.batch_barrier and pp > 1 else
                               cm.pipeline_bubble_s(pp, t_stage, v),
-                              recompute_s=m * float(d["recompute"][slow]),
+                              recompute_s=m * float(recompute[slow]),
                               optimizer_s=float(np.max(opt_s)))
         if cluster.devices_per_compute_pool > 1:  # else with_shared_cores changes nothing
-            busy = m * (compute + d["recompute"]) + opt_s  # per pipeline device
+            busy = m * (compute + recompute) + opt_s  # per pipeline device
             # in device order: stage-major (tp-dp-pp) or replica-major (tp-pp-dp)
             ranks = replicas * c.tp
             in_order = np.repeat(busy, ranks) if c.layout != "tp-pp-dp" \

@@ -257,6 +257,7 @@ def test_plan_json_round_trip_with_ep():
         Plan.from_dict(doc)
 
 
+@pytest.mark.slow
 def test_switch_sized_model_plans_quickly():
     """A 1.6e12-parameter Switch-like model (15 MoE layers of 2048 experts, h 4096) on 1024
     H100s: the time is printed, not asserted (benchmark-style)."""
@@ -293,3 +294,14 @@ def test_plans_without_expert_parallelism_write_no_ep():
     doc = plan.to_dict()
     assert "ep" not in doc["strategy"] and "all_to_all_s" not in doc["predicted"]
     assert Plan.from_dict(json.loads(json.dumps(doc))) == plan
+
+
+def test_full_recomputation_repeats_the_forward_all_to_alls():
+    p = _tiny_moe()
+    pricer = Pricer(search_context(p, _big_cluster(), 8))
+    plain, full = (pricer.estimate(Choice(dp=8, tp=1, pp=1, microbatch_size=1,
+                                          num_microbatches=1, recompute=rc, ep=8))
+                   for rc in ("none", "full"))
+    forward_only = pricer.devices(1, 1, 1, "full", 1, 8, ep=8)["recompute"][0]
+    assert full.breakdown.recompute_s == pytest.approx(forward_only + full.all_to_all_s / 2)
+    assert plain.breakdown.recompute_s == 0.0 and full.all_to_all_s == plain.all_to_all_s
