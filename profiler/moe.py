@@ -178,12 +178,13 @@ class _Ops:
     bwd: list[tuple[Any, Any]]
 
 
-def ops_by_entry(trace: Any) -> dict[str, _Ops]:
-    """{entry: its traced forward and backward ops} (one pass over the trace)."""
+def ops_by_entry(trace: Any, wanted: set[str]) -> dict[str, _Ops]:
+    """{entry: its traced forward and backward ops} for the ``wanted`` entries (one pass
+    over the trace)."""
     out: dict[str, _Ops] = {}
     graph = trace.graph
     for r in trace.ops:
-        if r.owner is None or r.phase == "loss":
+        if r.owner not in wanted or r.phase == "loss":
             continue
         ops = out.setdefault(r.owner, _Ops([], []))
         (ops.bwd if r.phase == "bwd" else ops.fwd).append((r, graph.get_operation_by_name(r.name)))
@@ -328,7 +329,8 @@ def apply_moe(layers: Mapping[str, LayerProfile], found: Sequence[MoeLayer], tra
     the profile prices activations in another dtype than the traced one."""
     out = dict(layers)
     warnings: list[str] = []
-    by_entry = ops_by_entry(trace) if found else {}
+    by_entry = ops_by_entry(trace, {sources.get(key, key) for m in found for key in (
+        m.routing_entry, m.router_entry, m.expert_entry)}) if found else {}
     empty = _Ops([], [])
     for m in found:
         def ops(key: str) -> _Ops:
@@ -369,22 +371,8 @@ def apply_moe(layers: Mapping[str, LayerProfile], found: Sequence[MoeLayer], tra
         routed_fwd = per_row * routed_rows if not rest else scale(executed.flops_fwd)
         per_call = routed_rows // max(entry.calls, 1)
         for key in dict.fromkeys((m.expert_entry, m.routing_entry)):
-            pairs, add, dropped = ops(key), [0, 0], set()
-            for op in top if key == m.routing_entry else ():
-                add[0] += prod(op.inputs[0].shape.as_list()) - prod(
-                    op.outputs[0].shape.as_list())
-                dropped.add(op.name)
-            for phase, plist in ((0, pairs.fwd), (1, pairs.bwd)):
-                for r, op in plist:
-                    if r.problem and "not fully defined" in r.problem:
-                        flops = _recount(op, per_call)
-                        if flops is not None:
-                            add[phase] += flops
-                            dropped.add(op.name)
-            layer = out[key]
-            out[key] = dataclasses.replace(
-                layer, flops_fwd=layer.flops_fwd + add[0], flops_bwd=layer.flops_bwd + add[1],
-                not_counted=_drop(layer.not_counted, dropped))
+            out[key] = _count_uncounted(out[key], ops(key), top if key == m.routing_entry
+                                        else [], per_call)
         entry = out[m.expert_entry]
         executed_fwd = executed.flops_fwd
         out[m.expert_entry] = dataclasses.replace(
@@ -405,6 +393,31 @@ def apply_moe(layers: Mapping[str, LayerProfile], found: Sequence[MoeLayer], tra
             moe_expert_flops_fwd=routed_fwd,
             moe_executed_flops_fwd=executed_fwd if executed_fwd > routed_fwd else 0)
     return out, warnings
+
+
+def _count_uncounted(layer: LayerProfile, ops: _Ops, top: Sequence[Any], rows: int
+                     ) -> LayerProfile:
+    """``layer`` with the ops of a recognised MoE that ``profiler.op_flops`` leaves
+    uncounted counted (module docstring): the ``top`` top-k ops, T (E - k) each, and ops
+    whose leading dimension is unknown, at ``rows`` rows."""
+    add, dropped = [0, 0], set()
+    for op in top:
+        info = op_info(op)
+        scores, chosen = info.input_shapes[0], info.output_shapes[0]
+        if scores is None or chosen is None or None in scores or None in chosen:
+            continue
+        add[0] += prod(scores) - prod(chosen)
+        dropped.add(op.name)
+    for phase, pairs in ((0, ops.fwd), (1, ops.bwd)):
+        for r, op in pairs:
+            if r.problem and "not fully defined" in r.problem:
+                flops = _recount(op, rows)
+                if flops is not None:
+                    add[phase] += flops
+                    dropped.add(op.name)
+    return dataclasses.replace(layer, flops_fwd=layer.flops_fwd + add[0],
+                               flops_bwd=layer.flops_bwd + add[1],
+                               not_counted=_drop(layer.not_counted, dropped))
 
 
 def _width(m: MoeLayer) -> int:

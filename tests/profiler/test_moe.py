@@ -194,9 +194,9 @@ def hub_profile(make):
         return p, model.count_params(), backbone
 
 
-def _check_entries_params(p, backbone):
-    """Each entry's params against its layer's own count (a block: weights no sub-entry
-    holds), so the total is exact."""
+def _moe_blocks(p, backbone):
+    """(entry name, layer) of each Mixtral sparse MoE block, checking its entry holds no
+    weights of its own and its expert bank's entry all of the bank's."""
     for blk in backbone.transformer_layers:
         moe = blk._sparse_moe_block
         prefix = f"{backbone.name}/{blk.name}/{moe.name}"
@@ -214,10 +214,11 @@ def test_mixtral_expert_bank_priced_by_routed_tokens(k):
         hidden_dim=HID, intermediate_dim=F_HUB, num_experts=E, top_k=k, sliding_window=S))
     assert p.params == total
     row = 6 * HID * F_HUB + 4 * F_HUB
-    entries = list(_check_entries_params(p, bb))
+    entries = list(_moe_blocks(p, bb))
     assert len(entries) == L
     for prefix, moe in entries:
-        block, router = p.layer(prefix), p.layer(f"{prefix}/{moe._sparse_feedforward_gate_dense.name}")
+        block = p.layer(prefix)
+        router = p.layer(f"{prefix}/{moe._sparse_feedforward_gate_dense.name}")
         bank = p.layer(f"{prefix}/{moe.expert_bank.name}")
         assert not block.is_moe and not router.is_moe and bank.is_moe
         assert router.flops_fwd == 2 * T * HID * E
@@ -326,3 +327,20 @@ def test_plan_profile_shows_the_moe_section_and_json_fields():
     assert code == 0, err
     moe = next(l for l in json.loads(out)["layers"] if l["name"] == "moe")
     assert moe["moe_expert_flops_fwd"] == routed and moe["moe_experts"] == E
+
+
+def test_dispatch_bytes_in_the_compute_dtype():
+    """Under mixed precision a token travels in bfloat16: 2 bytes per element, whether the
+    model is built under the policy (profile_source) or priced in it (profile_model)."""
+    import os
+
+    from tfplan.profiler.loader import load_model_source
+    from tfplan.profiler.static import profile_source
+
+    source = load_model_source(os.path.join(os.path.dirname(__file__), "tiny_moe.py"))
+    built = profile_source(source, B, precision="mixed_bfloat16").layer("moe")
+    with tf.Graph().as_default():
+        priced = profile_model(our_model(2, 1.25), B, optimizer="sgd",
+                               precision="mixed_bfloat16").layer("moe")
+    assert built.moe_dispatch_bytes == priced.moe_dispatch_bytes == T * 2 * D * 2
+    assert built.moe_expert_flops_fwd == priced.moe_expert_flops_fwd == T * 2 * per_row()
