@@ -566,6 +566,7 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
                        "opaque_blocks": [{"layer": n, "why": why}
                                          for n, why in profile.opaque_blocks],
                        "batch_statistics": batch_statistics,
+                       "apply_refuses": apply_gaps(result.chosen),
                        "files": {"plan": plan_path, "tensorboard": logdir},
                        "run_id": written.run_id})
         return 0
@@ -589,6 +590,11 @@ def cmd_analyze(args: argparse.Namespace, ui: "UI") -> int:
         ui.note(batch_statistics["text"][0].upper() + batch_statistics["text"][1:] + ".")
     for line in warning_lines(warnings, profile.not_counted, profile.opaque_blocks):
         ui.note(line)
+    gaps = apply_gaps(result.chosen)
+    if gaps:
+        ui.note("apply cannot train this plan yet: " + "; ".join(gaps) + ". It is priced "
+                "for comparison; apply.auto plans only what apply runs, or re-plan with "
+                "--fix and the dimensions apply runs.")
     ui.note(f"Wrote {plan_path}")
     for line in next_steps(result.chosen, args.model, plan_path, logdir, out_dir):
         # a command stays on one line (the terminal wraps it), so that it can be copied
@@ -629,6 +635,19 @@ def candidate_tables(ui: "UI", title: str, candidates: Sequence[Any], chosen: An
                  labels, candidate_rows(not_fitting, chosen, header,
                                         first_rank=len(fitting) + 1),
                  text_columns=[header.index(c) for c in TEXT_COLUMNS])
+
+
+def apply_gaps(plan: Any) -> list[str]:
+    """What in ``plan`` ``apply.wrap`` would refuse (``apply.dimensions.unapplied``), as
+    sentences; empty when it trains it."""
+    from tfplan.apply.dimensions import unapplied
+    from tfplan.apply.mode import execution_mode
+    from tfplan.core.errors import PlannerError
+    try:
+        mode = execution_mode(plan)
+    except PlannerError as e:
+        return [str(e)]
+    return unapplied(plan, mode)
 
 
 def next_steps(plan: Any, model: str, plan_path: str, logdir: str, out_dir: str) -> list[str]:

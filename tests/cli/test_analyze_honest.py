@@ -98,3 +98,32 @@ def test_absurd_global_batch_gets_a_warning(tmp_path):
     code, _, err = run_case(["analyze", MLP, "--cluster", "cpu:2", "--global-batch",
                              str(10**14)])
     assert code == 2 and "at most 1e+13" in err
+
+
+def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
+    """A plan apply refuses (ep with tp, fixed on purpose) is named as such, with the
+    reason, in the text and in --json's apply_refuses; a plan apply runs has none."""
+    import json as _json
+    import os as _os
+    from tests.cli.helpers import run
+    env = {"MOE_AUX": "0"}
+    old = {k: _os.environ.get(k) for k in env}
+    _os.environ.update(env)
+    try:
+        code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "cpu:4",
+                              "--global-batch", "8", "--fix", "dp=2,tp=2,ep=2",
+                              "--out", str(tmp_path / "a")])
+        assert code == 0, err
+        out = " ".join((out + err).split())
+        assert "apply cannot train this plan yet" in out and "this plan has tp=2" in out
+        code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "cpu:4",
+                              "--global-batch", "8", "--fix", "dp=4,ep=2", "--zero-stage", "0",
+                              "--out", str(tmp_path / "b"), "--json"])
+        assert code == 0, err
+        assert _json.loads(out[out.index("{"):])["apply_refuses"] == []
+    finally:
+        for k, v in old.items():
+            if v is None:
+                _os.environ.pop(k, None)
+            else:
+                _os.environ[k] = v
