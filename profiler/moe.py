@@ -391,8 +391,16 @@ def apply_moe(layers: Mapping[str, LayerProfile], found: Sequence[MoeLayer], tra
             moe_capacity_factor=m.capacity_factor, moe_tokens=tokens,
             moe_dispatch_bytes=tokens * k * _width(m) * (float_size or size),
             moe_expert_flops_fwd=routed_fwd,
-            moe_executed_flops_fwd=executed_fwd if executed_fwd > routed_fwd else 0)
+            moe_executed_flops_fwd=executed_fwd if executed_fwd > routed_fwd else 0,
+            opaque=MOE_OPAQUE.format(e=m.experts) if entry.opaque else "")
     return out, warnings
+
+
+# what a recognised MoE's entry says instead of the generic "multiplies weights it holds
+# itself" note: the planner splits it by experts, not by tensor parallelism
+MOE_OPAQUE = ("mixture of {e} experts: split by experts under expert parallelism (--fix "
+              "ep=N, ep dividing {e}); no tensor-parallel split of its experts, so it is "
+              "replicated under tensor parallelism")
 
 
 def _count_uncounted(layer: LayerProfile, ops: _Ops, top: Sequence[Any], rows: int
