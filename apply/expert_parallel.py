@@ -6,8 +6,13 @@ Pipeline position: ``apply.wrap`` calls ``wrap_expert_parallel`` for a plan with
 devices, ``apply.remote``). It builds ``apply.tensor_parallel``'s data-parallel copies
 (replica r on its own devices, one graph, gradients from ``tf.gradients``) with every
 ``tfplan.layers.MixtureOfExperts`` swapped for ``ExpertParallelMoE``, its expert-parallel
-twin; the arithmetic is ``tfplan.layers.routing``'s, shared with the layer, so the twin
+twin: a top-level one as the replica is cloned, one inside a block (a custom layer, at
+any depth) swapped into the built block in place (``apply.blocks.swap_in``); keras_hub's
+``MixtralSparseMoeBlock`` likewise for ``apply.expert_parallel_mixtral``'s routed twin.
+The arithmetic is ``tfplan.layers.routing``'s, shared with the layer, so the twin
 computes the same numbers in the same order (GShard, Lepikhin et al., 2020, Sec. 3.2).
+The shard bookkeeping (links, placed chunks, unsplit weights) is
+``apply.expert_group.ExpertShards``'.
 
 Layout (``planner.plan.Strategy.ep``): replica r has ep rank ``k = r % ep`` and ep group
 ``g = r // ep``; the ep replicas ``g*ep .. g*ep+ep-1`` of group g together hold every
@@ -51,64 +56,53 @@ and the load-balancing loss are computed per replica and micro-batch (GShard's g
 the batch (also without ep). The aux losses of every replica are included, as their mean
 (``TensorParallelModel._forward_loss``), as MirroredStrategy would.
 
-Not run (``ExpertParallelError``, received / expected / fix): ep with tp > 1, cp > 1,
-ZeRO (any stage: ``apply.zero``'s owner copies assume every copy equal) or offload
-(``apply.dimensions``); a model without a top-level ``MixtureOfExperts``; E not divisible
-by ep; a ``MixtureOfExperts`` inside a block or nested model (only top-level layers of
-the Functional model are swapped); keras_hub's ``MixtralSparseMoeBlock`` (computes every
-expert densely; not swapped yet). Across workers every ep plan runs ``REMOTE`` (worker 0
-drives all devices), also when its ep groups lie inside workers.
+Not run (``ExpertParallelError``, received / expected / fix; the strategy rules in
+``apply.dimensions``): ep with tp > 1, cp > 1, ZeRO (any stage: ``apply.zero``'s owner
+copies assume every copy of a weight equal) or offload; a model without a
+``MixtureOfExperts`` or Mixtral block; E not divisible by ep; a MoE layer that is a layer
+of a nested Functional model (its graph is not re-wired); keras_hub's Qwen-MoE blocks.
+Across workers every ep plan runs ``REMOTE`` (worker 0 drives all devices, the transfers
+go over gRPC), also when its ep groups lie inside workers: one program per worker
+(``apply.multi_worker_hybrid``) has no placed transfers between processes.
+
+Deviation from the design brief: the twins live in ``apply.tensor_parallel``'s copies (a
+``substitute`` hook there, ``set_reduction_groups`` for the per-weight reduction), not a
+model class of their own; the dispatch buffer has C = T rows per expert without a
+capacity factor (``tfplan.layers.routing``), so each transfer is E/ep x T x d per chunk,
+``E / top_k`` times the routed tokens: set a capacity factor for real runs.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from tfplan.apply.sharded_base import Sharded, assign_pieces, concat_variables
+from tfplan import compat
+from tfplan.apply.blocks import swap_in
+from tfplan.apply.expert_group import ExpertParallelError, ExpertShards
+from tfplan.apply.expert_parallel_mixtral import is_mixtral_block, mixtral_twin
+from tfplan.apply.layer_tree import scopes_of
+from tfplan.apply.placement import tf_variable
+from tfplan.apply.sharded_base import Sharded, concat_variables
 from tfplan.apply.tensor_parallel import TensorParallelModel, wrap_tensor_parallel
-from tfplan.core.errors import PlanMismatchError
 from tfplan.layers.moe import MixtureOfExperts
 from tfplan.planner.plan import Plan
 
-EXPERT_SPLIT = "experts"  # the twin's ``tp_split`` (``apply.sharded_base.Sharded``)
-DENSE_MOE_BLOCKS = ("MixtralSparseMoeBlock", "QwenMoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+__all__ = ["ExpertParallelError", "ExpertParallelMoE", "check_expert_parallel",
+           "moe_group_warning", "wrap_expert_parallel"]
+
+# keras_hub's other MoE blocks (dense experts, shared experts): not split by experts yet
+REFUSED_MOE_BLOCKS = ("QwenMoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
 
 
-class ExpertParallelError(PlanMismatchError):
-    """An expert-parallel plan this model or strategy cannot run (see the module docstring)."""
-
-
-class _Group:
-    """The twins of one ep group, rank order (a plain object: Keras does not track it)."""
-
-    def __init__(self, twins: Sequence[Any]) -> None:
-        self.twins = tuple(twins)
-
-
-class ExpertParallelMoE(Sharded, MixtureOfExperts):
+class ExpertParallelMoE(ExpertShards, Sharded, MixtureOfExperts):
     """``MixtureOfExperts`` holding experts ``rank*E/ep .. (rank+1)*E/ep - 1`` of one ep
     group; its ``experts`` runs each chunk of the dispatch buffer on the group member that
     holds those experts (module docstring). Reads and writes the unsplit layer's weights."""
 
-    ep: int = 1
-    ep_rank: int = 0
-    ep_device: str = ""
-
-    def init_ep(self, ep: int, rank: int, device: str) -> None:
-        self.ep, self.ep_rank, self.ep_device = ep, rank, device
-        self._init_tp(EXPERT_SPLIT, (device,))
-        self._group = _Group(())
-
-    def link(self, twins: Sequence["ExpertParallelMoE"]) -> None:
-        """The group's twins, rank order (this one at ``ep_rank``)."""
-        self._group = _Group(twins)
-
-    def peers(self) -> tuple["ExpertParallelMoE", ...]:
-        """The group's twins, rank order; empty before ``link`` (a method, not an
-        attribute: Keras' weight files walk a layer's attributes)."""
-        return self._group.twins
+    is_expert_twin = True
 
     def build(self, input_shape: Any) -> None:
         d = input_shape[-1]
@@ -130,58 +124,32 @@ class ExpertParallelMoE(Sharded, MixtureOfExperts):
                                 if self.use_bias else None)
         self.built = True
 
+    def shard_variables(self) -> list[Any]:
+        return [v for v in self.expert_weights() if v is not None]
+
     def experts(self, xe: tf.Tensor, weights: tuple[Any, ...] | None = None) -> tf.Tensor:
         """The layer's experts on ``xe`` ([E, C, d]): chunk j of the E axis on rank j of the
         group, with its shard (placed transfers: the all-to-all, module docstring)."""
         if weights is not None:
             return super().experts(xe, weights)
-        peers = self.peers()
-        if len(peers) != self.ep:
-            raise ExpertParallelError(
-                f"Expert-parallel layer {self.name!r} was called before its ep group was "
-                f"linked (received {len(peers)} twins, expected ep={self.ep}); build it "
-                "through apply.wrap (apply.expert_parallel.wrap_expert_parallel).")
-        chunks = tf.split(xe, self.ep, axis=0)
-        outputs = []
-        for peer, chunk in zip(peers, chunks):
-            with tf.device(peer.ep_device):  # that rank's experts, on its device
-                outputs.append(MixtureOfExperts.experts(peer, chunk, peer.expert_weights()))
-        return tf.concat(outputs, axis=0)  # back on this replica's device
+        return self.on_ranks(xe, lambda peer, chunk: MixtureOfExperts.experts(
+            peer, chunk, peer.expert_weights()))
 
     # --- unsplit weights (apply.sharded_base.Sharded) ------------------------------------
-    def _stacked(self) -> list[int]:
-        """Indices into ``self.weights`` of the stacked expert weights (all but the router)."""
-        return list(range(1, len(self.weights)))
-
     def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        group = self.peers() or (self,)
-        out: list[tuple[tuple[Any, ...], int | None]] = [((self.router_kernel,), None)]
-        for i in self._stacked():
-            out.append((tuple(t.weights[i] for t in group), 0 if self.peers() else None))
-        return out
+        return [((self.router_kernel,), None), *self.stacked_pieces()]
 
     def full_weights(self) -> list[np.ndarray]:
-        if not self.peers() and self.ep > 1:
-            raise ExpertParallelError(
-                f"Expert-parallel layer {self.name!r} holds 1/{self.ep} of the experts and "
-                "its ep group is not linked (received no group, expected ep="
-                f"{self.ep} twins): its unsplit weights cannot be read. Wrap the model with "
-                "apply.wrap.")
+        self.check_linked()
         return [np.asarray(shards[0].numpy()) if axis is None
                 else concat_variables(shards, axis) for shards, axis in self.full_pieces()]
 
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
+    def set_full_weights(self, weights: list[Any] | tuple[Any, ...]) -> None:
         if len(weights) != len(self.weights):
             raise ValueError(f"Layer {self.name!r} has {len(self.weights)} weight arrays "
                              f"(unsplit, as MixtureOfExperts); received {len(weights)}.")
         self.router_kernel.assign(np.asarray(weights[0]))
-        for i in self._stacked():
-            full = np.asarray(weights[i])
-            if self.peers():  # every rank of the group its slice
-                assign_pieces([t.weights[i] for t in self.peers()], full, 0)
-            else:  # not linked yet (while the replicas are built): this rank's slice
-                n = full.shape[0] // self.ep
-                self.weights[i].assign(full[self.ep_rank * n:(self.ep_rank + 1) * n])
+        self.assign_stacked(weights[1:])
 
 
 # the user's class in weight files (Keras names a layer's entry after its class) and in
@@ -191,16 +159,58 @@ ExpertParallelMoE.__name__ = MixtureOfExperts.__name__
 ExpertParallelMoE.__module__ = MixtureOfExperts.__module__
 
 
+def moe_twin(layer: Any, ep: int, rank: int, device: str) -> ExpertParallelMoE:
+    """An unbuilt ``ExpertParallelMoE`` with ``layer``'s configuration, rank ``rank``."""
+    twin = ExpertParallelMoE.from_config(layer.get_config())
+    twin.init_ep(ep, rank, device)
+    return twin
+
+
+def _inner_moe_twin(layer: Any, original: Any, ep: int, rank: int, device: str
+                    ) -> ExpertParallelMoE:
+    """``moe_twin`` of a built sub-layer, built on ``device`` with its shapes and weights
+    (``original``, the user's layer, has the same configuration)."""
+    twin = moe_twin(layer, ep, rank, device)
+    with tf.device(device), scopes_of(layer):  # variable paths as the layer's
+        twin.build(**compat.build_arguments(layer))
+    twin.set_full_weights(layer.get_weights())  # this rank's slice (not linked yet)
+    return twin
+
+
 # --- which layers, and the checks --------------------------------------------------------------
 
-def _all_layers(view: Any) -> list[Any]:
-    flatten = getattr(view, "_flatten_layers", None)
-    return list(flatten(include_self=False, recursive=True)) if flatten else []
+def _sublayers(layer: Any) -> list[Any]:
+    flatten = getattr(layer, "_flatten_layers", None)
+    return list(flatten(include_self=False, recursive=False)) if flatten else []
+
+
+def _is_expert_layer(layer: Any) -> bool:
+    return isinstance(layer, MixtureOfExperts) or is_mixtral_block(layer)
+
+
+def expert_layers(model: Any) -> list[tuple[Any, Any]]:
+    """(parent, layer) for every MoE layer (``MixtureOfExperts``, keras_hub's Mixtral
+    block) in ``model``, depth first in Keras' tracking order; ``model`` is the parent of
+    its own top-level ones. Expert twins already swapped in are not listed."""
+    out: list[tuple[Any, Any]] = []
+
+    def walk(parent: Any, layers: list[Any]) -> None:
+        for layer in layers:
+            if getattr(layer, "is_expert_twin", False):
+                continue
+            if _is_expert_layer(layer):
+                out.append((parent, layer))
+            else:
+                walk(layer, _sublayers(layer))
+    walk(model, list(model.layers))
+    return out
 
 
 def moe_layers(view: Any) -> list[Any]:
     """Every ``MixtureOfExperts`` in ``view``, at any depth."""
-    return [layer for layer in _all_layers(view) if isinstance(layer, MixtureOfExperts)]
+    flatten = getattr(view, "_flatten_layers", None)
+    layers = list(flatten(include_self=False, recursive=True)) if flatten else []
+    return [layer for layer in layers if isinstance(layer, MixtureOfExperts)]
 
 
 def moe_group_warning(plan: Plan, view: Any) -> str | None:
@@ -213,6 +223,8 @@ def moe_group_warning(plan: Plan, view: Any) -> str | None:
         return None
     grouped = [layer.name for layer in moe_layers(view)
                if layer.capacity_factor is not None or layer.aux_loss_weight > 0]
+    grouped += [layer.name for _, layer in expert_layers(view)
+                if is_mixtral_block(layer) and layer.router_aux_loss_coef > 0]
     if not grouped:
         return None
     return (f"Plan {plan.name!r} routes each replica's micro-batch on its own ({s.dp} "
@@ -221,79 +233,110 @@ def moe_group_warning(plan: Plan, view: Any) -> str | None:
             "factor or a load-balancing loss: the capacity (which tokens are dropped) and "
             "the aux loss are computed per group of tokens (GShard's groups; the aux losses "
             "averaged over the replicas), so training differs from one device's. "
-            "capacity_factor=None and aux_loss_weight=0 train like one device.")
+            "capacity_factor=None and aux_loss_weight=0 (router_aux_loss_coef=0) train "
+            "like one device.")
 
 
-def check_expert_parallel(plan: Plan, view: Any) -> list[Any]:
-    """The top-level MixtureOfExperts layers an ep plan splits; ExpertParallelError for
+def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
+    """``expert_layers(view)``, the MoE layers an ep plan splits; ExpertParallelError for
     what it cannot run (module docstring)."""
-    s = plan.strategy
-    ep = s.ep
-    hub = [type(layer).__name__ for layer in _all_layers(view)
-           if type(layer).__name__ in DENSE_MOE_BLOCKS]
-    if hub:
+    ep = plan.strategy.ep
+    flatten = getattr(view, "_flatten_layers", None)
+    every = list(flatten(include_self=False, recursive=True)) if flatten else []
+    other = sorted({type(layer).__name__ for layer in every
+                    if type(layer).__name__ in REFUSED_MOE_BLOCKS})
+    if other:
         raise ExpertParallelError(
             f"Plan {plan.name!r} has ep={ep}, and the model's mixture-of-experts blocks are "
-            f"keras_hub's {sorted(set(hub))}, which apply does not split by experts yet "
-            "(expected tfplan.layers.MixtureOfExperts layers). Re-plan with ep=1 "
-            "(plan analyze --fix ep=1), or build the model with "
-            "tfplan.layers.MixtureOfExperts.")
-    top = {id(layer) for layer in view.layers}
-    layers = moe_layers(view)
-    inner = [layer.name for layer in layers if id(layer) not in top]
-    if inner:
-        raise ExpertParallelError(
-            f"Plan {plan.name!r} has ep={ep}; MixtureOfExperts layer(s) {inner} sit inside "
-            "a block or nested model, and apply splits only the Functional model's own "
-            "MixtureOfExperts layers by experts (expected them at the top level). Call the "
-            "MixtureOfExperts layer in the Functional model itself, or re-plan with ep=1.")
-    if not layers:
+            f"keras_hub's {other}, which apply does not split by experts yet (expected "
+            "tfplan.layers.MixtureOfExperts or keras_hub's MixtralSparseMoeBlock). Re-plan "
+            "with ep=1 (plan analyze --fix ep=1).")
+    found = expert_layers(view)
+    if not found:
         raise ExpertParallelError(
             f"Plan {plan.name!r} has ep={ep} (expert parallelism), but model "
-            f"{view.name!r} has no tfplan.layers.MixtureOfExperts layer (received none, "
-            "expected at least one): there are no experts to split. Re-plan with ep=1.")
-    for layer in layers:
+            f"{view.name!r} has no tfplan.layers.MixtureOfExperts layer or Mixtral block "
+            "(received none, expected at least one): there are no experts to split. "
+            "Re-plan with ep=1.")
+    for parent, layer in found:
+        if parent is not view and isinstance(parent, keras.Model):
+            raise ExpertParallelError(
+                f"Plan {plan.name!r} has ep={ep}; mixture-of-experts layer {layer.name!r} is "
+                f"a layer of nested model {parent.name!r}, whose graph apply does not re-wire "
+                "(expected it at the top level of the model, or inside a block: a custom "
+                "layer). Call it in the outer Functional model, or re-plan with ep=1.")
+        if parent is view and is_mixtral_block(layer):
+            raise ExpertParallelError(
+                f"Plan {plan.name!r} has ep={ep}; keras_hub Mixtral MoE block "
+                f"{layer.name!r} is called directly in the Functional model (expected it "
+                "inside its MixtralTransformerDecoder). Re-plan with ep=1.")
         if layer.num_experts % ep:
             raise ExpertParallelError(
-                f"Plan {plan.name!r} has ep={ep}, but MixtureOfExperts layer {layer.name!r} "
-                f"has num_experts={layer.num_experts} (expected a multiple of ep: each "
-                "rank holds num_experts/ep experts). Re-plan with an ep that divides "
-                f"{layer.num_experts}, or change num_experts.")
-    return layers
+                f"Plan {plan.name!r} has ep={ep}, but mixture-of-experts layer "
+                f"{layer.name!r} has num_experts={layer.num_experts} (expected a multiple "
+                "of ep: each rank holds num_experts/ep experts). Re-plan with an ep that "
+                f"divides {layer.num_experts}, or change num_experts.")
+    return found
 
 
 # --- wrapping ------------------------------------------------------------------------------------
 
+# (the replica's built layer, the user's, ep, rank, device) -> the replica's twin
+Twin = Callable[[Any, Any, int, int, str], Any]
+
+
+def _twin_maker(layer: Any) -> Twin:
+    return mixtral_twin if is_mixtral_block(layer) else _inner_moe_twin
+
+
+def _shards_of(twin: Any) -> ExpertShards:
+    """The part of a swapped-in twin that holds the experts (a Mixtral block's bank)."""
+    return twin if isinstance(twin, ExpertShards) else twin.expert_bank
+
+
 def wrap_expert_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str], *,
                          recompute_layers: Collection[str] = ()) -> TensorParallelModel:
-    """``apply.tensor_parallel.wrap_tensor_parallel`` with every top-level
-    MixtureOfExperts re-created as replica r's ``ExpertParallelMoE`` (rank r % ep), the
-    twins of each ep group linked, and each expert shard's gradient summed over the
-    replicas of its ep rank only (module docstring)."""
+    """``apply.tensor_parallel.wrap_tensor_parallel`` with every MoE layer re-created as
+    replica r's expert-parallel twin (rank r % ep): a top-level ``MixtureOfExperts`` when
+    the replica is cloned, one inside a block (a Mixtral block too) swapped into the
+    built block; the twins of each ep group linked, and each expert shard's gradient
+    summed over the replicas of its ep rank only (module docstring)."""
     s = plan.strategy
     ep, dp = s.ep, s.dp
-    names = {layer.name for layer in check_expert_parallel(plan, view)}
+    top = {layer.name for parent, layer in check_expert_parallel(plan, view)
+           if parent is view}
 
     def substitute(layer: Any, r: int, device: str) -> Any:
-        if layer.name not in names:
-            return None
-        twin = ExpertParallelMoE.from_config(layer.get_config())
-        twin.init_ep(ep, r % ep, device)
-        return twin
+        return moe_twin(layer, ep, r % ep, device) if layer.name in top else None
 
     model = wrap_tensor_parallel(view, plan, device_of_layer,
                                  recompute_layers=recompute_layers, substitute=substitute)
     replicas = model.replica_models()
+    originals = [layer for parent, layer in expert_layers(view) if parent is not view]
+    twins: list[list[ExpertShards]] = []  # per replica, in the same order
+    for r, replica in enumerate(replicas):
+        mine = [_shards_of(replica.get_layer(name)) for name in sorted(top)]
+        inner = expert_layers(replica)  # inside blocks: swapped in place
+        if len(inner) != len(originals):
+            raise ExpertParallelError(
+                f"Plan {plan.name!r}: replica {r} of model {view.name!r} holds {len(inner)} "
+                f"mixture-of-experts layers inside blocks, the model {len(originals)} "
+                "(expected the same: a block's get_config must re-create its sub-layers). "
+                "Re-plan with ep=1.")
+        for (parent, layer), original in zip(inner, originals):
+            device = tf_variable(layer.weights[0]).device  # where the replica built it
+            twin = _twin_maker(layer)(layer, original, ep, r % ep, device)
+            swap_in(parent, layer, twin)
+            mine.append(_shards_of(twin))
+        twins.append(mine)
     groups = tuple(tuple(range(k, dp, ep)) for k in range(ep))  # same rank: same experts
     partial: dict[int, tuple[tuple[int, ...], ...]] = {}
-    for name in names:
-        twins = [m.get_layer(name) for m in replicas]
+    for i, first in enumerate(twins[0]):
         for g in range(dp // ep):
-            members = twins[g * ep:(g + 1) * ep]
+            members = [twins[r][i] for r in range(g * ep, (g + 1) * ep)]
             for twin in members:
                 twin.link(members)
-        first = twins[0]
-        for i in first._stacked():
-            partial[id(first.weights[i])] = groups
+        for v in first.shard_variables():
+            partial[id(v)] = groups
     model.set_reduction_groups(partial)
     return model

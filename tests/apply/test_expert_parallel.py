@@ -210,6 +210,89 @@ def test_what_expert_parallelism_does_not_run_is_refused():
     six = module.build_model(num_experts=6)
     with pytest.raises(ExpertParallelError, match="num_experts=6 .*multiple of ep"):
         apply.wrap(six, ep_plan(six, [cpus(0, 1, 2, 3)], ep=4))
+    from tfplan.layers import MixtureOfExperts
+
+    tokens = keras.Input((4, 16))
+    inner = keras.Model(tokens, MixtureOfExperts(4, 2, 8, aux_loss_weight=0.0)(tokens),
+                        name="inner")
+    x = keras.Input((4, 6))
+    nested = keras.Model(x, keras.layers.Dense(3)(inner(keras.layers.Dense(16)(x))))
+    with pytest.raises(ExpertParallelError, match="nested model 'inner'"):
+        apply.wrap(nested, ep_plan(nested, [cpus(0, 1)], ep=2))
+
+
+@pytest.mark.parametrize("name", ["tiny_moe_block", "tiny_mixtral"])
+def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
+    """ep=2 (dp=2): a MixtureOfExperts inside a custom block, and keras_hub's Mixtral MoE
+    block inside each MixtralTransformerDecoder (routed twin, same weights), swapped in
+    place; losses and weights as one device, every shard and its slots on its replica's
+    device, the weight file loads into the user's model."""
+    import keras
+    import numpy as np
+
+    from tfplan import apply
+    from tfplan.apply.checkpoint import slot_variables
+    from tfplan.apply.expert_group import ExpertShards
+    from tfplan.apply.placement import tf_variable
+
+    module = load_model_file(name)
+
+    def fresh():
+        keras.utils.set_random_seed(0)
+        model = module.build_model()
+        model.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        return model
+
+    model = fresh()
+    w = apply.wrap(model, ep_plan(model, [cpus(0, 1)], ep=2))
+    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    batches = batches_of(module, 3, BATCH)
+    np.testing.assert_allclose(step_losses(w, batches), step_losses(model, batches), rtol=1e-4)
+    for got, want in zip(w.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    slots = slot_variables(w.optimizer)
+    for r, replica in enumerate(w.replica_models()):
+        shards = [layer for layer in replica._flatten_layers(recursive=True)
+                  if isinstance(layer, ExpertShards)]
+        assert len(shards) == 2 and {t.ep_rank for t in shards} == {r % 2}
+        for twin in shards:
+            for v in twin.shard_variables():
+                assert v.shape[0] == 2, v.path  # 4 experts over ep=2
+                for x in (v, slots[(id(v), 0)], slots[(id(v), 1)]):
+                    assert _short(tf_variable(x).device) == f"CPU:{r}", (r, x.path)
+    w.save_weights(str(tmp_path / "ep.weights.h5"))
+    plain = fresh()
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(str(tmp_path / "ep.weights.h5"))
+    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    more = batches_of(module, 4, BATCH)[3:]
+    np.testing.assert_allclose(step_losses(plain, more), step_losses(w, more), rtol=1e-4)
+
+
+def test_mixtral_router_aux_loss_under_ep_is_in_the_loss_with_a_warning():
+    """router_aux_loss_coef=0.02 under dp2 x ep2: a warning; the first loss is the MSE plus
+    the mean over the two replicas of their blocks' aux losses (the user's blocks on each
+    half of the batch)."""
+    import keras
+    import numpy as np
+
+    from tfplan import apply
+
+    module = load_model_file("tiny_mixtral")
+    keras.utils.set_random_seed(4)
+    model = module.build_model(router_aux_loss_coef=0.02, layers=1)
+    with pytest.warns(UserWarning, match="GShard's groups"):
+        w = apply.wrap(model, ep_plan(model, [cpus(0, 1)], ep=2))
+    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    (x, y), = batches_of(module, 1, BATCH)
+    aux = []
+    for part in np.split(x, 2):
+        model(part, training=True)
+        aux.append(sum(float(v) for v in model.losses))
+    assert len(model.losses) == 1 and min(aux) > 0
+    mse = float(np.mean((np.asarray(model(x)) - y) ** 2))
+    np.testing.assert_allclose(step_losses(w, [(x, y)])[0], mse + np.mean(aux), rtol=1e-4)
 
 
 # --- across two worker processes (apply.remote) ------------------------------------------------
