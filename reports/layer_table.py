@@ -30,6 +30,8 @@ layers, not the cluster.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from tfplan.planner import cost_model as cm
@@ -68,6 +70,39 @@ def _pricer(profile: ModelProfile, plan: Plan) -> Pricer:
     return pricer
 
 
+def _state(a: dict, sel: np.ndarray, s: Any, replicas: int, zero: int, *, per_layer: bool
+           ) -> Any:
+    """Weights, gradients and optimizer state of layers ``sel`` as the pricing holds them
+    (``Pricer``): per layer (no ZeRO buffers) or summed over them with the largest layer's
+    gathered weights and gradient bucket. Mixture-of-experts layers' expert share is
+    divided by ep and sharded over the dp / ep ranks that hold the same experts
+    (``planner.experts``); the rest over the data-parallel group."""
+    ep = max(1, getattr(s, "ep", 1))
+    names = ("param", "cw", "grad", "opt")
+
+    def pick(x: np.ndarray) -> Any:
+        return x[sel] if per_layer else float(np.sum(x[sel]))
+
+    def largest(x: np.ndarray) -> float:
+        return 0.0 if per_layer or not len(sel) else float(np.max(x[sel]))
+
+    if not any(np.any(a["x" + n]) for n in names):  # no experts: one state
+        return sharding.state_bytes(*(pick(a[n]) for n in names), replicas=replicas,
+                                    zero_stage=zero, offload=s.offload,
+                                    largest_gather=largest(a["gather"]),
+                                    largest_grad=largest(a["grad"]))
+    xgather = np.where(a["cw"] > 0, a["xcw"], a["xparam"])
+    expert_replicas = replicas // ep
+    return sharding.state_bytes(
+        *(pick(a[n] - a["x" + n]) for n in names), replicas=replicas, zero_stage=zero,
+        offload=s.offload, largest_gather=largest(a["gather"] - xgather * (1 - 1 / ep)),
+        largest_grad=largest(a["grad"] - a["xgrad"] * (1 - 1 / ep))) \
+        + sharding.state_bytes(*(pick(a["x" + n] / ep) for n in names),
+                               replicas=expert_replicas,
+                               zero_stage=zero if expert_replicas > 1 else 0,
+                               offload=s.offload, largest_gather=0.0, largest_grad=0.0)
+
+
 def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
@@ -84,9 +119,7 @@ def layer_table(profile: ModelProfile, plan: Plan) -> dict:
     index = {l.name: i for i, l in enumerate(profile.layers)}
     replicas = s.replicas
     zero = s.zero_stage if replicas > 1 else 0
-    state = sharding.state_bytes(a["param"], a["cw"], a["grad"], a["opt"], replicas=replicas,
-                                 zero_stage=zero, offload=s.offload, largest_gather=0.0,
-                                 largest_grad=0.0)
+    state = _state(a, np.arange(len(profile.layers)), s, replicas, zero, per_layer=True)
     if s.recompute == "full":
         kept = np.zeros(len(profile.layers))
         time = a["fwd"] + a["bwd"] + a["tpf"] + a["tpb"] + a["cpf"] + a["cpb"] \
@@ -127,13 +160,7 @@ def layer_table(profile: ModelProfile, plan: Plan) -> dict:
                          round(state[i]), round(act), round(state[i] + act)])
         sel = np.array(ids, dtype=int)
         layer_sum = float(np.sum(state[sel]) + np.sum(kept[sel]) * in_flight[d])
-        sums = {name: float(np.sum(a[name][sel])) for name in ("param", "cw", "grad", "opt")}
-        largest = {name: float(np.max(a[name][sel])) if len(sel) else 0.0
-                   for name in ("gather", "grad")}
-        held = float(sharding.state_bytes(
-            sums["param"], sums["cw"], sums["grad"], sums["opt"], replicas=replicas,
-            zero_stage=zero, offload=s.offload, largest_gather=largest["gather"],
-            largest_grad=largest["grad"]))
+        held = float(_state(a, sel, s, replicas, zero, per_layer=False))
         extra = []
         buffers = held - float(np.sum(state[sel]))
         if abs(buffers) >= 1:

@@ -269,3 +269,25 @@ def _render(tmp_path, doc, result, page: str) -> dict:
         server.server_close()
     assert '<pre id="result">' in dom, dom[-3000:]
     return json.loads(html.unescape(dom.split('<pre id="result">')[1].split("</pre>")[0]))
+
+
+@pytest.mark.parametrize("fix", [
+    {"dp": 8, "ep": 8, "zero_stage": 0},
+    {"dp": 8, "ep": 4, "zero_stage": 1},
+    {"dp": 4, "pp": 2, "ep": 2, "zero_stage": 2},
+    {"dp": 8, "ep": 2, "zero_stage": 3},
+])
+def test_expert_parallel_stage_totals_are_the_predicted_peak(fix):
+    """With experts split over ep (their state 1/ep per device, ZeRO over dp/ep), every
+    stage's rows still add up to the plan's predicted peak: the table prices the experts
+    as the planner does."""
+    from tests.planner.moe_profile import moe_gpt_profile
+    profile = moe_gpt_profile(4, 256, 4, 8, 1024)
+    plan = search(profile, parse_cluster("8xA100-80GB"), 16, fix=fix).chosen
+    assert plan.strategy.ep == fix["ep"]
+    table = layer_table(profile, plan)
+    predicted = dict(plan.predicted.peak_memory_bytes_per_device)
+    for g in table["stages"]:
+        labels = [r["label"] for r in g["rows"]]
+        assert "difference to the plan's prediction" not in labels, (plan.name, g["rows"])
+        assert g["total_bytes"] == predicted[plan.stages[g["stage"]].devices[0]]
