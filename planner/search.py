@@ -634,7 +634,7 @@ def _nothing_fits(ctx: SearchContext, ranked: list[Plan], estimates: list[Estima
     elif cm.with_margin_bytes(worst.state_bytes) > cap:
         text += (f" Layer {worst.name!r} alone holds {fmt_bytes(worst.state_bytes)} of weights, "
                  "gradients and optimizer state (before the allocator margin), so more devices "
-                 "more devices help only through tensor parallelism, which divides it by tp "
+                 "help only through tensor parallelism, which divides it by tp "
                  f"<= {ctx.cluster.devices_per_node} (devices per node).")
     largest = _largest_batch_that_fits(ctx, b - 1)
     if largest:
