@@ -34,21 +34,33 @@ def ep_plan(model, stage_devices, ep: int, **kwargs):
                                name=f"{plan.name} ep={ep}")
 
 
-def reference():
+CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the model's gradient norms
+
+
+def optimizer(module, clip: bool = False):
+    import keras
+
+    if clip:  # Adam would hide a wrong clip: its steps ignore the gradients' scale
+        return keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=CLIP_NORM)
+    return fresh_optimizer(module)
+
+
+def reference(clip: bool = False):
     """(losses, final weights) of one device, 10 steps."""
-    if not _REFERENCE:
+    if clip not in _REFERENCE:
         module, copy = single_device_copy("tiny_moe")
-        _REFERENCE["losses"] = step_losses(copy, batches_of(module, STEPS, BATCH))
-        _REFERENCE["weights"] = copy.get_weights()
-    return _REFERENCE["losses"], _REFERENCE["weights"]
+        copy.compile(optimizer=optimizer(module, clip), loss=module.loss)
+        losses = step_losses(copy, batches_of(module, STEPS, BATCH))
+        _REFERENCE[clip] = losses, copy.get_weights()
+    return _REFERENCE[clip]
 
 
-def wrapped(plan):
+def wrapped(plan, clip: bool = False):
     from tfplan import apply
 
     module, model = base_model("tiny_moe")
     w = apply.wrap(model, plan)
-    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    w.compile(optimizer=optimizer(module, clip), loss=module.loss)
     return module, w
 
 
@@ -75,36 +87,56 @@ def assert_experts_placed(w, plan) -> None:
             if len(v.shape) > 1 and v is not twin.router_kernel:
                 assert v.shape[0] == 8 // s.ep, v.path
             assert _short(tf_variable(v).device) == want, (r, v.path)
-            for k in range(2):  # Adam: momentum and velocity
-                slot = slots[(id(v), k)]
+            mine = [slot for (key, _), slot in slots.items() if key == id(v)]
+            assert mine  # Adam: momentum and velocity; SGD: momentum
+            for slot in mine:
                 assert _short(tf_variable(slot).device) == want, (r, slot.path)
 
 
 import pytest  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["ep4", "dp4xep2", "ep2xpp2"])
+@pytest.mark.parametrize("kind", ["ep4", "dp4xep2", "ep2xpp2", "dp4xep2+clip"])
 def test_expert_parallel_trains_like_one_device(kind):
+    """ep4; dp4 x ep2 (two copies of each expert); ep2 x pp2 (the MoE layer on stage 1, 2
+    micro-batches in 1F1B order); dp4 x ep2 with global_clipnorm (the norm over one copy
+    of the model: each expert once, apply.clipping)."""
     import numpy as np
 
     from tfplan.apply.mode import execution_mode
 
     _, model = base_model("tiny_moe")
+    clip = kind.endswith("+clip")
     if kind == "ep4":
         plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=4)
-    elif kind == "dp4xep2":
+    elif kind.startswith("dp4xep2"):
         plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2)
     else:  # two pipeline stages, the MoE layer on the second; 2 micro-batches
         plan = ep_plan(model, [cpus(0, 1), cpus(2, 3)], ep=2, num_microbatches=2,
                        stage_layers=[("embed",), ("moe", "residual", "pool", "head")])
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                      schedule="1f1b"))
     assert execution_mode(plan).mode == "tensor_parallel"
-    module, w = wrapped(plan)
-    losses, weights = reference()
+    module, w = wrapped(plan, clip)
+    losses, weights = reference(clip)
     np.testing.assert_allclose(step_losses(w, batches_of(module, STEPS, BATCH)), losses,
                                rtol=1e-4)
     for got, want in zip(w.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert_experts_placed(w, plan)
+
+
+def test_the_clip_case_clips():
+    """The +clip case's first gradient norm is above CLIP_NORM, so a norm that missed some
+    experts' shards would scale the update differently."""
+    import tensorflow as tf
+
+    module, copy = single_device_copy("tiny_moe")
+    (x, y), = batches_of(module, 1, BATCH)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(copy(x) - y))
+    grads = tape.gradient(loss, copy.trainable_variables)
+    assert float(tf.linalg.global_norm(grads)) > 2 * CLIP_NORM
 
 
 def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
@@ -293,6 +325,25 @@ def test_mixtral_router_aux_loss_under_ep_is_in_the_loss_with_a_warning():
     assert len(model.losses) == 1 and min(aux) > 0
     mse = float(np.mean((np.asarray(model(x)) - y) ** 2))
     np.testing.assert_allclose(step_losses(w, [(x, y)])[0], mse + np.mean(aux), rtol=1e-4)
+
+
+def test_an_ep_plan_never_runs_under_a_strategy():
+    """ep > 1 runs as tensor_parallel copies on one host even with tp = pp = 1 (not
+    MirroredStrategy), and through worker 0 across workers also when each ep group lies
+    inside one worker (one program per worker has no transfers between processes)."""
+    from tfplan.apply.mode import Processes, execution_mode
+    from tests.apply.test_multi_worker_hybrid import CPUS, WORKERS, dev
+
+    _, model = base_model("tiny_moe")
+    plain = make_plan(model, [cpus(0, 1)], global_batch=BATCH)
+    assert execution_mode(plain).mode == "data_parallel"
+    assert execution_mode(ep_plan(model, [cpus(0, 1)], ep=2)).mode == "tensor_parallel"
+    inside = ep_plan(model, [[dev(w, i) for w in range(WORKERS) for i in range(CPUS)]], ep=2)
+    inside = dataclasses.replace(inside, cluster=dataclasses.replace(
+        inside.cluster, num_nodes=WORKERS, devices_per_node=CPUS,
+        inter_node_link=inside.cluster.intra_node_link))
+    mode = execution_mode(inside)
+    assert (mode.mode, mode.processes) == ("tensor_parallel", Processes.REMOTE)
 
 
 # --- across two worker processes (apply.remote) ------------------------------------------------
