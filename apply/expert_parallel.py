@@ -157,6 +157,7 @@ class ExpertParallelMoE(ExpertShards, Sharded, MixtureOfExperts):
 # the same for its twins)
 ExpertParallelMoE.__name__ = MixtureOfExperts.__name__
 ExpertParallelMoE.__module__ = MixtureOfExperts.__module__
+compat.serialize_as(ExpertParallelMoE, MixtureOfExperts)  # tfplan>MixtureOfExperts
 
 
 def moe_twin(layer: Any, ep: int, rank: int, device: str) -> ExpertParallelMoE:

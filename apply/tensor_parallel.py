@@ -31,7 +31,12 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   the copies stay equal). The model returned is replica 0; ``weights``, weight
   files and ``get_weights`` hold one copy, ``trainable_variables`` (what is
   trained, with its optimizer slots) every copy. ``global_clipnorm`` is computed over
-  one copy (``apply.clipping``), as on one device.
+  one copy (``apply.clipping``), as on one device. Losses the layers add (``add_loss``,
+  activity regularizers, a MoE layer's load-balancing loss) count as the mean over the
+  replicas of each one's, as under MirroredStrategy (weight regularizers, equal on every
+  copy, are unchanged). ``set_reduction_groups`` gives a weight whose copies differ
+  (``apply.expert_parallel``'s expert shards) its own partition of the replicas: its
+  gradient summed over its part only, weights synced and the clip norm counted by part.
 * Sequence parallelism (``strategy.sequence_parallel``, Korthikanti et al. 2022, Sec.
   4.2.2): the unsplit per-token layers (LayerNormalization, residual Adds, Dropout,
   activations) run once per tensor rank on its 1/tp of the sequence instead of whole

@@ -633,6 +633,20 @@ def set_untracked_attribute(layer: Any, name: str, value: Any) -> None:
         track(value, name=name, overwrite=True)
 
 
+def serialize_as(cls: type, like: type) -> None:
+    """Serialize ``cls`` under ``like``'s registered name (``object_registration.
+    GLOBAL_CUSTOM_NAMES[cls]``), leaving the name's class, the one a saved model is loaded
+    as, ``like``. ``apply.expert_parallel`` saves its twin of ``tfplan.layers.
+    MixtureOfExperts`` as the user's layer. Checked on Keras 3.15.1. Without it
+    ``keras.models.load_model`` of a wrapped model could not find the twin's bare class
+    name."""
+    names = _private("keras.src.saving.object_registration", "GLOBAL_CUSTOM_NAMES",
+                     "the registered names of serializable classes")
+    get_name = _private("keras.src.saving.object_registration", "get_registered_name",
+                        "a class's registered name")
+    names[cls] = get_name(like)
+
+
 def build_arguments(layer: Any) -> dict[str, Any]:
     """``Layer._build_shapes_dict``: the shape arguments ``layer.build`` was called with,
     by parameter name (``{"input_shape": (None, 8)}``; MultiHeadAttention's

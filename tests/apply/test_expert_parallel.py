@@ -142,7 +142,8 @@ def test_the_clip_case_clips():
 def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
     """An ep=4 model's file (weights and Adam state after 3 steps) loads into the plain
     model, which then trains on like one device; the plain model's file loads into a
-    dp4 x ep2 model, whose shards (replica 3's too) take their slices."""
+    dp4 x ep2 model, whose shards (replica 3's too) take their slices; its saved model
+    (model.save) loads as the plain model."""
     import keras
     import numpy as np
 
@@ -168,7 +169,11 @@ def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
     np.testing.assert_allclose(shard, full[4:], rtol=1e-6)  # rank 1 of group 1
     more = batches_of(module, 7, BATCH)[5:]
     np.testing.assert_allclose(step_losses(other, more), step_losses(plain, more), rtol=1e-4)
-    assert isinstance(keras.models.clone_model(plain), keras.Model)
+    other.save(str(tmp_path / "ep.keras"))  # a saved model loads as the user's layers
+    loaded = keras.models.load_model(str(tmp_path / "ep.keras"))
+    assert type(loaded.get_layer("moe")) is type(plain.get_layer("moe"))
+    for got, want in zip(loaded.get_weights(), other.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_aux_losses_of_every_replica_are_in_the_loss_with_a_warning():

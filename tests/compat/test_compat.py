@@ -627,3 +627,17 @@ def test_release_to_makes_a_variable_a_view_of_another_without_storage():
         np.testing.assert_array_equal(np.asarray(copy.value), np.full((2, 3), 5.0))
     with pytest.raises(compat.PlannerError, match="cannot view"):
         compat.release_to(keras.Variable(np.zeros(3, "float32")), owner)
+
+
+def test_serialize_as_saves_a_class_under_another_ones_registered_name():
+    @keras.saving.register_keras_serializable(package="compat_test")
+    class Plain(keras.layers.Layer):
+        pass
+
+    class Twin(Plain):
+        pass
+
+    compat.serialize_as(Twin, Plain)
+    config = keras.saving.serialize_keras_object(Twin(name="t"))
+    assert config["registered_name"] == "compat_test>Plain"
+    assert type(keras.saving.deserialize_keras_object(config)) is Plain
