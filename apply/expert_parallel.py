@@ -28,13 +28,17 @@ capacity factor); it is split along E into ep chunks; chunk j runs under ``tf.de
 replica ``g*ep + j`` with that replica's twin's expert variables; the ep outputs are
 concatenated back on r's device for the combine. This is the all-to-all of expert
 parallelism realised as placed transfers: TensorFlow inserts a Send/Recv pair for every
-chunk that changes device, so each replica sends (ep-1)/ep of its dispatch buffer to the
-other ranks of its group and receives the same amount of expert output back in the
-forward pass, and the backward pass (``tf.gradients`` colocates each gradient op with its
-forward op) moves the same bytes again in the opposite direction: per MoE layer and
-micro-batch ``2 * 2 * (ep-1)/ep * E * C * d`` elements leave and enter each replica. It is
-not a fused collective (no NCCL all-to-all): ep-1 point-to-point transfers each way,
-scheduled by TensorFlow's executor, over gRPC between workers.
+chunk that changes device. In the forward pass each replica sends (ep-1)/ep of its
+dispatch buffer (``E * C * d`` elements) to the other ranks of its group and receives
+their experts' outputs for it (the same amount) back, and, as the holder of its own
+experts, receives the same amount of the other ranks' rows and sends their outputs back;
+the backward pass (``tf.gradients`` colocates each gradient op with its forward op) moves
+the gradients of the same tensors the opposite way. Per MoE layer and micro-batch each
+replica sends ``4 * (ep-1)/ep * E * C * d`` elements and receives as many (C = its tokens
+T without a capacity factor); weights never move (each chunk reads its rank's own
+variables there). It is not a fused collective (no NCCL all-to-all): 2 (ep-1) sends and
+2 (ep-1) receives per replica in each pass, point to point, scheduled by TensorFlow's
+executor (over gRPC between workers).
 
 Gradients: ``tf.gradients`` gives each shard variable the gradient from all of its
 group's tokens (every replica of the group read it). ``TensorParallelModel`` then sums a
