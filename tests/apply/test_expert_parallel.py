@@ -1,13 +1,17 @@
 """Expert parallelism (``apply.expert_parallel``): every replica holds 1/ep of the
-mixture-of-experts layer's experts; tokens travel to their experts' replica and back.
+mixture-of-experts layers' experts; tokens travel to their experts' replica and back.
 
 The tiny MoE model (``tiny_moe``: 8 experts, top 2, no capacity limit, no aux loss) trains
-10 steps with ep=4 (dp=4), ep=2 x dp=4 and ep=2 x pp=2 (dp=2) like one device (losses and
-final weights within 1e-4), every expert shard and its optimizer slots on its replica's
-device; ep=2 across two local worker processes (worker 0 drives both: ``apply.remote``)
-likewise; weight files (with the optimizer state) move between the plain model and an ep
-plan both ways; what is not run is refused; a capacity factor or an aux loss under a split
-batch is a warning, and the aux losses of every replica are in the loss.
+10 steps with ep=4 (dp=4), ep=2 x dp=4 (also with ``global_clipnorm``) and ep=2 x pp=2
+(dp=2, 1F1B) like one device (losses and final weights within 1e-4), every expert shard
+and its optimizer slots on its replica's device; ep=2 across two local worker processes
+(worker 0 drives both: ``apply.remote``) likewise, with fit/evaluate/predict and a weight
+file. A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
+Mixtral MoE blocks inside a MixtralBackbone (``tiny_mixtral``) train like one device under
+ep=2. Weight files (with the optimizer state) and saved models move between the plain model
+and ep plans both ways; what is not run is refused; a capacity factor or an aux loss under
+a split batch is a warning, and the aux losses of every replica are in the loss (ours and
+Mixtral's).
 """
 from __future__ import annotations
 
@@ -62,6 +66,17 @@ def wrapped(plan, clip: bool = False):
     w = apply.wrap(model, plan)
     w.compile(optimizer=optimizer(module, clip), loss=module.loss)
     return module, w
+
+
+def batches(module, steps: int) -> list:
+    """``steps`` batches of BATCH samples (inputs as arrays or a dict of arrays)."""
+    x, y = module.sample_batch(steps * BATCH)
+    return [(_rows(x, i * BATCH, (i + 1) * BATCH), y[i * BATCH:(i + 1) * BATCH])
+            for i in range(steps)]
+
+
+def _rows(x, lo: int, hi: int):
+    return {k: v[lo:hi] for k, v in x.items()} if isinstance(x, dict) else x[lo:hi]
 
 
 def _short(device: str) -> str:
@@ -261,8 +276,8 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 @pytest.mark.parametrize("name", ["tiny_moe_block", "tiny_mixtral"])
 def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     """ep=2 (dp=2): a MixtureOfExperts inside a custom block, and keras_hub's Mixtral MoE
-    block inside each MixtralTransformerDecoder (routed twin, same weights), swapped in
-    place; losses and weights as one device, every shard and its slots on its replica's
+    block inside each MixtralTransformerDecoder of a MixtralBackbone (a nested model; a
+    padding mask; routed twin, same weights), swapped in place; losses and weights as one device, every shard and its slots on its replica's
     device, the weight file loads into the user's model."""
     import keras
     import numpy as np
@@ -283,8 +298,8 @@ def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     model = fresh()
     w = apply.wrap(model, ep_plan(model, [cpus(0, 1)], ep=2))
     w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-    batches = batches_of(module, 3, BATCH)
-    np.testing.assert_allclose(step_losses(w, batches), step_losses(model, batches), rtol=1e-4)
+    data = batches(module, 3)
+    np.testing.assert_allclose(step_losses(w, data), step_losses(model, data), rtol=1e-4)
     for got, want in zip(w.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     slots = slot_variables(w.optimizer)
@@ -303,7 +318,7 @@ def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     plain.load_weights(str(tmp_path / "ep.weights.h5"))
     for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    more = batches_of(module, 4, BATCH)[3:]
+    more = batches(module, 4)[3:]
     np.testing.assert_allclose(step_losses(plain, more), step_losses(w, more), rtol=1e-4)
 
 
@@ -322,10 +337,10 @@ def test_mixtral_router_aux_loss_under_ep_is_in_the_loss_with_a_warning():
     with pytest.warns(UserWarning, match="GShard's groups"):
         w = apply.wrap(model, ep_plan(model, [cpus(0, 1)], ep=2))
     w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-    (x, y), = batches_of(module, 1, BATCH)
+    (x, y), = batches(module, 1)
     aux = []
-    for part in np.split(x, 2):
-        model(part, training=True)
+    for lo in (0, BATCH // 2):
+        model(_rows(x, lo, lo + BATCH // 2), training=True)
         aux.append(sum(float(v) for v in model.losses))
     assert len(model.losses) == 1 and min(aux) > 0
     mse = float(np.mean((np.asarray(model(x)) - y) ** 2))
