@@ -1,5 +1,5 @@
-"""A tiny model file around keras_hub's ``MixtralBackbone`` (a nested model: 2 decoder
-blocks, 4 experts, top 2, no router aux loss, no jitter, token ids and a padding mask of
+"""A tiny model file around keras_hub's ``MixtralBackbone`` (a nested model: 1 decoder
+block, 4 experts, top 2, no router aux loss, no jitter, token ids and a padding mask of
 length ``SEQ``) with a Dense head per position, for the expert-parallel tests: apply swaps
 each decoder's ``MixtralSparseMoeBlock`` for its routed expert-parallel twin."""
 import keras
@@ -10,7 +10,7 @@ optimizer = keras.optimizers.Adam(learning_rate=1e-2)
 VOCAB, SEQ, WIDTH, OUT = 32, 6, 16, 3
 
 
-def build_model(router_aux_loss_coef=0.0, layers=2):
+def build_model(router_aux_loss_coef=0.0, layers=1):
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
