@@ -56,7 +56,8 @@ def _keras_layer_classes() -> set[type]:
 
 
 def layer_config(layer: Any) -> dict[str, Any]:
-    """``layer.get_config()``; where that raises (keras_hub 0.32's
+    """``layer.get_config()`` (with the plain constructor arguments it drops put back:
+    ``_with_dropped_arguments``); where that raises (keras_hub 0.32's
     ``LlamaTransformerDecoder.get_config`` reads an attribute its ``__init__`` never sets,
     ``rope_scaling_factor``), the layer's constructor arguments read back from the
     attributes of the same names (``__init__``'s parameters that the layer keeps), with
@@ -72,7 +73,7 @@ def layer_config(layer: Any) -> dict[str, Any]:
         return value
 
     try:
-        return dict(layer.get_config())
+        return _with_dropped_arguments(layer, dict(layer.get_config()))
     except Exception as error:  # noqa: BLE001 -- the fallback below, or this error
         try:
             params = inspect.signature(type(layer).__init__).parameters
@@ -88,6 +89,28 @@ def layer_config(layer: Any) -> dict[str, Any]:
             elif p.default is p.empty:
                 raise error from None  # a required argument the layer does not keep
         return config
+
+
+def _with_dropped_arguments(layer: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` plus each constructor argument it leaves out that the layer keeps under
+    the same name as a plain value (number, string, bool) other than the default: keras_hub
+    0.32's ``MixtralTransformerDecoder.get_config`` drops ``router_aux_loss_coef``, so a
+    copy made from its config would train with the default 0.02 instead of the user's."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(layer).__init__).parameters
+    except (TypeError, ValueError):
+        return config
+    for name, p in params.items():
+        if name in config or name == "self" or p.default is p.empty or \
+                p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        value = getattr(layer, name, p.default)
+        if isinstance(value, (bool, int, float, str)) and type(value) is type(p.default) \
+                and value != p.default:
+            config[name] = value
+    return config
 
 
 def sublayers(layer: Any) -> list[Any]:

@@ -344,3 +344,22 @@ def test_dispatch_bytes_in_the_compute_dtype():
                                precision="mixed_bfloat16").layer("moe")
     assert built.moe_dispatch_bytes == priced.moe_dispatch_bytes == T * 2 * D * 2
     assert built.moe_expert_flops_fwd == priced.moe_expert_flops_fwd == T * 2 * per_row()
+
+
+def test_layer_config_keeps_the_aux_loss_coefficient_mixtrals_config_drops():
+    """keras_hub 0.32's MixtralTransformerDecoder.get_config leaves out
+    router_aux_loss_coef; the config apply clones from puts the user's value back, so a
+    copy does not train with the default 0.02."""
+    from keras_hub.src.models.mixtral.mixtral_decoder import MixtralTransformerDecoder
+
+    from tfplan.profiler.signature import layer_config
+    decoder = MixtralTransformerDecoder(intermediate_dim=16, num_query_heads=2,
+                                        num_key_value_heads=1, num_experts=4, top_k=2,
+                                        router_aux_loss_coef=0.5)
+    assert "router_aux_loss_coef" not in decoder.get_config()  # the keras_hub bug
+    config = layer_config(decoder)
+    assert config["router_aux_loss_coef"] == 0.5
+    assert MixtralTransformerDecoder.from_config(config).router_aux_loss_coef == 0.5
+    default = MixtralTransformerDecoder(intermediate_dim=16, num_query_heads=2,
+                                        num_key_value_heads=1, num_experts=4, top_k=2)
+    assert "router_aux_loss_coef" not in layer_config(default)  # defaults stay implicit
