@@ -97,8 +97,12 @@ from tfplan.planner.plan import Plan
 __all__ = ["ExpertParallelError", "ExpertParallelMoE", "check_expert_parallel",
            "moe_group_warning", "wrap_expert_parallel"]
 
-# keras_hub's other MoE blocks (dense experts, shared experts): not split by experts yet
-REFUSED_MOE_BLOCKS = ("QwenMoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+# keras_hub's other MoE blocks (QwenSparseMoeBlock, Qwen3SparseMoeBlock,
+# Qwen3_5MoeSparseMoeBlock, GptOssSparseMoeBlock: dense experts, some with shared experts):
+# not split by experts yet; keras_hub names every such block "...SparseMoeBlock"
+def refused_moe_block(layer: Any) -> bool:
+    """A keras_hub MoE block apply does not split by experts (every one but Mixtral's)."""
+    return type(layer).__name__.endswith("SparseMoeBlock") and not is_mixtral_block(layer)
 
 
 class ExpertParallelMoE(ExpertShards, Sharded, MixtureOfExperts):
@@ -108,24 +112,11 @@ class ExpertParallelMoE(ExpertShards, Sharded, MixtureOfExperts):
 
     is_expert_twin = True
 
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
+
     def build(self, input_shape: Any) -> None:
-        d = input_shape[-1]
-        if d is None:
-            raise ValueError("MixtureOfExperts: the input's last dimension (the model width) "
-                             f"must be known; received shape {tuple(input_shape)}.")
-        e, h = self.num_experts // self.ep, self.expert_hidden
-        self.router_kernel = self.add_weight(shape=(d, self.num_experts), name="router_kernel",
-                                             initializer=self.kernel_initializer)
-        self.expert_in_kernel = self.add_weight(shape=(e, d, h), name="expert_in_kernel",
-                                                initializer=self.kernel_initializer)
-        self.expert_in_bias = (self.add_weight(shape=(e, h), name="expert_in_bias",
-                                               initializer=self.bias_initializer)
-                               if self.use_bias else None)
-        self.expert_out_kernel = self.add_weight(shape=(e, h, d), name="expert_out_kernel",
-                                                 initializer=self.kernel_initializer)
-        self.expert_out_bias = (self.add_weight(shape=(e, d), name="expert_out_bias",
-                                                initializer=self.bias_initializer)
-                                if self.use_bias else None)
+        super().build(input_shape)  # the layer's weights, E / ep experts of them
         self.built = True
 
     def shard_variables(self) -> list[Any]:
@@ -248,8 +239,7 @@ def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
     ep = plan.strategy.ep
     flatten = getattr(view, "_flatten_layers", None)
     every = list(flatten(include_self=False, recursive=True)) if flatten else []
-    other = sorted({type(layer).__name__ for layer in every
-                    if type(layer).__name__ in REFUSED_MOE_BLOCKS})
+    other = sorted({type(layer).__name__ for layer in every if refused_moe_block(layer)})
     if other:
         raise ExpertParallelError(
             f"Plan {plan.name!r} has ep={ep}, and the model's mixture-of-experts blocks are "

@@ -74,8 +74,8 @@ class MixtureOfExperts(keras.layers.Layer):
         if d is None:
             raise ValueError("MixtureOfExperts: the input's last dimension (the model width) "
                              f"must be known; received shape {tuple(input_shape)}.")
-        e, h = self.num_experts, self.expert_hidden
-        self.router_kernel = self.add_weight(shape=(d, e), name="router_kernel",
+        e, h = self.local_experts(), self.expert_hidden
+        self.router_kernel = self.add_weight(shape=(d, self.num_experts), name="router_kernel",
                                              initializer=self.kernel_initializer)
         self.expert_in_kernel = self.add_weight(shape=(e, d, h), name="expert_in_kernel",
                                                 initializer=self.kernel_initializer)
@@ -87,6 +87,11 @@ class MixtureOfExperts(keras.layers.Layer):
         self.expert_out_bias = (self.add_weight(shape=(e, d), name="expert_out_bias",
                                                 initializer=self.bias_initializer)
                                 if self.use_bias else None)
+
+    def local_experts(self) -> int:
+        """How many experts this layer object holds weights for (all of them; an
+        expert-parallel twin in ``apply`` holds its rank's share)."""
+        return self.num_experts
 
     def expert_weights(self) -> tuple[Any, ...]:
         """The stacked expert weights, ``[E, ...]`` each, in ``expert_mlp``'s order (biases
