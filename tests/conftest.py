@@ -77,3 +77,20 @@ if "tensorflow" in sys.modules:
     configure_logical_cpus(sys.modules["tensorflow"])
 else:
     sys.meta_path.insert(0, _ConfigureTensorFlowOnImport())
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow`` tests run only when asked for (``-m slow``), in every package.
+
+    The marker is declared in pyproject.toml ("run with -m slow"); the default run
+    (``pytest -q``) skips them to stay within its time budget. Each one is a redundant
+    combination (or a benchmark) whose feature a default test covers at small size.
+    """
+    import pytest
+
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)

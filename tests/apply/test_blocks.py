@@ -319,9 +319,20 @@ def assert_trains_like_the_backbone(wrapped, model, plan, batches, reference) ->
         assert got.shape == want.shape
 
 
+# Every backbone's splits run by default (tp2: each kind splits its own layer classes);
+# data parallelism, the pipeline cut and dp x tp do not depend on the kind's layer classes:
+# by default once each on a nested backbone (llama dp2 and pp2, gpt2 dp2-tp2) and the
+# pipeline once more over top-level blocks (decoder pp2); the other kinds with -m slow.
+HUB_DEFAULT = {("gpt2", "tp2"), ("llama", "tp2"), ("gemma", "tp2"), ("decoder", "tp2"),
+               ("llama", "dp2"), ("llama", "pp2"), ("decoder", "pp2"), ("gpt2", "dp2-tp2")}
+HUB_CASES = [pytest.param(kind, case, id=f"{kind}-{case}",
+                          marks=() if (kind, case) in HUB_DEFAULT else pytest.mark.slow)
+             for kind in ("gpt2", "llama", "gemma", "decoder")
+             for case in ("dp2", "tp2", "pp2", "dp2-tp2")]
+
+
 @pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
-@pytest.mark.parametrize("case", ["dp2", "tp2", "pp2", "dp2-tp2"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma", "decoder"])
+@pytest.mark.parametrize("kind, case", HUB_CASES)
 def test_keras_hub_backbone_trains_like_one_device(kind, case):
     model, batches, reference = hub(kind)
     plan = hub_plan(kind, case, model)
@@ -388,8 +399,11 @@ def test_selective_recomputation_reaches_the_attention_inside_blocks(case):
 
 # --- attention blocks split by heads whole (apply.sharded_attention_block) ---------------------
 @pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
-@pytest.mark.parametrize("case", ["tp2", "dp2-tp2"])
-@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("kind, case", [  # dp2-tp2 of the second attention class: -m slow
+    pytest.param("llama", "tp2", id="llama-tp2"),
+    pytest.param("llama", "dp2-tp2", id="llama-dp2-tp2"),
+    pytest.param("gemma", "tp2", id="gemma-tp2"),
+    pytest.param("gemma", "dp2-tp2", id="gemma-dp2-tp2", marks=pytest.mark.slow)])
 def test_attention_blocks_split_by_heads_train_like_one_device(kind, case):
     from tfplan.apply.sharded_attention_block import ShardedAttentionBlock
 

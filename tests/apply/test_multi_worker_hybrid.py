@@ -18,6 +18,11 @@ clips by ``global_clipnorm`` every step (``apply.clipping``); ``+zero1``: ZeRO-1
 the whole job (``apply.zero_workers``) for the MLP's dp2 and dp4 and the transformer's
 dp2 x tp2; the tiny ResNet's BatchNormalization layers with global statistics in dp2,
 dp4 and dp2xpp2 (equal to one device: ``apply.batch_stats``).
+
+The default run launches ``DEFAULT_CASES``, one case per feature (each plan shape, the
+1F1B order, clipping and ZeRO-1 in both multi-worker modes, BatchNormalization over
+workers and micro-batches); ``SLOW_CASES`` (``-m slow``) are the other models' repeats of
+those shapes.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -56,6 +63,15 @@ CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_mlp", "dp2xtp2"), ("tiny_mlp", "dp4"),
          # workers' MirroredStrategy replicas (dp2), also over each worker's two copies (dp4),
          # and over each worker's two micro-batches of a pipeline (dp2xpp2)
          ("tiny_resnet_bn", "dp2"), ("tiny_resnet_bn", "dp4"), ("tiny_resnet_bn", "dp2xpp2")]
+# one case per feature, launched by default; the first also runs fit/evaluate/predict/files
+DEFAULT_CASES = [("tiny_mlp", "dp2xpp2"), ("tiny_transformer", "dp2xpp2"), ("tiny_mlp", "dp4"),
+                 ("tiny_transformer", "dp2xtp2"), ("tiny_transformer", "dp2"),
+                 ("tiny_mlp", "dp2+clip"), ("tiny_mlp", "dp4+clip"), ("tiny_mlp", "dp4+zero1"),
+                 ("tiny_transformer", "dp2xtp2+zero1"), ("tiny_resnet_bn", "dp2"),
+                 ("tiny_resnet_bn", "dp2xpp2")]
+# the rest (-m slow), with the MLP's dp4 again for its dp2+zero1's slot count
+SLOW_CASES = [c for c in CASES if c not in DEFAULT_CASES] + [("tiny_mlp", "dp4")]
+assert set(DEFAULT_CASES) | set(SLOW_CASES) == set(CASES)
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
             "tiny_resnet_bn": "gpipe"}
 MODE = {"dp2": "MultiWorkerModel", "dp2+clip": "MultiWorkerModel"}  # apply.multi_worker
@@ -159,9 +175,11 @@ def worker_main(out_dir: str) -> None:
     from tfplan import apply
     from tfplan.planner.plan import load_plan
 
-    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(CASES))]
+    with open(os.path.join(out_dir, "cases.json"), encoding="utf-8") as f:
+        cases = [tuple(case) for case in json.load(f)]
+    plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(cases))]
     apply.ensure_devices(plans[0])  # the strategy and 2 logical CPUs, before any TF op
-    train_cases(out_dir, CASES, plans)
+    train_cases(out_dir, cases, plans)
 
 
 def _reference(name: str, kind: str, weights_path: str | None) -> dict:
@@ -194,17 +212,29 @@ def launch_with_references(script: str, out_dir, cases: list) -> tuple[int, str,
 
 
 def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
+    run_cases_over_two_workers(tmp_path, DEFAULT_CASES)
+
+
+@pytest.mark.slow
+def test_the_other_models_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
+    run_cases_over_two_workers(tmp_path, SLOW_CASES)
+
+
+def run_cases_over_two_workers(tmp_path, cases: list) -> None:
+    """Launch ``cases`` on two workers; each worker's losses (and what ``scenario`` runs)
+    equal one device's, every variable on its planned device, ZeRO-1's slots one copy."""
     import numpy as np
 
     from tfplan.apply.mode import execution_mode
     from tfplan.planner.plan import save_plan
 
-    for i, (name, kind) in enumerate(CASES):  # the workers read them
+    for i, (name, kind) in enumerate(cases):  # the workers read them
         plan = worker_plan(base_model(name)[1], name, kind)
         assert execution_mode(plan).mode == ("multi_worker" if kind in ("dp2", "dp2+clip")
                                              else "multi_worker_hybrid")
         save_plan(plan, tmp_path / f"plan{i}.json")
-    returncode, logs, references = launch_with_references(__file__, tmp_path, CASES)
+    (tmp_path / "cases.json").write_text(json.dumps(cases), encoding="utf-8")
+    returncode, logs, references = launch_with_references(__file__, tmp_path, cases)
     assert returncode == 0, logs[-6000:]
     docs = []
     for task in range(WORKERS):
@@ -225,10 +255,12 @@ def test_hybrid_plans_over_two_workers_train_like_one_device(tmp_path):
     # ZeRO-1 over the job: the workers' optimizer slots (non-scalar variables) add up to
     # one copy of the state (the same plan without ZeRO holds one per local replica on
     # every worker), and each worker holds part of it
-    for zero, full, local_dp in (("tiny_mlp dp2+zero1", "tiny_mlp dp4", 2),
-                                 ("tiny_mlp dp4+zero1", "tiny_mlp dp4", 2),
-                                 ("tiny_transformer dp2xtp2+zero1",
-                                  "tiny_transformer dp2xtp2", 1)):
+    zero_cases = [(zero, full, local_dp) for zero, full, local_dp in (
+        ("tiny_mlp dp2+zero1", "tiny_mlp dp4", 2), ("tiny_mlp dp4+zero1", "tiny_mlp dp4", 2),
+        ("tiny_transformer dp2xtp2+zero1", "tiny_transformer dp2xtp2", 1))
+        if zero in references]
+    assert all(full in references for _, full, _ in zero_cases)
+    for zero, full, local_dp in zero_cases:
         held = [doc["results"][zero]["slots"] for doc in docs]
         one_copy = docs[0]["results"][full]["slots"] // local_dp
         assert sum(held) == one_copy and all(0 < h < one_copy for h in held), (zero, held)

@@ -80,7 +80,13 @@ def assert_per_token_ops_on_their_ranks(wrapped, plan, x) -> None:
     assert not wrapped.sequence_gathered
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# each model's tp2 runs by default; dp2 x tp2 (llama) and pp2 x tp2 (transformer) once each,
+# the other model's with -m slow
+SLOW = {"transformer-dp2-tp2-sp", "llama-pp2-tp2-sp"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                  for c in CASES])
 def test_losses_and_placement(case):
     name, devices, dp = CASES[case]
     module, model = base_model(name)

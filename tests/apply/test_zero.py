@@ -73,7 +73,13 @@ def _nbytes(variable) -> int:
     return int(np.prod(variable.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# zero2-transformer-dp4: ZeRO-2 runs by default on the transformer with dp = 4 and 2
+# micro-batches, with one micro-batch on the MLP
+SLOW = {"zero2-transformer-dp4"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                  for c in CASES])
 def test_sharded_optimizer_trains_like_one_device(case, recwarn):
     name, devices, m, dp, splits, stage = CASES[case]
     module, model = base_model(name)

@@ -79,7 +79,13 @@ def _measured_bytes(replicas) -> dict[str, int]:
     return dict(out)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# transformer-dp4: the transformer runs by default with dp = 4 and 2 micro-batches, one
+# micro-batch runs by default on the MLP
+SLOW = {"transformer-dp4"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                  for c in CASES])
 def test_zero3_trains_like_one_device_with_one_copy_of_each_weight(case, recwarn):
     name, devices, m, dp, splits = CASES[case]
     module, model = base_model(name)
