@@ -171,6 +171,7 @@ def test_a_backup_resumes_under_the_newer_dimensions(name, written, read, tmp_pa
     assert_weights_close(w, reference(name))
 
 
+@pytest.mark.slow  # PAIRS cover it by default: dp4 -> zero-dp2, zero-dp2 -> pp2, cp2 -> single
 def test_dp4_backup_resumes_under_pp2_and_under_one_device(tmp_path):
     """The acceptance test of issue 13: 2 epochs under dp=4, a failure in epoch 3,
     resumed under pp=2 and (from a copy of the same backup) under one device: the final
