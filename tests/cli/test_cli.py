@@ -133,10 +133,11 @@ def reference_losses():
 
 
 @pytest.mark.parametrize("fix,expect", [
-    (None, None), ("pp=2", (1, 2)),
+    (None, None),
     # --fix is honoured by analyze in the what-if and batch-statistics tests below, and
     # train.py trains dp plans in tests/apply/test_train_script.py: -m slow
-    pytest.param("dp=4", (4, 1), marks=pytest.mark.slow)])
+    pytest.param("dp=4", (4, 1), marks=pytest.mark.slow),
+    ("pp=2", (1, 2))])
 def test_analyze_then_train_matches_single_device(tmp_path, reference_losses, fix, expect):
     out = tmp_path / "out"
     args = ["analyze", "examples/mlp.py", "--cluster", "cpu:4", "--global-batch", "32",
