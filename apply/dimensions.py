@@ -9,7 +9,9 @@ One rule per dimension, each naming the modes that run it; a dimension gains mod
 when an engine for it lands. Offload runs on one host (``apply.offload``). ZeRO-2
 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
 (``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
-(``apply.zero_workers``), ZeRO-3 not yet.
+(``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs with dp and
+pp, ZeRO-1 and ZeRO-2 (each expert shard's optimizer state on one of the replicas with
+its ep rank, ``apply.zero``), not with tp, cp, ZeRO-3 or offload (``_expert_rule``).
 """
 from __future__ import annotations
 
@@ -61,20 +63,23 @@ def unapplied_dimensions(s: Any) -> list[str]:
 
 def _expert_rule(s: Any) -> list[str]:
     """Expert parallelism (``apply.expert_parallel``): on ``apply.tensor_parallel``'s
-    data-parallel copies with tp = 1 and cp = 1, without ZeRO (its owner copies assume
-    every copy of a weight equal) or offload (the shards are built on their devices)."""
+    data-parallel copies with tp = 1 and cp = 1, with ZeRO-0, 1 or 2 (``apply.zero``: an
+    expert shard's copies are the replicas of its ep rank, one owner among them), not
+    ZeRO-3 (``apply.zero3`` keeps one persistent copy of every weight and gathers it onto
+    every replica, which an expert shard, different per ep rank, is not) or offload (the
+    shards are built on their devices)."""
     ep = getattr(s, "ep", 1)
     if ep <= 1:
         return []
     clashes = [what for what, on in (
         (f"tp={s.tp}", s.tp > 1), (f"cp={s.cp}", s.cp > 1),
-        (f"zero_stage={s.zero_stage}", s.zero_stage > 0),
+        (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
         (f"offload={s.offload!r}", s.offload != "none")) if on]
     if not clashes:
         return []
     return [f"ep={ep} (expert parallelism, apply.expert_parallel) runs with data and "
-            "pipeline parallelism only (expected tp = cp = 1, zero_stage 0, offload "
-            f"'none'); this plan has {', '.join(clashes)}"]
+            "pipeline parallelism and ZeRO-1/2 only (expected tp = cp = 1, zero_stage 0, 1 "
+            f"or 2, offload 'none'); this plan has {', '.join(clashes)}"]
 
 
 def _offload_rule(s: Any) -> list[str]:

@@ -46,12 +46,17 @@ weight's gradient over its *reduction group* (``set_reduction_groups``): every r
 for the router and the other layers, but for an expert shard only the replicas with the
 same ep rank (``r % ep``: expert data parallelism, dp/ep copies); the same hook makes
 ``set_weights``/``load_weights`` copy each shard from its own rank's first copy and
-``global_clipnorm`` count each expert once.
+``global_clipnorm`` count each expert once. Under ZeRO-1 and ZeRO-2 (``apply.zero``)
+each part is one weight group: its gradient reduced onto one owner among the replicas
+with that ep rank, the owner alone holding the shard's optimizer slots and updating it,
+the new value copied to the part's other replicas (dense weights: owners over all dp
+replicas, as without ep). Which replica owns which shard: ``apply.zero``'s docstring.
 
 Weights: ``get_weights``/``set_weights``, weight files and the optimizer state in them
 (``apply.checkpoint``, through ``full_pieces``) hold the user's unsplit layer (``[E, ...]``
 in expert order: group 0's shards concatenated), so files move between the plain model
-and any plan. Every shard's variables and optimizer slots live on its replica's device.
+and any plan. Every shard's variables live on its replica's device, and so do its
+optimizer slots (under ZeRO-1/2 on its owner's replica only).
 
 Semantics: without a capacity factor (``capacity_factor=None``) no token is dropped and
 ``aux_loss_weight=0`` adds nothing, so training equals one device. Otherwise the capacity
@@ -61,8 +66,9 @@ the batch (also without ep). The aux losses of every replica are included, as th
 (``TensorParallelModel._forward_loss``), as MirroredStrategy would.
 
 Not run (``ExpertParallelError``, received / expected / fix; the strategy rules in
-``apply.dimensions``): ep with tp > 1, cp > 1, ZeRO (any stage: ``apply.zero``'s owner
-copies assume every copy of a weight equal) or offload; a model without a
+``apply.dimensions``): ep with tp > 1, cp > 1, ZeRO-3 (``apply.zero3`` keeps one
+persistent copy of every weight for all replicas; an expert shard differs per ep rank)
+or offload; a model without a
 ``MixtureOfExperts`` or Mixtral block; E not divisible by ep; a MoE layer that is a layer
 of a nested Functional model (its graph is not re-wired); keras_hub's Qwen-MoE blocks.
 Across workers every ep plan runs ``REMOTE`` (worker 0 drives all devices, the transfers

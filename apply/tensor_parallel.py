@@ -44,7 +44,8 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   (``apply.sequence_parallel``, which also says what runs gathered).
 * ZeRO-1 (``strategy.optimizer_sharding`` with dp > 1): ``apply.zero`` instead; one
   owner copy per weight (``planner.zero``) holds the optimizer slots, gets the sum on
-  its device, is updated, and is copied to the other replicas. ZeRO-2 also reduces
+  its device, is updated, and is copied to the other replicas (a weight with reduction
+  groups: one owner per group, copied within its group). ZeRO-2 also reduces
   each micro-batch's gradients onto the owners (``apply.zero``). ZeRO-3 keeps one
   persistent copy of each weight, the owner's, and gathers it onto each replica for
   every layer's forward and backward (``apply.zero3``); ``trainable_variables`` are then
@@ -216,16 +217,22 @@ class TensorParallelModel(PlacedModel):
             super()._after_compile()
             return
         if self.optimizer_sharding and self._others.models:  # ZeRO-1: the owners' slots only
-            self._build_slots(owned_variables(self.trainable_variables,
-                                              1 + len(self._others.models)))
+            variables = self.trainable_variables
+            dp = 1 + len(self._others.models)
+            self._build_slots(owned_variables(variables, dp, self._partitions(variables, dp)))
             return
         super()._after_compile()
 
     def _microbatch_gradients(self, gradients: list[Any], variables: list[Any]) -> list[Any]:
         dp = 1 + len(self._others.models)
         if dp > 1 and self.optimizer_sharding and self.zero_stage == 2:  # on the owners
-            return reduce_to_owners(gradients, variables, dp)
+            return reduce_to_owners(gradients, variables, dp, self._partitions(variables, dp))
         return gradients
+
+    def _partitions(self, variables: list[Any], dp: int) -> list[tuple[tuple[int, ...], ...]]:
+        """Each weight's reduction partition (replica 0's variables, the first 1/dp of
+        ``variables``): ``apply.zero``'s groups, an expert shard's copies per ep rank."""
+        return [self.reduction_groups(v) for v in variables[:len(variables) // dp]]
 
     def _apply_gradients(self, gradients: list[Any], variables: list[Any]) -> None:
         dp = 1 + len(self._others.models)
@@ -233,7 +240,8 @@ class TensorParallelModel(PlacedModel):
             super(TensorParallelModel, self)._apply_gradients(gradients, variables)
             return
         if dp > 1 and self.optimizer_sharding:  # ZeRO-1: reduce, owner update, copy out
-            apply_sharded(super()._apply_gradients, gradients, variables, dp)
+            apply_sharded(super()._apply_gradients, gradients, variables, dp,
+                          self._partitions(variables, dp))
             return
         if dp > 1:  # each copy of a weight gets the sum of all replicas' gradients for it
             n = len(variables) // dp  # (of its reduction group's: set_reduction_groups)

@@ -28,6 +28,12 @@ Per stage and per tensor rank: the dp copies of a weight live on the dp devices 
 its pipeline stage and tensor rank (``planner.plan``: ``stages[s].devices[r * tp +
 t]``), and its owner must be one of them. ``owners_by_device_group`` therefore
 balances each distinct tuple of copy devices on its own.
+
+Expert parallelism (``Strategy.ep``): an expert shard is held by the dp/ep replicas with
+the same ep rank, and its owner must be one of them; ``apply.zero`` passes each such
+part (its copy devices, the shard's bytes) to ``owners_by_device_group`` together with
+the other expert shards' parts and apart from the dense weights, which are balanced over
+all dp copies as above (``planner.experts`` prices the same split of the state).
 """
 from __future__ import annotations
 

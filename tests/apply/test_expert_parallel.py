@@ -4,9 +4,11 @@ mixture-of-experts layers' experts; tokens travel to their experts' replica and 
 The tiny MoE model (``tiny_moe``: 8 experts, top 2, no capacity limit, no aux loss) trains
 10 steps with ep=4 (dp=4), ep=2 x dp=4 (also with ``global_clipnorm``) and ep=2 x pp=2
 (dp=2, 1F1B) like one device (losses and final weights within 1e-4), every expert shard
-and its optimizer slots on its replica's device; ep=2 across two local worker processes
-(worker 0 drives both: ``apply.remote``) likewise, with fit/evaluate/predict and a weight
-file. A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
+and its optimizer slots on its replica's device; ZeRO-1 (dp4 x ep2, dp2 x ep2) and ZeRO-2
+(dp4 x ep2, 2 micro-batches) likewise, each weight's slots on its one owner (an expert
+shard's among the replicas of its ep rank), with a weight file round trip; ep=2 across two
+local worker processes (worker 0 drives both: ``apply.remote``) likewise, with
+fit/evaluate/predict and a weight file, and dp4 x ep2 ZeRO-1 there too. A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
 Mixtral MoE blocks inside a MixtralBackbone (``tiny_mixtral``) train like one device under
 ep=2. Weight files (with the optimizer state) and saved models move between the plain model
 and ep plans both ways; what is not run is refused; a capacity factor or an aux loss under
@@ -32,10 +34,12 @@ STEPS, BATCH = 10, 16
 _REFERENCE: dict = {}
 
 
-def ep_plan(model, stage_devices, ep: int, **kwargs):
+def ep_plan(model, stage_devices, ep: int, zero_stage: int = 0, **kwargs):
     plan = make_plan(model, stage_devices, global_batch=BATCH, **kwargs)
-    return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, ep=ep),
-                               name=f"{plan.name} ep={ep}")
+    strategy = dataclasses.replace(plan.strategy, ep=ep, zero_stage=zero_stage)
+    return dataclasses.replace(plan, strategy=strategy,
+                               name=f"{plan.name} ep={ep}"
+                               + (f" ZeRO-{zero_stage}" if zero_stage else ""))
 
 
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the model's gradient norms
@@ -108,6 +112,7 @@ def assert_experts_placed(w, plan) -> None:
                 assert _short(tf_variable(slot).device) == want, (r, slot.path)
 
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -152,6 +157,101 @@ def test_the_clip_case_clips():
         loss = tf.reduce_mean(tf.square(copy(x) - y))
     grads = tape.gradient(loss, copy.trainable_variables)
     assert float(tf.linalg.global_norm(grads)) > 2 * CLIP_NORM
+
+
+def zero_plan(kind: str):
+    """dp4 x ep2 (each expert shard on 2 replicas, an owner between them) or dp2 x ep2 (one
+    copy of each shard: its own owner), ZeRO-1, or ZeRO-2 over 2 micro-batches."""
+    _, model = base_model("tiny_moe")
+    dp = 4 if kind.startswith("dp4") else 2
+    stage = 2 if "+zero2" in kind else 1
+    return ep_plan(model, [cpus(*range(dp))], ep=2, zero_stage=stage,
+                   num_microbatches=2 if stage == 2 else 1)
+
+
+def assert_slots_on_owners(w, plan) -> None:
+    """Every weight's optimizer slots on exactly one copy among those holding its value:
+    a dense weight's owner among all dp replicas, an expert shard's among the replicas of
+    its ep rank (r % ep), each the replica ``planner.zero.owners_by_device_group`` names on
+    the plan's devices (dense weights together, expert shards together); no slots on any
+    other copy."""
+    from tfplan.apply.checkpoint import slot_variables
+    from tfplan.apply.device_names import short_name
+    from tfplan.apply.placement import tf_variable
+    from tfplan.planner.zero import owners_by_device_group
+
+    s = plan.strategy
+    devices = [short_name(d) for d in plan.stages[0].devices]
+    slots = slot_variables(w.optimizer)
+    replicas = w.replica_models()
+    every = w.trainable_variables  # replica 0's, then replica 1's, ...
+    n = len(every) // s.dp
+    variables = [every[r * n:(r + 1) * n] for r in range(s.dp)]
+    shards = {id(v) for v in replicas[0].get_layer("moe").shard_variables()}
+    size = [int(np.prod(v.shape)) * 4 for v in variables[0]]
+    dense = [(i, tuple(range(s.dp))) for i, v in enumerate(variables[0]) if id(v) not in shards]
+    experts = [(i, tuple(range(k, s.dp, s.ep))) for i, v in enumerate(variables[0])
+               if id(v) in shards for k in range(s.ep)]
+    assert len(experts) == 4 * s.ep  # two kernels and two biases per rank
+    for groups in (dense, experts):
+        owners = owners_by_device_group([(tuple(devices[r] for r in part), size[i])
+                                         for i, part in groups])
+        for (i, part), owner in zip(groups, owners):
+            for j, r in enumerate(part):
+                v = variables[r][i]
+                mine = [slot for (key, _), slot in slots.items() if key == id(v)]
+                if j != owner:
+                    assert not mine, (r, v.path)
+                    continue
+                assert len(mine) == 2, (r, v.path)  # Adam: momentum and velocity
+                for slot in mine:
+                    assert short_name(tf_variable(slot).device) == devices[r], (r, slot.path)
+    if s.dp > s.ep:  # both copies of some expert shard own something (balanced)
+        owning = {short_name(tf_variable(slot).device) for (key, _), slot in slots.items()
+                  if any(key == id(replicas[r].get_layer("moe").expert_in_kernel)
+                         or key == id(replicas[r].get_layer("moe").expert_out_kernel)
+                         for r in range(s.dp))}
+        assert owning == set(devices), owning
+
+
+@pytest.mark.parametrize("kind", ["dp4xep2+zero1", "dp4xep2+zero2", "dp2xep2+zero1"])
+def test_zero_with_expert_parallelism_trains_like_one_device(kind):
+    """ZeRO-1 (ZeRO-2: the gradients of each of 2 micro-batches reduced onto the owners)
+    with ep=2: 10 steps like one device; each weight's Adam slots only on its owner."""
+    plan = zero_plan(kind)
+    module, w = wrapped(plan)
+    assert w.optimizer_sharding and w.zero_stage == plan.strategy.zero_stage
+    losses, weights = reference()
+    np.testing.assert_allclose(step_losses(w, batches_of(module, STEPS, BATCH)), losses,
+                               rtol=1e-4)
+    for got, want in zip(w.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert_slots_on_owners(w, plan)
+
+
+def test_an_ep_zero_weight_file_moves_to_the_plain_model_and_back(tmp_path):
+    """dp4 x ep2 ZeRO-1 after 3 steps: its file (weights and Adam state, one device's
+    layout, each shard's slots read from its owner) loads into the plain model, which
+    trains on like the wrapped model; the plain model's file loads into dp2 x ep2 ZeRO-2
+    (slots into each owner), which trains on like the plain model."""
+    module, w = wrapped(zero_plan("dp4xep2+zero1"))
+    data = batches_of(module, 7, BATCH)
+    step_losses(w, data[:3])
+    w.save_weights(str(tmp_path / "ep.weights.h5"))
+    _, plain = single_device_copy("tiny_moe")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(str(tmp_path / "ep.weights.h5"))
+    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(step_losses(plain, data[3:5]), step_losses(w, data[3:5]),
+                               rtol=1e-4)
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    _, other = wrapped(zero_plan("dp2xep2+zero2"))
+    other.load_weights(str(tmp_path / "plain.weights.h5"))
+    for got, want in zip(other.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(step_losses(other, data[5:]), step_losses(plain, data[5:]),
+                               rtol=1e-4)
 
 
 def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
@@ -245,11 +345,16 @@ def test_what_expert_parallelism_does_not_run_is_refused():
     _, model = base_model("tiny_moe")
     s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
     for change, what in (({"tp": 2}, "tp=2"), ({"cp": 2}, "cp=2"),
-                         ({"zero_stage": 1}, "zero_stage=1"), ({"zero_stage": 3}, "zero_stage=3"),
+                         ({"zero_stage": 3}, "zero_stage=3"),
                          ({"offload": "optimizer"}, "offload='optimizer'")):
         (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, **change))
                       if p.startswith("ep=2")]
-        assert what in problem and "expected tp = cp = 1" in problem
+        assert what in problem and "expected tp = cp = 1, zero_stage 0, 1 or 2" in problem
+    for stage in (1, 2):  # ZeRO-1/2 run (apply.zero: owners per ep rank)
+        assert unapplied_dimensions(dataclasses.replace(s, zero_stage=stage)) == []
+    zero3 = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2, zero_stage=3)
+    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has zero_stage=3"):
+        apply.wrap(model, zero3)
     tp = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"),), dp=2)
     tp = dataclasses.replace(tp, strategy=dataclasses.replace(tp.strategy, ep=2))
     with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has tp=2"):
@@ -277,8 +382,9 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     """ep=2 (dp=2): a MixtureOfExperts inside a custom block, and keras_hub's Mixtral MoE
     block inside each MixtralTransformerDecoder of a MixtralBackbone (a nested model; a
-    padding mask; routed twin, same weights), swapped in place; losses and weights as one device, every shard and its slots on its replica's
-    device, the weight file loads into the user's model."""
+    padding mask; routed twin, same weights), swapped in place; losses and weights as one
+    device, every shard and its slots on its replica's device, the weight file loads into
+    the user's model."""
     import keras
     import numpy as np
 
@@ -369,18 +475,26 @@ def test_an_ep_plan_never_runs_under_a_strategy():
 
 # --- across two worker processes (apply.remote) ------------------------------------------------
 
-WORKER_CASES = [("tiny_moe", "ep2")]
+# ep2: dp2 x ep2, ZeRO-0 (with fit/evaluate/predict and a weight file); dp4xep2+zero1: each
+# expert shard's two copies on the two workers (replica r on worker r // 2, ep rank r % 2),
+# its owner on one of them
+WORKER_CASES = [("tiny_moe", "ep2"), ("tiny_moe", "dp4xep2+zero1")]
 
 
-def worker_plan(model):
-    """ep=2 over ``2xcpu:2``: replica r (ep rank r) on worker r's CPU 0."""
+def worker_plan(model, kind: str = "ep2"):
+    """A plan over ``2xcpu:2``: ep2, replica r (ep rank r) on worker r's CPU 0; or
+    dp4xep2+zero1, replica r on worker r // 2's CPU r % 2, ZeRO-1."""
     from tests.apply.test_multi_worker_hybrid import CPUS, WORKERS, dev
 
-    plan = ep_plan(model, [[dev(0, 0), dev(1, 0)]], ep=2)
+    if kind == "ep2":
+        plan = ep_plan(model, [[dev(0, 0), dev(1, 0)]], ep=2)
+    else:
+        plan = ep_plan(model, [[dev(w, i) for w in range(WORKERS) for i in range(CPUS)]],
+                       ep=2, zero_stage=1)
     one = plan.cluster
     cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
                                   devices_per_node=CPUS, inter_node_link=one.intra_node_link)
-    return dataclasses.replace(plan, cluster=cluster, name="tiny_moe ep2 across workers")
+    return dataclasses.replace(plan, cluster=cluster, name=f"tiny_moe {kind} across workers")
 
 
 def worker_main(out_dir: str) -> None:
@@ -391,42 +505,56 @@ def worker_main(out_dir: str) -> None:
     from tfplan.planner.plan import load_plan
     from tests.apply.test_multi_worker_hybrid import scenario
 
-    plan = load_plan(os.path.join(out_dir, "plan0.json"))
-    apply.ensure_devices(plan)  # worker 1 serves its devices and exits here
-    module, model = base_model("tiny_moe")
-    w = apply.wrap(model, plan)
-    w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-    result = scenario(w, module, os.path.join(out_dir, "model.weights.h5"))
-    slots = slot_variables(w.optimizer)
-    result["shards"] = [  # each replica's expert variables and their slots: devices
-        sorted({short_name(tf_variable(x).device) for v in r.get_layer("moe").weights[1:]
-                for x in (v, slots[(id(v), 0)], slots[(id(v), 1)])})
-        for r in w.replica_models()]
+    results = {}
+    for i, (name, kind) in enumerate(WORKER_CASES):
+        plan = load_plan(os.path.join(out_dir, f"plan{i}.json"))
+        apply.ensure_devices(plan)  # worker 1 serves its devices and exits here
+        module, model = base_model(name)
+        w = apply.wrap(model, plan)
+        w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+        result = scenario(w, module, os.path.join(out_dir, "model.weights.h5") if i == 0
+                          else None)
+        if plan.strategy.optimizer_sharding:  # each weight's slots on its owner only
+            assert_slots_on_owners(w, plan)
+            result["zero_stage"] = w.zero_stage
+        else:
+            slots = slot_variables(w.optimizer)
+            result["shards"] = [  # each replica's expert variables and their slots: devices
+                sorted({short_name(tf_variable(x).device)
+                        for v in r.get_layer("moe").weights[1:]
+                        for x in (v, slots[(id(v), 0)], slots[(id(v), 1)])})
+                for r in w.replica_models()]
+        results[f"{name} {kind}"] = result
     with open(os.path.join(out_dir, "worker0.json"), "w", encoding="utf-8") as f:
-        json.dump({"results": {"tiny_moe ep2": result}}, f)
+        json.dump({"results": results}, f)
 
 
 def test_ep2_across_two_workers_trains_like_one_device(tmp_path):
     """Worker 0 drives both workers' devices; the tokens of each replica reach the other
     worker's experts over gRPC; losses, fit/evaluate/predict and a weight file round trip
-    equal one device's; each shard where the plan puts it."""
-    import numpy as np
-
+    equal one device's; each shard where the plan puts it. dp4 x ep2 with ZeRO-1 (each
+    shard's gradient reduced onto its owner on one worker, the new value sent to the
+    other) trains 10 steps like one device, each weight's slots on its owner only."""
     from tfplan.apply.mode import execution_mode
     from tfplan.planner.plan import save_plan
     from tests.apply.test_multi_worker_hybrid import launch_with_references
 
-    plan = worker_plan(base_model("tiny_moe")[1])
-    mode = execution_mode(plan)
-    assert mode.remote and mode.mode == "tensor_parallel"
-    save_plan(plan, tmp_path / "plan0.json")
+    plans = [worker_plan(base_model(name)[1], kind) for name, kind in WORKER_CASES]
+    for i, plan in enumerate(plans):
+        mode = execution_mode(plan)
+        assert mode.remote and mode.mode == "tensor_parallel"
+        save_plan(plan, tmp_path / f"plan{i}.json")
     returncode, logs, references = launch_with_references(__file__, tmp_path, WORKER_CASES)
     assert returncode == 0, logs[-6000:]
     with open(tmp_path / "worker0.json", encoding="utf-8") as f:
-        result = json.load(f)["results"]["tiny_moe ep2"]
-    for key, want in references["tiny_moe ep2"].items():
-        np.testing.assert_allclose(result[key], want, rtol=1e-4, atol=1e-6, err_msg=key)
-    assert result["shards"] == [[d] for d in plan.stages[0].devices], result["shards"]
+        results = json.load(f)["results"]
+    for case, reference in references.items():
+        for key, want in reference.items():
+            np.testing.assert_allclose(results[case][key], want, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{case}: {key}")
+    assert results["tiny_moe dp4xep2+zero1"]["zero_stage"] == 1  # its owners checked there
+    shards = results["tiny_moe ep2"]["shards"]
+    assert shards == [[d] for d in plans[0].stages[0].devices], shards
 
 
 if __name__ == "__main__":
