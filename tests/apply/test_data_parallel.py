@@ -135,8 +135,9 @@ def _replica_of(op, devices) -> int:
     return [tf.DeviceSpec.from_string(d).device_index for d in devices].index(index)
 
 
-@pytest.mark.parametrize("devices,m", [(cpus(0, 1), 1), (cpus(4, 5, 6, 7), 2)],
-                         ids=["dp2", "dp4-m2"])
+@pytest.mark.parametrize("devices,m", [  # dp2 (one micro-batch) is dp4-m2's subset: -m slow
+    pytest.param(cpus(0, 1), 1, marks=pytest.mark.slow), (cpus(4, 5, 6, 7), 2)],
+    ids=["dp2", "dp4-m2"])
 def test_recompute_reruns_each_layer_forward_on_every_replica_with_the_same_losses(
         devices, m):
     module, model = base_model("tiny_mlp")

@@ -12,8 +12,12 @@ from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_
                                  reference_losses, step_losses)
 
 
-@pytest.mark.parametrize("name,microbatches", [("tiny_mlp", 1), ("tiny_mlp", 2),
-                                               ("tiny_transformer", 2)])
+@pytest.mark.parametrize("name,microbatches", [
+    ("tiny_mlp", 1),
+    # the same plans (dp2 x pp2 on CPUs 0-3, 2 micro-batches) run by default in
+    # test_acceptance.py's matrix, with its placement checks: -m slow here
+    pytest.param("tiny_mlp", 2, marks=pytest.mark.slow),
+    pytest.param("tiny_transformer", 2, marks=pytest.mark.slow)])
 def test_dp2_pp2_trains_like_one_device(name, microbatches):
     module, model = base_model(name)
     plan = make_plan(model, [cpus(0, 1), cpus(2, 3)], num_microbatches=microbatches)
