@@ -1,10 +1,10 @@
 """One ep group's shard of stacked expert weights: what every expert-parallel twin shares.
 
 Pipeline position: under ``apply.expert_parallel`` (``ExpertParallelMoE``, the twin of
-``tfplan.layers.MixtureOfExperts``) and ``apply.expert_parallel_mixtral`` (the twin of
-keras_hub's Mixtral expert bank). ``ExpertShards`` is mixed into a Keras layer that holds
-experts ``rank*E/ep .. (rank+1)*E/ep - 1`` of ``E`` as ``[E/ep, ...]`` slices of each
-stacked expert weight (``shard_variables``). After every replica is built,
+``tfplan.layers.MixtureOfExperts``) and ``apply.expert_parallel_hub`` (the shards of
+keras_hub's Mixtral and Qwen-MoE expert banks). ``ExpertShards`` is mixed into a Keras
+layer that holds experts ``rank*E/ep .. (rank+1)*E/ep - 1`` of ``E`` as ``[E/ep, ...]``
+slices of each stacked expert weight (``shard_variables``). After every replica is built,
 ``apply.expert_parallel`` links the ep twins of each group (``link``); ``on_ranks`` then
 runs chunk j of a dispatch buffer ``[E, C, d]`` under ``tf.device`` of rank j with rank
 j's shard, and concatenates the outputs where it was called (the placed all-to-all:

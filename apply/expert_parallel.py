@@ -8,7 +8,9 @@ devices, ``apply.remote``). It builds ``apply.tensor_parallel``'s data-parallel 
 ``tfplan.layers.MixtureOfExperts`` swapped for ``ExpertParallelMoE``, its expert-parallel
 twin: a top-level one as the replica is cloned, one inside a block (a custom layer, at
 any depth) swapped into the built block in place (``apply.blocks.swap_in``); keras_hub's
-``MixtralSparseMoeBlock`` likewise for ``apply.expert_parallel_mixtral``'s routed twin.
+``MixtralSparseMoeBlock`` likewise for ``apply.expert_parallel_mixtral``'s routed twin, and
+Qwen-MoE's ``QwenSparseMoeBlock`` for ``apply.expert_parallel_qwen``'s (its shared expert
+replicated; the parts the two share in ``apply.expert_parallel_hub``).
 The arithmetic is ``tfplan.layers.routing``'s, shared with the layer, so the twin
 computes the same numbers in the same order (GShard, Lepikhin et al., 2020, Sec. 3.2).
 The shard bookkeeping (links, placed chunks, unsplit weights) is
@@ -69,8 +71,9 @@ Not run (``ExpertParallelError``, received / expected / fix; the strategy rules 
 ``apply.dimensions``): ep with tp > 1, cp > 1, ZeRO-3 (``apply.zero3`` keeps one
 persistent copy of every weight for all replicas; an expert shard differs per ep rank)
 or offload; a model without a
-``MixtureOfExperts`` or Mixtral block; E not divisible by ep; a MoE layer that is a layer
-of a nested Functional model (its graph is not re-wired); keras_hub's Qwen-MoE blocks.
+``MixtureOfExperts``, Mixtral or Qwen-MoE block; E not divisible by ep; a MoE layer that is
+a layer of a nested Functional model (its graph is not re-wired); keras_hub's other MoE
+blocks (Qwen3-MoE's, Qwen3.5-MoE's, GPT-OSS's: ``refused_moe_block``).
 Across workers every ep plan runs ``REMOTE`` (worker 0 drives all devices, the transfers
 go over gRPC), also when its ep groups lie inside workers: one program per worker
 (``apply.multi_worker_hybrid``) has no placed transfers between processes.
@@ -93,6 +96,7 @@ from tfplan import compat
 from tfplan.apply.blocks import swap_in
 from tfplan.apply.expert_group import ExpertParallelError, ExpertShards
 from tfplan.apply.expert_parallel_mixtral import is_mixtral_block, mixtral_twin
+from tfplan.apply.expert_parallel_qwen import is_qwen_moe_block, qwen_moe_twin
 from tfplan.apply.layer_tree import scopes_of
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.sharded_base import Sharded, concat_variables
@@ -103,12 +107,19 @@ from tfplan.planner.plan import Plan
 __all__ = ["ExpertParallelError", "ExpertParallelMoE", "check_expert_parallel",
            "moe_group_warning", "wrap_expert_parallel"]
 
-# keras_hub's other MoE blocks (QwenSparseMoeBlock, Qwen3SparseMoeBlock,
-# Qwen3_5MoeSparseMoeBlock, GptOssSparseMoeBlock: dense experts, some with shared experts):
-# not split by experts yet; keras_hub names every such block "...SparseMoeBlock"
+def is_hub_moe_block(layer: Any) -> bool:
+    """keras_hub's Mixtral or Qwen-MoE block (one apply splits by experts, not a twin)."""
+    return is_mixtral_block(layer) or is_qwen_moe_block(layer)
+
+
+# keras_hub's other MoE blocks (Qwen3SparseMoeBlock, Qwen3_5MoeSparseMoeBlock,
+# GptOssSparseMoeBlock: dense experts): not split by experts yet; keras_hub names every
+# such block "...SparseMoeBlock"
 def refused_moe_block(layer: Any) -> bool:
-    """A keras_hub MoE block apply does not split by experts (every one but Mixtral's)."""
-    return type(layer).__name__.endswith("SparseMoeBlock") and not is_mixtral_block(layer)
+    """A keras_hub MoE block apply does not split by experts (every one but Mixtral's and
+    Qwen-MoE's, and not their twins)."""
+    return type(layer).__name__.endswith("SparseMoeBlock") and not is_hub_moe_block(layer) \
+        and not getattr(layer, "is_expert_twin", False)
 
 
 class ExpertParallelMoE(ExpertShards, Sharded, MixtureOfExperts):
@@ -187,13 +198,13 @@ def _sublayers(layer: Any) -> list[Any]:
 
 
 def _is_expert_layer(layer: Any) -> bool:
-    return isinstance(layer, MixtureOfExperts) or is_mixtral_block(layer)
+    return isinstance(layer, MixtureOfExperts) or is_hub_moe_block(layer)
 
 
 def expert_layers(model: Any) -> list[tuple[Any, Any]]:
     """(parent, layer) for every MoE layer (``MixtureOfExperts``, keras_hub's Mixtral
-    block) in ``model``, depth first in Keras' tracking order; ``model`` is the parent of
-    its own top-level ones. Expert twins already swapped in are not listed."""
+    and Qwen-MoE blocks) in ``model``, depth first in Keras' tracking order; ``model`` is
+    the parent of its own top-level ones. Expert twins already swapped in are not listed."""
     out: list[tuple[Any, Any]] = []
 
     def walk(parent: Any, layers: list[Any]) -> None:
@@ -226,7 +237,8 @@ def moe_group_warning(plan: Plan, view: Any) -> str | None:
     grouped = [layer.name for layer in moe_layers(view)
                if layer.capacity_factor is not None or layer.aux_loss_weight > 0]
     grouped += [layer.name for _, layer in expert_layers(view)
-                if is_mixtral_block(layer) and layer.router_aux_loss_coef > 0]
+                if is_mixtral_block(layer) and layer.router_aux_loss_coef > 0
+                or is_qwen_moe_block(layer) and layer.router_aux_loss_coefficient > 0]
     if not grouped:
         return None
     return (f"Plan {plan.name!r} routes each replica's micro-batch on its own ({s.dp} "
@@ -235,8 +247,8 @@ def moe_group_warning(plan: Plan, view: Any) -> str | None:
             "factor or a load-balancing loss: the capacity (which tokens are dropped) and "
             "the aux loss are computed per group of tokens (GShard's groups; the aux losses "
             "averaged over the replicas), so training differs from one device's. "
-            "capacity_factor=None and aux_loss_weight=0 (router_aux_loss_coef=0) train "
-            "like one device.")
+            "capacity_factor=None and aux_loss_weight=0 (router_aux_loss_coef=0, "
+            "router_aux_loss_coefficient=0) train like one device.")
 
 
 def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
@@ -250,13 +262,14 @@ def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
         raise ExpertParallelError(
             f"Plan {plan.name!r} has ep={ep}, and the model's mixture-of-experts blocks are "
             f"keras_hub's {other}, which apply does not split by experts yet (expected "
-            "tfplan.layers.MixtureOfExperts or keras_hub's MixtralSparseMoeBlock). Re-plan "
-            "with ep=1 (plan analyze --fix ep=1).")
+            "tfplan.layers.MixtureOfExperts, keras_hub's MixtralSparseMoeBlock or "
+            "QwenSparseMoeBlock). Re-plan with ep=1 (plan analyze --fix ep=1).")
     found = expert_layers(view)
     if not found:
         raise ExpertParallelError(
             f"Plan {plan.name!r} has ep={ep} (expert parallelism), but model "
-            f"{view.name!r} has no tfplan.layers.MixtureOfExperts layer or Mixtral block "
+            f"{view.name!r} has no tfplan.layers.MixtureOfExperts layer, Mixtral or "
+            "Qwen-MoE block "
             "(received none, expected at least one): there are no experts to split. "
             "Re-plan with ep=1.")
     for parent, layer in found:
@@ -266,11 +279,11 @@ def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
                 f"a layer of nested model {parent.name!r}, whose graph apply does not re-wire "
                 "(expected it at the top level of the model, or inside a block: a custom "
                 "layer). Call it in the outer Functional model, or re-plan with ep=1.")
-        if parent is view and is_mixtral_block(layer):
+        if parent is view and is_hub_moe_block(layer):
             raise ExpertParallelError(
-                f"Plan {plan.name!r} has ep={ep}; keras_hub Mixtral MoE block "
-                f"{layer.name!r} is called directly in the Functional model (expected it "
-                "inside its MixtralTransformerDecoder). Re-plan with ep=1.")
+                f"Plan {plan.name!r} has ep={ep}; keras_hub MoE block {layer.name!r} "
+                f"({type(layer).__name__}) is called directly in the Functional model "
+                "(expected it inside its transformer decoder block). Re-plan with ep=1.")
         if layer.num_experts % ep:
             raise ExpertParallelError(
                 f"Plan {plan.name!r} has ep={ep}, but mixture-of-experts layer "
@@ -287,11 +300,13 @@ Twin = Callable[[Any, Any, int, int, str], Any]
 
 
 def _twin_maker(layer: Any) -> Twin:
-    return mixtral_twin if is_mixtral_block(layer) else _inner_moe_twin
+    if is_mixtral_block(layer):
+        return mixtral_twin
+    return qwen_moe_twin if is_qwen_moe_block(layer) else _inner_moe_twin
 
 
 def _shards_of(twin: Any) -> ExpertShards:
-    """The part of a swapped-in twin that holds the experts (a Mixtral block's bank)."""
+    """The part of a swapped-in twin that holds the experts (a keras_hub block's bank)."""
     return twin if isinstance(twin, ExpertShards) else twin.expert_bank
 
 
@@ -299,7 +314,7 @@ def wrap_expert_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
                          recompute_layers: Collection[str] = ()) -> TensorParallelModel:
     """``apply.tensor_parallel.wrap_tensor_parallel`` with every MoE layer re-created as
     replica r's expert-parallel twin (rank r % ep): a top-level ``MixtureOfExperts`` when
-    the replica is cloned, one inside a block (a Mixtral block too) swapped into the
+    the replica is cloned, one inside a block (a Mixtral or Qwen-MoE block too) swapped into the
     built block; the twins of each ep group linked, and each expert shard's gradient
     summed over the replicas of its ep rank only (module docstring)."""
     s = plan.strategy

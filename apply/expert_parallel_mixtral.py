@@ -6,7 +6,8 @@ replica's ``MixtralTransformerDecoder`` (or any block holding one) for
 ``ExpertParallelMixtralBlock`` in place (``apply.blocks.swap_in``), as it does for
 ``tfplan.layers.MixtureOfExperts``. apply does not import keras_hub: the block is matched
 by module and class name (``MIXTRAL_BLOCK``), its load-balancing loss is the function of
-its own module.
+its own module. What this twin shares with Qwen-MoE's (``apply.expert_parallel_qwen``):
+``apply.expert_parallel_hub``.
 
 keras_hub's block computes every expert on every token (``MixtralMoeExperts``: ``[E, T,
 d]``) and weights the outputs by the normalized top-k router probabilities (zero for the
@@ -32,83 +33,42 @@ class names and variable paths are the block's.
 """
 from __future__ import annotations
 
-import sys
-from typing import Any, Sequence
+from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tfplan.apply.expert_group import ExpertParallelError, ExpertShards
-from tfplan.apply.layer_tree import scopes_of
-from tfplan.apply.sharded_base import Sharded, concat_variables
+from tfplan.apply.expert_parallel_hub import (HubExpertShard, HubMoeTwin, hub_twin,
+                                             is_hub_class)
 from tfplan.layers import routing
 
 MIXTRAL_BLOCK = ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralSparseMoeBlock")
 MIXTRAL_EXPERTS = ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralMoeExperts")
-BANK_WEIGHTS = ("expert_feedforward_gate_dense", "expert_feedforward_intermediate_dense",
-                "expert_feedforward_output_dense")
 
 
 def is_mixtral_block(layer: Any) -> bool:
-    cls = type(layer)
-    return (cls.__module__, cls.__name__) == MIXTRAL_BLOCK and \
-        not isinstance(layer, ExpertParallelMixtralBlock)
+    return is_hub_class(layer, MIXTRAL_BLOCK)
 
 
-class ExpertParallelMixtralExperts(ExpertShards, Sharded, keras.layers.Layer):
+class ExpertParallelMixtralExperts(HubExpertShard):
     """One ep rank's experts of a ``MixtralMoeExperts`` bank (module docstring)."""
 
-    def __init__(self, bank: Any, ep: int, **kwargs: Any) -> None:
-        super().__init__(name=bank.name, dtype=bank.dtype_policy, **kwargs)
-        self.num_experts, self.hidden_dim = bank.num_experts, bank.hidden_dim
-        self.intermediate_dim, self.activation = bank.intermediate_dim, bank.activation
-        self.kernel_initializer = bank.kernel_initializer
-        self.ep = ep
+    weight_names = ("expert_feedforward_gate_dense", "expert_feedforward_intermediate_dense",
+                    "expert_feedforward_output_dense")
 
-    def build(self, _: Any = None) -> None:
-        e, d, h = self.num_experts // self.ep, self.hidden_dim, self.intermediate_dim
-        self.gate, self.up, self.down = (
-            self.add_weight(shape=shape, initializer=self.kernel_initializer, trainable=True,
-                            name=name)
-            for shape, name in zip(((e, d, h), (e, d, h), (e, h, d)), BANK_WEIGHTS))
-        self.built = True
+    def unsplit_shapes(self) -> tuple[tuple[int, ...], ...]:
+        e, d, h = self.num_experts, self.hidden_dim, self.intermediate_dim
+        return (e, d, h), (e, d, h), (e, h, d)
 
-    def shard_variables(self) -> list[Any]:
-        return [self.gate, self.up, self.down]
-
-    def experts(self, xe: tf.Tensor) -> tf.Tensor:
-        """Every expert on its rows of ``xe`` ([E, C, d]), chunk j on rank j."""
-        def gated(peer: Any, chunk: tf.Tensor) -> tf.Tensor:
-            return routing.expert_gated(chunk, peer.gate, peer.up, peer.down, self.activation)
-        return self.on_ranks(xe, gated)
-
-    def full_pieces(self) -> list[tuple[tuple[Any, ...], int | None]]:
-        return self.stacked_pieces()
-
-    def full_weights(self) -> list[np.ndarray]:
-        self.check_linked()
-        return [concat_variables(shards, 0) for shards, _ in self.full_pieces()]
-
-    def set_full_weights(self, weights: Sequence[Any]) -> None:
-        self.assign_stacked(weights)
+    def chunk_experts(self, peer: Any, chunk: tf.Tensor) -> tf.Tensor:
+        return routing.expert_gated(chunk, *peer.shard_variables(), self.activation)
 
 
-class ExpertParallelMixtralBlock(keras.layers.Layer):
+class ExpertParallelMixtralBlock(HubMoeTwin):
     """``MixtralSparseMoeBlock`` routed over an expert-parallel bank (module docstring)."""
 
-    is_expert_twin = True
-
-    def __init__(self, block: Any, bank: ExpertParallelMixtralExperts,
-                 aux_loss: Any) -> None:
-        super().__init__(name=block.name, dtype=block.dtype_policy)
-        for attr in ("hidden_dim", "intermediate_dim", "num_experts", "top_k",
-                     "router_jitter_noise", "layer_norm_epsilon", "router_aux_loss_coef"):
-            setattr(self, attr, getattr(block, attr))
-        self._sparse_feedforward_gate_dense = block._sparse_feedforward_gate_dense  # router
-        self.expert_bank = bank
-        self._aux = _Function(aux_loss)
-        self.built = True
+    kept = ("hidden_dim", "intermediate_dim", "num_experts", "top_k", "router_jitter_noise",
+            "layer_norm_epsilon", "router_aux_loss_coef")
 
     def call(self, hidden_states: Any, attention_mask: Any = None, training: Any = False
              ) -> tuple[Any, Any]:
@@ -118,24 +78,11 @@ class ExpertParallelMixtralBlock(keras.layers.Layer):
             flat = flat * keras.random.uniform(
                 tf.shape(flat), minval=1.0 - self.router_jitter_noise,
                 maxval=1.0 + self.router_jitter_noise, dtype=flat.dtype)
-        router_logits = self._sparse_feedforward_gate_dense(flat)
-        decision = routing.route(router_logits, self.top_k, normalize=True)
-        cap = routing.capacity(tf.shape(flat)[0], self.num_experts, self.top_k, None)
-        slot = routing.slots(decision.experts, self.num_experts, cap)
-        xe = routing.dispatch(flat, slot, self.num_experts, cap)
-        out = routing.combine(self.expert_bank.experts(xe), slot, decision.gates)
+        out, router_logits = self.routed(flat, normalize=True)
         if training:
-            self.add_loss(self.router_aux_loss_coef * self._aux.fn(
-                router_logits=router_logits, num_experts=self.num_experts,
-                top_k=self.top_k, attention_mask=attention_mask))
+            self.add_loss(self.router_aux_loss_coef * self.aux_loss(router_logits,
+                                                                    attention_mask))
         return tf.reshape(out, shape), router_logits
-
-
-class _Function:
-    """A function held out of Keras' sight (its weight files walk a layer's attributes)."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
 
 
 ExpertParallelMixtralExperts.__module__, ExpertParallelMixtralExperts.__name__ = MIXTRAL_EXPERTS
@@ -148,26 +95,8 @@ def mixtral_twin(block: Any, original: Any, ep: int, rank: int, device: str
     of ``rank`` copied into a shard built on ``device``). ``original``: the user's block,
     whose ``router_aux_loss_coef`` the twin keeps (keras_hub's MixtralTransformerDecoder
     leaves it out of its config, so a block re-created from it has the default 0.02)."""
-    bank = block.expert_bank
-    if (type(bank).__module__, type(bank).__name__) != MIXTRAL_EXPERTS or \
-            [v.name for v in bank.weights] != list(BANK_WEIGHTS):
-        raise ExpertParallelError(
-            f"Mixtral block {block.name!r} holds an expert bank of class "
-            f"{type(bank).__name__} with weights {[v.name for v in bank.weights]}; apply "
-            f"splits keras_hub's MixtralMoeExperts (expected weights {list(BANK_WEIGHTS)}). "
-            "Re-plan with ep=1.")
-    aux = getattr(sys.modules.get(type(block).__module__), "compute_load_balancing_loss", None)
-    if aux is None:
-        raise ExpertParallelError(
-            f"Mixtral block {block.name!r}: its module {type(block).__module__} has no "
-            "compute_load_balancing_loss (received a keras_hub apply was not written for, "
-            "expected the one of keras_hub 0.2x). Re-plan with ep=1.")
-    shard = ExpertParallelMixtralExperts(bank, ep)
-    shard.init_ep(ep, rank, device)
-    with tf.device(device), scopes_of(bank):  # variable paths as the bank's
-        shard.build()
-    shard.set_full_weights(bank.get_weights())  # this rank's slice (not linked yet)
-    with tf.device(device):
-        twin = ExpertParallelMixtralBlock(block, shard, aux)
+    twin = hub_twin(block, ep, rank, device, bank_class=MIXTRAL_EXPERTS,
+                    shard_class=ExpertParallelMixtralExperts,
+                    twin_class=ExpertParallelMixtralBlock)
     twin.router_aux_loss_coef = original.router_aux_loss_coef
     return twin
