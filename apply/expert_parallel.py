@@ -270,8 +270,10 @@ def check_expert_parallel(plan: Plan, view: Any) -> list[tuple[Any, Any]]:
             f"Plan {plan.name!r} has ep={ep} (expert parallelism), but model "
             f"{view.name!r} has no tfplan.layers.MixtureOfExperts layer, Mixtral or "
             "Qwen-MoE block "
-            "(received none, expected at least one): there are no experts to split. "
-            "Re-plan with ep=1.")
+            "(received none, expected at least one): there are no experts apply can split. "
+            "A mixture of experts written as a layer of your own is priced by the planner "
+            "(profiler.moe recognises it by structure) but not split by apply: build it "
+            "with tfplan.layers.MixtureOfExperts, or re-plan with ep=1.")
     for parent, layer in found:
         if parent is not view and isinstance(parent, keras.Model):
             raise ExpertParallelError(
