@@ -825,7 +825,7 @@ def cmd_clusters(args: argparse.Namespace, ui: "UI") -> int:
                      if c.inter_node_link else "-"))
     ui.table("Cluster presets (use NODESxPRESET for several nodes, cpu:N for logical CPUs)",
              ("preset", "devices/node", "memory/device", "peak TFLOP/s", "intra-node/device",
-              "inter-node/device"), rows)
+              "inter-node/device"), rows, text_columns=(3,))
     return 0
 
 
@@ -888,30 +888,25 @@ class UI:
               text_columns: Sequence[int] | None = None) -> None:
         """``text_columns``: the columns that hold text (left-aligned; they wrap, folding a
         word longer than the column); every other column is a number, right-aligned and
-        never cut or wrapped. Without it: the first ``left_columns`` are left-aligned and
-        only the last wraps (``wrap_last``). A table whose numbers need more than the
-        console's width is printed wider rather than cut."""
+        never cut or wrapped. Without it: the first ``left_columns`` and (``wrap_last``)
+        the last are the text columns. A table whose numbers need more than the console's
+        width is printed wider rather than cut."""
         from rich.measure import Measurement
         from rich.table import Table
         out, _ = self._consoles()
+        if text_columns is None:
+            text_columns = list(range(min(left_columns, len(header))))
+            if wrap_last and header:
+                text_columns.append(len(header) - 1)
         table = Table(title=title, title_justify="left")
         for i, h in enumerate(header):
-            if text_columns is not None:
-                text = i in text_columns
-                cells = [str(row[i]) for row in rows] + str(h).split("\n")
-                table.add_column(h, justify="left" if text else "right", no_wrap=not text,
-                                 overflow="fold",
-                                 min_width=None if text else max(map(len, cells)))
-                continue
-            last = i == len(header) - 1
-            table.add_column(h, justify="left" if i < left_columns or (last and wrap_last)
-                             else "right", no_wrap=not (last and wrap_last))
+            text = i in text_columns
+            cells = [str(row[i]) for row in rows] + str(h).split("\n")
+            table.add_column(h, justify="left" if text else "right", no_wrap=not text,
+                             overflow="fold", min_width=None if text else max(map(len, cells)))
         for row in rows:
             style = "bold" if row and row[0] in ("*", "TOTAL") else None
             table.add_row(*row, style=style)
-        if text_columns is None:
-            out.print(table)
-            return
         need = Measurement.get(out, out.options.update_width(100_000), table).minimum
         if need <= out.width:
             out.print(table)

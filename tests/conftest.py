@@ -12,6 +12,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# the CLI's output width comes from COLUMNS where it is set (a terminal's, or pytest-xdist's
+# workers' 80): tests read the piped default (wide) unless they set it themselves
+# (tests/cli/test_terminal.py does, per test)
+os.environ.pop("COLUMNS", None)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
