@@ -130,3 +130,17 @@ def test_a_plan_across_workers_says_how_to_launch_it(tmp_path, monkeypatch):
     assert (f"plan launch --workers 2 examples/train.py --model examples/mlp.py --plan "
             f"{tmp_path / 'out' / 'plan.json'}") in out
     assert "    python examples/train.py" not in out  # one process cannot run it
+
+
+def test_plan_profile_and_clusters_keep_their_numbers_whole_at_80_columns(monkeypatch):
+    """Every CLI table, not only analyze's, prints a number whole: at 80 columns
+    ``plan profile`` once cut its forward FLOPs ('854.…') and names ('TOT…')."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run(["profile", "examples/cnn.py"])
+    assert code == 0, err
+    assert "…" not in out, out
+    (total,) = [r for r in table_rows(out) if r[0] == "TOTAL"]
+    assert total[2] == "5,322" and total[-2] == "854.54 K", total
+    code, out, err = run(["clusters"])
+    assert code == 0, err
+    assert "…" not in out and "8xA100-80GB" in out, out
