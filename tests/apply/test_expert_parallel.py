@@ -429,18 +429,21 @@ def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     np.testing.assert_allclose(step_losses(plain, more), step_losses(w, more), rtol=1e-4)
 
 
-def test_mixtral_router_aux_loss_under_ep_is_in_the_loss_with_a_warning():
-    """router_aux_loss_coef=0.02 under dp2 x ep2: a warning; the first loss is the MSE plus
-    the mean over the two replicas of their blocks' aux losses (the user's blocks on each
-    half of the batch)."""
+@pytest.mark.parametrize("name,coefficient", [("tiny_mixtral", "router_aux_loss_coef"),
+                                              ("tiny_qwen_moe", "router_aux_loss_coefficient")])
+def test_hub_router_aux_loss_under_ep_is_in_the_loss_with_a_warning(name, coefficient):
+    """A keras_hub MoE block's router aux loss (Mixtral's router_aux_loss_coef, Qwen-MoE's
+    router_aux_loss_coefficient, 0.02) under dp2 x ep2: a warning; the first loss is the
+    MSE plus the mean over the two replicas of their blocks' aux losses (the user's blocks
+    on each half of the batch, with its padding mask)."""
     import keras
     import numpy as np
 
     from tfplan import apply
 
-    module = load_model_file("tiny_mixtral")
+    module = load_model_file(name)
     keras.utils.set_random_seed(4)
-    model = module.build_model(router_aux_loss_coef=0.02)
+    model = module.build_model(**{coefficient: 0.02})
     with pytest.warns(UserWarning, match="GShard's groups"):
         w = apply.wrap(model, ep_plan(model, [cpus(0, 1)], ep=2))
     w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
