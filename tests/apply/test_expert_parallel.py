@@ -229,6 +229,18 @@ def test_zero_with_expert_parallelism_trains_like_one_device(kind):
     assert_slots_on_owners(w, plan)
 
 
+def into_plain_model(w, tmp_path):
+    """A one-device copy of tiny_moe with ``w``'s weight file loaded (weights and Adam
+    state), its weights checked equal to ``w``'s."""
+    w.save_weights(str(tmp_path / "ep.weights.h5"))
+    _, plain = single_device_copy("tiny_moe")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(str(tmp_path / "ep.weights.h5"))
+    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    return plain
+
+
 def test_an_ep_zero_weight_file_moves_to_the_plain_model_and_back(tmp_path):
     """dp4 x ep2 ZeRO-1 after 3 steps: its file (weights and Adam state, one device's
     layout, each shard's slots read from its owner) loads into the plain model, which
@@ -237,12 +249,7 @@ def test_an_ep_zero_weight_file_moves_to_the_plain_model_and_back(tmp_path):
     module, w = wrapped(zero_plan("dp4xep2+zero1"))
     data = batches_of(module, 7, BATCH)
     step_losses(w, data[:3])
-    w.save_weights(str(tmp_path / "ep.weights.h5"))
-    _, plain = single_device_copy("tiny_moe")
-    plain.optimizer.build(plain.trainable_variables)
-    plain.load_weights(str(tmp_path / "ep.weights.h5"))
-    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = into_plain_model(w, tmp_path)
     np.testing.assert_allclose(step_losses(plain, data[3:5]), step_losses(w, data[3:5]),
                                rtol=1e-4)
     plain.save_weights(str(tmp_path / "plain.weights.h5"))
@@ -266,12 +273,7 @@ def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
     module, w = wrapped(ep_plan(model, [cpus(0, 1, 2, 3)], ep=4))
     batches = batches_of(module, 5, BATCH)
     step_losses(w, batches[:3])
-    w.save_weights(str(tmp_path / "ep.weights.h5"))
-    _, plain = single_device_copy("tiny_moe")
-    plain.optimizer.build(plain.trainable_variables)
-    plain.load_weights(str(tmp_path / "ep.weights.h5"))
-    for got, want in zip(plain.get_weights(), w.get_weights(), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = into_plain_model(w, tmp_path)
     np.testing.assert_allclose(step_losses(plain, batches[3:]), step_losses(w, batches[3:]),
                                rtol=1e-4)
     plain.save_weights(str(tmp_path / "plain.weights.h5"))
