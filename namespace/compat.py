@@ -820,3 +820,128 @@ def holds_storage(variable: Any) -> bool:
         raise KerasInternalsError(_moved("keras.Variable._value (a variable's storage)",
                                          AttributeError("_value")))
     return variable._value is not None
+
+
+
+_CALL_ATTRS = {"PartitionedCall": ("f",), "StatefulPartitionedCall": ("f",),
+               "While": ("body", "cond"), "StatelessWhile": ("body", "cond"),
+               "If": ("then_branch", "else_branch"),
+               "StatelessIf": ("then_branch", "else_branch")}
+
+
+def eager_function_names() -> set[str]:
+    """The names of every function in the eager context's library
+    (``context.list_function_names``, private). ``apply.audit`` takes the difference before
+    and after one training step to find the functions that step traced. Checked on
+    TensorFlow 2.21.0."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    names = _method(ctx, "list_function_names", "the eager context's function library")
+    return set(names())
+
+
+def traced_graphs(names: set[str]) -> dict[str, Any]:
+    """{function name: its graph with static shapes} for the eager library's functions
+    ``names`` and every function they call (``Context.get_function_def`` and
+    ``function_def_to_graph``, private; the public ``FunctionDef`` has no shapes, and the
+    partitioned graphs TensorFlow runs carry none either). ``apply.audit`` sizes the
+    tensors a step sends by them. Checked on TensorFlow 2.21.0."""
+    from tensorflow.python.eager import context
+
+    to_graph = _private("tensorflow.python.framework.function_def_to_graph",
+                        "function_def_to_graph", "a FunctionDef back to a graph with shapes")
+    ctx = context.context()
+    get = _method(ctx, "get_function_def", "a function's definition in the eager library")
+    out: dict[str, Any] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        try:
+            graph = to_graph(get(name))
+        except Exception:  # noqa: BLE001 -- a function that does not import has no shapes
+            out[name] = None
+            continue
+        out[name] = graph
+        for op in graph.get_operations():
+            todo += called_function_names(op)
+    return out
+
+
+def called_function_names(op: Any) -> list[str]:
+    """The functions ``op`` calls (a PartitionedCall's ``f``, a While's body and condition,
+    an If's branches); [] for any other op."""
+    out = []
+    for attr in _CALL_ATTRS.get(op.type, ()):
+        try:
+            out.append(op.get_attr(attr).name)
+        except (ValueError, AttributeError):
+            continue
+    return out
+
+
+def runtime_tensor_bytes(dump_root: str) -> dict[tuple[str, int], int]:
+    """{(op name, output slot): bytes} of every op output a graph (a ``tf.function`` and
+    the functions it calls) produced while ``tf.debugging.experimental.enable_dump_debug_info
+    (dump_root, tensor_debug_mode="SHAPE")`` was on: the shapes the tensors had when they
+    ran, read back through the debugger's private ``DebugDataReader``
+    (``graph_execution_traces``; SHAPE mode records [tensor id, dtype enum, rank, elements,
+    dims...] per output). ``apply.audit`` sizes the tensors a step sends by them: traced
+    shapes may leave dimensions unknown. The last record of a name wins. Checked on
+    TensorFlow 2.21.0."""
+    import tensorflow as tf
+
+    reader_module = importlib.import_module("tensorflow.python.debug.lib.debug_events_reader")
+    reader_class = getattr(reader_module, "DebugDataReader", None)
+    if reader_class is None:
+        raise KerasInternalsError(_moved("tensorflow.python.debug.lib.debug_events_reader."
+                                         "DebugDataReader (the debugger's dump reader)",
+                                         AttributeError("DebugDataReader")))
+    out: dict[tuple[str, int], int] = {}
+    with reader_class(dump_root) as reader:
+        reader.update()
+        for trace in reader.graph_execution_traces():
+            value = reader.graph_execution_trace_to_tensor_value(trace)
+            if value is None or len(value) < 4:
+                continue
+            try:
+                itemsize = tf.dtypes.as_dtype(int(value[1])).size
+            except (TypeError, ValueError):
+                continue
+            out[(trace.op_name, int(trace.output_slot))] = int(value[3]) * itemsize
+    return out
+
+
+class RunMetadata:
+    """What ``collect_run_metadata`` collected: ``metadata`` (a RunMetadata proto) once the
+    block has ended."""
+
+    metadata: Any = None
+
+
+def collect_run_metadata() -> Any:
+    """A context manager collecting the eager context's run metadata (the partitioned graphs
+    of every function instantiated inside it: ``context.enable_run_metadata`` /
+    ``export_run_metadata``, private), cleared first. ``apply.audit`` reads the transfers
+    TensorFlow placed between devices from them. Checked on TensorFlow 2.21.0."""
+    import contextlib
+
+    from tensorflow.python.eager import context
+
+    @contextlib.contextmanager
+    def collecting() -> Any:
+        ctx = context.context()
+        for name in ("enable_run_metadata", "export_run_metadata", "disable_run_metadata"):
+            _method(ctx, name, "the eager context's run metadata")
+        out = RunMetadata()
+        ctx.enable_run_metadata()
+        ctx.export_run_metadata()  # clears what an earlier collection left
+        try:
+            yield out
+            out.metadata = ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
+
+    return collecting()

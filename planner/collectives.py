@@ -19,6 +19,21 @@ from tfplan.core.cluster import ClusterSpec, LinkSpec
 from tfplan.planner.topology import members_per_node
 
 
+def ring_allreduce_sent_bytes(nbytes: float, n: int) -> float:
+    """Bytes one member sends in a ring all-reduce of ``nbytes`` over ``n`` members:
+    2 (n-1)/n N (the reduce-scatter's n-1 steps and the all-gather's n-1 steps of N/n;
+    Patarasuk & Yuan, JPDC 2009). ``ring_allreduce_time_s`` is this over beta, plus the
+    latencies. 0 for n <= 1."""
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def ring_half_sent_bytes(nbytes: float, n: int) -> float:
+    """Bytes one member sends in a ring all-gather of an ``nbytes`` result, in a ring
+    reduce-scatter of ``nbytes``, or in a pairwise all-to-all in which each member holds
+    ``nbytes``: (n-1)/n N (Thakur, Rabenseifner & Gropp, IJHPCA 2005). 0 for n <= 1."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
 def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
     """Point-to-point transfer, alpha-beta model: t = alpha + n / beta.
 

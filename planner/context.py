@@ -16,6 +16,7 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlannerError
 from tfplan.planner import cost_model as cm
 from tfplan.planner.graph import input_edges, layer_graph, pipeline_units, topological_layers
+from tfplan.planner.traffic import sent_bytes_per_device
 from tfplan.planner.plan import BATCH_NORM, Breakdown, Plan, Prediction, Stage, Strategy
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -61,11 +62,21 @@ class SearchContext:
                      for i, l in enumerate(p.layers))
 
     def plan(self, name: str, strategy: Strategy, stages: tuple[Stage, ...],
-             breakdown: Breakdown, memory: tuple[tuple[str, int], ...], solver: str) -> Plan:
+             breakdown: Breakdown, memory: tuple[tuple[str, int], ...], solver: str,
+             consecutive: bool = True) -> Plan:
         """A ``Plan`` of this model on this cluster from a priced breakdown (the
         framework's step overhead added) and each device's memory; hardware FLOP/s are
-        the model's (no recomputation in the candidates built this way)."""
+        the model's (no recomputation in the candidates built this way). ``consecutive``:
+        each stage is a run of consecutive layers (its bytes sent per device are listed,
+        ``planner.traffic``; a general placement's are not yet)."""
         p = self.profile
+        sent = ()
+        if consecutive:
+            index = {l.name: i for i, l in enumerate(p.layers)}
+            bounds = [(min(index[n] for n in st.layers), max(index[n] for n in st.layers) + 1)
+                      for st in stages]
+            sent = sent_bytes_per_device(p, strategy, bounds, ("",) * len(p.layers),
+                                         [st.devices for st in stages])
         breakdown = cm.with_step_overhead(breakdown, p.measured_step_overhead_s)
         step_s = breakdown.total_s
         flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
@@ -82,7 +93,8 @@ class SearchContext:
                 model_tflops_per_device=cm.model_tflops_per_device(
                     flops_per_sample, self.global_batch, step_s, strategy.num_devices),
                 hardware_tflops_per_device=cm.model_tflops_per_device(  # no recomputation here
-                    flops_per_sample, self.global_batch, step_s, strategy.num_devices)),
+                    flops_per_sample, self.global_batch, step_s, strategy.num_devices),
+                sent_bytes_per_device=sent),
             solver=solver)
 
 

@@ -179,5 +179,5 @@ def _to_plan(ctx: SearchContext, problem: PlacementProblem, placement: Placement
                     Strategy(dp=1, tp=1, pp=k, microbatch_size=batch, num_microbatches=1,
                              schedule="gpipe"),
                     stages, breakdown, tuple((names[s], math.ceil(memory[s])) for s in range(k)),
-                    solver)
+                    solver, consecutive=False)
     return replace(plan, placement="general")

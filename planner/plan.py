@@ -263,6 +263,10 @@ class Prediction:
     # backward: ``planner.experts``), part of breakdown.communication_s; 0 without them.
     # Written only when > 0; plan files without it read 0
     all_to_all_s: float = 0.0
+    # bytes each device sends per step, by kind (planner.traffic.KINDS: tp, pp, dp, zero,
+    # cp, ep): (device, ((kind, bytes), ...)) in plan order; () in plans written before the
+    # field existed, and for general placements (their transfers are not listed yet)
+    sent_bytes_per_device: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -285,6 +289,9 @@ class Prediction:
                 "model_tflops_per_device": self.model_tflops_per_device,
                 "hardware_tflops_per_device": self.hardware_tflops_per_device,
                 **({"all_to_all_s": self.all_to_all_s} if self.all_to_all_s else {}),
+                **({"sent_bytes_per_device": {d: dict(kinds) for d, kinds in
+                                              self.sent_bytes_per_device}}
+                   if self.sent_bytes_per_device else {}),
                 "headroom_bytes": self.headroom_bytes}
 
     @classmethod
@@ -309,7 +316,22 @@ class Prediction:
                                              minimum=0, optional=True, default=0.0),
             all_to_all_s=field(d, "all_to_all_s", k, float, where=w, minimum=0, optional=True,
                                default=0.0),
+            sent_bytes_per_device=_sent_from(field(d, "sent_bytes_per_device", k, dict,
+                                                   where=w, optional=True, default={})),
         )
+
+
+def _sent_from(raw: Mapping[str, Any]) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """``Prediction.sent_bytes_per_device`` from plan.json's ``{device: {kind: bytes}}``."""
+    out = []
+    for device, kinds in raw.items():
+        if not isinstance(kinds, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in kinds.values()):
+            raise SchemaError(f"Plan.predicted.sent_bytes_per_device[{device!r}] is {kinds!r}; "
+                              "expected {kind: bytes} with whole, non-negative bytes.")
+        out.append((str(device), tuple((str(kind), int(v)) for kind, v in kinds.items())))
+    return tuple(out)
 
 
 PLACEMENTS = ("stages", "general")  # Plan.placement

@@ -87,6 +87,7 @@ from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, St
                                  stage_devices)
 from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
+from tfplan.planner.traffic import sent_bytes_per_device
 from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
 
@@ -645,7 +646,9 @@ class Pricer:
                     (p.flops_fwd + p.flops_bwd) / p.batch_size, ctx.global_batch, step, n_dev),
                 hardware_tflops_per_device=cm.hardware_tflops_per_device(
                     e.hardware_flops, step, n_dev),
-                all_to_all_s=e.all_to_all_s),
+                all_to_all_s=e.all_to_all_s,
+                sent_bytes_per_device=sent_bytes_per_device(
+                    p, c, e.stage_bounds, self.splits_for(c.tp), [s.devices for s in stages])),
             solver=f"closed form ({self._split_solver(c.tp)}; stages by min-max bisection "
                    "over the topological order)",
             tp_splits=tuple((name, split) for name, split in zip(names, self.splits_for(c.tp))

@@ -641,3 +641,46 @@ def test_serialize_as_saves_a_class_under_another_ones_registered_name():
     config = keras.saving.serialize_keras_object(Twin(name="t"))
     assert config["registered_name"] == "compat_test>Plain"
     assert type(keras.saving.deserialize_keras_object(config)) is Plain
+
+
+# --- what apply.audit reads of a step --------------------------------------------------------
+
+def test_run_metadata_function_library_and_debugger_dump_give_a_steps_transfers_and_sizes(
+        tmp_path):
+    import tensorflow as tf
+
+    @tf.function
+    def inner(x):
+        return tf.matmul(x, x)
+
+    @tf.function
+    def step(x):
+        with tf.device("/device:CPU:0"):
+            a = inner(x) + 1.0
+        with tf.device("/device:CPU:1"):
+            return a * 2.0
+
+    before = compat.eager_function_names()
+    with compat.collect_run_metadata() as collected:
+        step(tf.ones([4, 4]))
+    names = compat.eager_function_names() - before
+    assert any("step" in n for n in names)
+    sends = [n for fg in collected.metadata.function_graphs for g in fg.partition_graphs
+             for n in g.node if n.op == "_Send"]
+    assert any(b"CPU:1" in n.attr["recv_device"].s for n in sends)
+    graphs = compat.traced_graphs(names)
+    ops = {op.type for g in graphs.values() if g is not None for op in g.get_operations()}
+    assert "MatMul" in ops  # the called function's graph too, with its ops
+    calls = [op for g in graphs.values() if g is not None for op in g.get_operations()
+             if compat.called_function_names(op)]
+    assert calls and all(isinstance(n, str) for op in calls
+                         for n in compat.called_function_names(op))
+    step2 = tf.function(lambda x: tf.concat([x, x], 0) * 3.0)
+    tf.debugging.experimental.enable_dump_debug_info(str(tmp_path), tensor_debug_mode="SHAPE",
+                                                     circular_buffer_size=-1)
+    try:
+        step2(tf.ones([5, 3]))
+    finally:
+        tf.debugging.experimental.disable_dump_debug_info()
+    sizes = compat.runtime_tensor_bytes(str(tmp_path))
+    assert sizes[("concat", 0)] == 10 * 3 * 4 and sizes[("mul", 0)] == 120

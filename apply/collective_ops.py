@@ -1,0 +1,122 @@
+"""Collectives over a plan's groups: TensorFlow's collective ops, one per member device.
+
+Pipeline position: above ``apply.groups`` (whose ``Group`` gives each collective its
+devices and ``group_key``), below the engine's steps; ``apply.audit`` counts what these
+launch by their name scopes (``tfplan_<collective>_<kind>``), a CPU stand-in as the
+collective it stands for.
+
+Called inside a ``tf.function`` with one value per member, ``values[i]`` on
+``group.devices[i]``; each member's op is placed on its device, and each returns every
+member's result (a list in member order). Every op carries an ordering token per device
+(a resource variable's handle: collectives of one device run in program order) and
+``communication_hint`` by device type: ``"nccl"`` between GPUs, ``"ring"`` between CPUs.
+
+Which op runs where (TensorFlow 2.21):
+
+* ``all_reduce``: ``CollectiveReduceV2`` (merge Add, final Id) on CPUs and GPUs;
+* ``all_gather``: ``CollectiveGatherV2`` on CPUs and GPUs (concatenation along axis 0);
+* ``reduce_scatter``: ``CollectiveReduceScatterV2`` on GPUs; on CPUs, where it has no
+  kernel ("did not find collective implementation"), a stand-in with the same results: an
+  all-reduce, each member keeping its 1/n slice of axis 0. It moves 2 (n-1)/n N instead of
+  (n-1)/n N; the audit counts it as the reduce-scatter it stands for.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tfplan.apply.groups import Group
+
+TIMEOUT_S = 600.0  # a member that never arrives fails the step instead of hanging it
+_instance_keys = itertools.count(1)
+_tokens: dict[str, Any] = {}
+
+
+def _token(device: str) -> Any:
+    """The ordering token of ``device``: one resource variable per device, made once."""
+    import tensorflow as tf
+
+    if device not in _tokens:
+        with tf.init_scope(), tf.device(device):
+            _tokens[device] = tf.Variable(0.0, trainable=False, name="tfplan_ordering_token")
+    return _tokens[device].handle
+
+
+def _hint(device: str) -> str:
+    import tensorflow as tf
+
+    kind = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper()
+    return "nccl" if kind == "GPU" else "ring"
+
+
+def _check(values: Sequence[Any], group: Group) -> None:
+    if len(values) != group.size:
+        raise ValueError(f"A collective over the {group.kind} group {group.devices} received "
+                         f"{len(values)} values; expected one per member ({group.size}).")
+
+
+def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
+    """The sum of ``values`` on every member (``CollectiveReduceV2``)."""
+    import tensorflow as tf
+
+    _check(values, group)
+    key = next(_instance_keys)
+    out = []
+    with tf.name_scope(f"tfplan_all_reduce_{kind or group.kind}"):
+        for value, device in zip(values, group.devices):
+            with tf.device(device):
+                out.append(tf.raw_ops.CollectiveReduceV2(
+                    input=value, group_size=group.size, group_key=group.key,
+                    instance_key=key, ordering_token=[_token(device)], merge_op="Add",
+                    final_op="Id", communication_hint=_hint(device),
+                    timeout_seconds=TIMEOUT_S))
+    return out
+
+
+def all_gather(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
+    """``values`` concatenated along axis 0 on every member (``CollectiveGatherV2``)."""
+    import tensorflow as tf
+
+    _check(values, group)
+    key = next(_instance_keys)
+    out = []
+    with tf.name_scope(f"tfplan_all_gather_{kind or group.kind}"):
+        for value, device in zip(values, group.devices):
+            with tf.device(device):
+                out.append(tf.raw_ops.CollectiveGatherV2(
+                    input=value, group_size=group.size, group_key=group.key,
+                    instance_key=key, ordering_token=[_token(device)],
+                    communication_hint=_hint(device), timeout_seconds=TIMEOUT_S))
+    return out
+
+
+def reduce_scatter(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
+    """Member i gets slice i (of n equal slices along axis 0) of the sum of ``values``
+    (``CollectiveReduceScatterV2`` on GPUs; the all-reduce stand-in on CPUs: module
+    docstring). Axis 0 must divide by the group's size."""
+    import tensorflow as tf
+
+    _check(values, group)
+    n = group.size
+    if all(_hint(d) == "nccl" for d in group.devices):
+        key = next(_instance_keys)
+        out = []
+        with tf.name_scope(f"tfplan_reduce_scatter_{kind or group.kind}"):
+            for value, device in zip(values, group.devices):
+                with tf.device(device):
+                    out.append(tf.raw_ops.CollectiveReduceScatterV2(
+                        input=value, group_size=n, group_key=group.key, instance_key=key,
+                        ordering_token=[_token(device)], merge_op="Add", final_op="Id",
+                        communication_hint="nccl", timeout_seconds=TIMEOUT_S))
+        return out
+    key = next(_instance_keys)
+    out = []
+    with tf.name_scope(f"tfplan_reduce_scatter_{kind or group.kind}"):  # the CPU stand-in
+        for i, (value, device) in enumerate(zip(values, group.devices)):
+            with tf.device(device):
+                total = tf.raw_ops.CollectiveReduceV2(
+                    input=value, group_size=n, group_key=group.key, instance_key=key,
+                    ordering_token=[_token(device)], merge_op="Add", final_op="Id",
+                    communication_hint="ring", timeout_seconds=TIMEOUT_S)
+                out.append(tf.split(total, n, axis=0)[i])
+    return out

@@ -1,0 +1,139 @@
+"""What each device sends per step, by kind: the bytes behind the priced communication.
+
+Pipeline position: beside ``planner.pricing``, which prices the same transfers in seconds.
+``sent_bytes_per_device`` is called once per plan the search returns (``planner.search``)
+and its answer is ``Prediction.sent_bytes_per_device`` in plan.json, ``--json`` and
+``plan report``; ``apply.audit`` measures the same quantities in a wrapped model's traced
+step, so the two can be compared device by device.
+
+Every figure is bytes one device puts on a link per training step (all micro-batches),
+from the same per-layer payloads the pricing uses (``profiler.comm``, ``planner.sequence``,
+``planner.experts``) and the per-member volumes of ``planner.collectives``
+(``ring_allreduce_sent_bytes``: 2 (n-1)/n N; ``ring_half_sent_bytes``: (n-1)/n N). With
+m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a device:
+
+* ``tp``: m (1 + [full recomputation]) 2 (tp-1)/tp sum_L fwd_i f / cp
+  + m 2 (tp-1)/tp sum_L bwd_i f / cp, the Megatron f/g all-reduces of each split layer
+  (sequence parallelism's all-gather + reduce-scatter pairs move the same bytes);
+* ``pp``: per chunk boundary and micro-batch, N = the boundary activation's bytes f / cp,
+  both sides send N: the activation forward and its gradient back, each as tp slices of
+  N / tp plus the receiving ranks' all-gather of the other (tp-1)/tp N (Narayanan et al.,
+  SC'21, Sec. 4.1, as ``collectives.pipeline_send_time_s`` prices it);
+* ``dp``: the gradient reduction over the R = dp x cp replicas of the device's weights
+  (G: their gradient bytes, 1/tp of a split layer's): 2 (R-1)/R G per step without ZeRO;
+  (R-1)/R G (a reduce-scatter) per step under ZeRO-1 and per micro-batch under ZeRO-2/3;
+* ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
+  (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
+  (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
+  backward under ZeRO-3, 2 m (R-1)/R W (Rajbhandari et al., SC'20, Sec. 5 and 7);
+* ``cp``: per attention layer and micro-batch, the all-gather of the whole sequence's
+  keys and values (kv f / k, k = tp for a head-split layer) in the forward and its
+  reduce-scatter in the backward, 2 (cp-1)/cp each (and the forward again under full
+  recomputation);
+* ``ep``: per mixture-of-experts layer and micro-batch, ``experts.ALL_TO_ALLS_PER_LAYER``
+  all-to-alls (2 more under full recomputation) of its dispatch payload D f c / cp, of
+  which (ep-1)/ep leaves the device; experts' gradients reduce over R / ep copies.
+
+Host transfers (offload) are not device-to-device sends and are not listed.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tfplan.planner import experts
+from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
+from tfplan.planner.sequence import kv_bytes
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
+from tfplan.profiler.model_profile import ModelProfile
+
+KINDS = ("tp", "pp", "dp", "zero", "cp", "ep")  # Prediction.sent_bytes_per_device's keys
+
+DeviceBytes = tuple[tuple[str, tuple[tuple[str, int], ...]], ...]  # (device, ((kind, bytes)))
+
+
+def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence[tuple[int, int]],
+                          splits: Sequence[str], chunk_devices: Sequence[Sequence[str]]
+                          ) -> DeviceBytes:
+    """Bytes each device sends per step, by kind (``KINDS``; module docstring).
+
+    ``strategy``: a ``Strategy`` or ``Choice`` (dp, tp, pp, cp, ep, micro-batches,
+    recompute, zero_stage); ``bounds[k]``: chunk k's [start, stop) in ``profile.layers``'
+    order, on pipeline device k % pp; ``splits[i]``: layer i's tensor-parallel split ("" when
+    replicated; any other value divides its state by tp); ``chunk_devices[k]``: the devices
+    that run chunk k (a plan's ``stages[k].devices``)."""
+    layers = profile.layers
+    b = profile.batch_size
+    tp, cp, ep = strategy.tp, strategy.cp, max(1, strategy.ep)
+    m, mbs = strategy.num_microbatches, strategy.microbatch_size
+    replicas = strategy.dp * cp
+    full = strategy.recompute == "full"
+    zero = strategy.zero_stage if replicas > 1 else 0
+    f = mbs / b
+    per_device: dict[str, dict[str, float]] = {}
+    for k, (lo, hi) in enumerate(bounds):
+        sent = dict.fromkeys(KINDS, 0.0)
+        grads = dense_grads = expert_grads = weights = gathered = 0.0
+        for i in range(lo, hi):
+            layer = layers[i]
+            split = splits[i] if i < len(splits) else ""
+            share = tp if split else 1
+            comm = layer_comm(layer, input_bytes_of(layer, profile))
+            s = next((x for x in comm.tp_splits if x.split == split), None)
+            if s is not None and tp > 1:
+                fwd = s.fwd_allreduce_bytes * f / cp
+                sent["tp"] += m * (2 if full else 1) * ring_allreduce_sent_bytes(fwd, tp)
+                sent["tp"] += m * ring_allreduce_sent_bytes(s.bwd_allreduce_bytes * f / cp, tp)
+            if cp > 1 and layer.kind in HEAD_SPLIT_TYPES:
+                kv = kv_bytes(layer) * f / share
+                sent["cp"] += m * (3 if full else 2) * ring_half_sent_bytes(kv, cp)
+            if ep > 1 and layer.is_moe:
+                calls = experts.ALL_TO_ALLS_PER_LAYER + (2 if full else 0)
+                sent["ep"] += m * calls * ring_half_sent_bytes(
+                    experts.dispatch_bytes(layer, mbs, b) / cp, ep)
+            g = layer.grad_bytes / share
+            x = experts.expert_share(layer) if ep > 1 else 0.0
+            grads += g
+            dense_grads += g * (1 - x)
+            expert_grads += g * x / ep
+            weights += layer.param_bytes / share
+            gathered += (layer.compute_weight_bytes or layer.param_bytes) / share
+        if hi < len(layers):  # the boundary: activation forward, its gradient back
+            nbytes = layers[hi - 1].activation_bytes * f / cp
+            sent["pp"] += m * nbytes
+            if k + 1 < len(bounds):
+                _add(per_device, chunk_devices[k + 1], {"pp": m * nbytes})
+        if replicas > 1:
+            groups = ((dense_grads, replicas), (expert_grads, replicas // ep)) if ep > 1 \
+                else ((grads, replicas),)
+            for g, n in groups:
+                if zero == 0:
+                    sent["dp"] += ring_allreduce_sent_bytes(g, n)
+                elif zero == 1:
+                    sent["dp"] += ring_half_sent_bytes(g, n)
+                    sent["zero"] += ring_half_sent_bytes(g, n)
+                else:
+                    sent["dp"] += m * ring_half_sent_bytes(g, n)
+            if zero == 2:
+                sent["zero"] += ring_half_sent_bytes(weights, replicas)
+            elif zero == 3:
+                sent["zero"] += 2 * m * ring_half_sent_bytes(gathered, replicas)
+        _add(per_device, chunk_devices[k], sent)
+    return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))
+                 for d, v in per_device.items())
+
+
+def _add(per_device: dict[str, dict[str, float]], devices: Sequence[str],
+         sent: dict[str, float]) -> None:
+    for d in devices:
+        row = per_device.setdefault(d, dict.fromkeys(KINDS, 0.0))
+        for kind, v in sent.items():
+            row[kind] += v
+
+
+def total_by_kind(sent: DeviceBytes) -> dict[str, int]:
+    """Each kind's bytes summed over the devices."""
+    out = dict.fromkeys(KINDS, 0)
+    for _, kinds in sent:
+        for kind, v in kinds:
+            out[kind] += v
+    return out
