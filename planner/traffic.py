@@ -137,3 +137,22 @@ def total_by_kind(sent: DeviceBytes) -> dict[str, int]:
         for kind, v in kinds:
             out[kind] += v
     return out
+
+
+def plan_sent_bytes(profile: ModelProfile, plan: Any) -> DeviceBytes:
+    """``sent_bytes_per_device`` of a stage plan (``planner.plan.Plan``) for ``profile``: its
+    stages' layers as chunks (each a run of consecutive layers of the profile) and its
+    ``tp_splits``; () for a general placement. A layer the profile does not name is
+    skipped. Layers inside an attention block split whole are counted unsplit (the search
+    divides their state by tp; the plan file does not name them)."""
+    if plan.placement != "stages":
+        return ()
+    index = {layer.name: i for i, layer in enumerate(profile.layers)}
+    bounds = []
+    for stage in plan.stages:
+        found = [index[n] for n in stage.layers if n in index]
+        bounds.append((min(found), max(found) + 1) if found else (0, 0))
+    split_of = dict(plan.tp_splits)
+    splits = tuple(split_of.get(layer.name, "") for layer in profile.layers)
+    return sent_bytes_per_device(profile, plan.strategy, bounds, splits,
+                                 [stage.devices for stage in plan.stages])

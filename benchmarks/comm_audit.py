@@ -1,0 +1,100 @@
+"""What each device sends per training step under today's apply engine, measured, against
+the bytes the plan prices (issue 25's starting point).
+
+For the tiny MLP and transformer of tests/apply and hand-made plans on 8 logical CPUs,
+``apply.audit.audit_step`` measures one step of ``apply.wrap(model, plan)`` (the cross-
+device copies TensorFlow placed and the collectives, per device and kind) and
+``planner.traffic.plan_sent_bytes`` prices the same plan from the model's profile. Printed
+per mode: each device's measured bytes (tp/pp/dp/other; the input batch's feeding is left
+out), the priced bytes, and the busiest device's share against its group's mean (the
+issue's bar: at most 1.25x, measured within 10% of priced).
+
+    .venv/bin/python benchmarks/comm_audit.py [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MODES = {  # name: (stage devices, dp, micro-batches, splits per model)
+    "dp4": ([[0, 1, 2, 3]], 4, 1),
+    "pp2-m2": ([[0], [1]], 1, 2),
+    "tp2": ([[0, 1]], 1, 1),
+    "tp4": ([[0, 1, 2, 3]], 1, 1),
+    "dp2xtp2": ([[0, 1, 2, 3]], 2, 1),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
+    import dataclasses
+
+    import keras
+
+    from tfplan import apply
+    from tfplan.apply.audit import audit_step
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+    from tests.apply.helpers import cpus, fresh_optimizer, load_model_file, make_plan
+    from tests.apply.test_acceptance import SPLITS
+
+    rows = []
+    for model_name in ("tiny_mlp", "tiny_transformer"):
+        module = load_model_file(model_name)
+        for mode, (stages, dp, m) in MODES.items():
+            keras.utils.set_random_seed(0)
+            model = module.build_model()
+            plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
+                             global_batch=16)
+            tp = len(stages[0]) // dp
+            if tp > 1:
+                plan = dataclasses.replace(
+                    plan, tp_splits=SPLITS[model_name],
+                    strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp,
+                                                 microbatch_size=16 // (dp * m)))
+            wrapped = apply.wrap(model, plan)
+            wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+            x, y = module.sample_batch(16)
+            audit = audit_step(wrapped, x, y, plan=plan)
+            priced = {d: dict(k) for d, k in plan_sent_bytes(
+                profile_model(model, batch_size=16), plan)}
+            measured = audit.by_device()
+            devices = list(plan.devices)
+            sent = {d: sum(v for k, v in measured.get(d, {}).items() if k != "input")
+                    for d in devices}
+            mean = sum(sent.values()) / len(devices)
+            rows.append({"model": model_name, "mode": mode,
+                         "measured": {d: {k: v for k, v in measured.get(d, {}).items() if v}
+                                      for d in devices},
+                         "priced": {d: {k: v for k, v in priced.get(d, {}).items() if v}
+                                    for d in devices},
+                         "busiest_over_mean": round(max(sent.values()) / mean, 2) if mean else 0,
+                         "unsized": len(audit.unsized)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        print(f"{r['model']:17s} {r['mode']:8s} busiest/mean {r['busiest_over_mean']:.2f}"
+              f"  unsized copies {r['unsized']}")
+        for d in r["measured"]:
+            meas = sum(v for k, v in r["measured"][d].items() if k != "input")
+            pr = sum(r["priced"][d].values())
+            print(f"    {d:16s} measured {meas:>9,d} B {r['measured'][d]}  priced {pr:>9,d} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
