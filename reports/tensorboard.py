@@ -125,7 +125,8 @@ def plan_summary(plan: Plan, detail: bool = True) -> dict:
     """``plan.to_dict()`` without what grows with the device count or the model, for
     ``analysis.json``: ``stages`` is one ``StageGroup`` per pipeline stage (devices as a
     count and ranges, layers as a count), ``predicted`` holds the largest peak
-    (``peak_memory_bytes``) instead of the per-device map, and the model signature and
+    (``peak_memory_bytes``) instead of the per-device map and each pipeline stage's busiest
+    device's bytes sent by kind (``sent_bytes_per_stage``), and the model signature and
     tp splits become counts. ``detail=False`` (a candidate) also drops the cluster (the
     chosen plan's) and keeps the cluster's name only."""
     d = plan.to_dict()
@@ -134,6 +135,13 @@ def plan_summary(plan: Plan, detail: bool = True) -> dict:
     predicted = d["predicted"]
     del predicted["peak_memory_bytes_per_device"]
     predicted["peak_memory_bytes"] = plan.predicted.max_memory_bytes
+    if predicted.pop("sent_bytes_per_device", None) is not None:  # per stage: its busiest
+        sent = {d: dict(kinds) for d, kinds in plan.predicted.sent_bytes_per_device}
+        pp = max(1, min(plan.strategy.pp, len(plan.stages)))
+        predicted["sent_bytes_per_stage"] = [
+            {kind: max((sent.get(d, {}).get(kind, 0) for d in plan.stages[k].devices),
+                       default=0) for kind in next(iter(sent.values()), {})}
+            for k in range(pp)]
     predicted["mfu"] = mfu(plan)
     d["stages"] = [g.to_dict() for g in stage_groups(plan)]
     d["devices"] = len(plan.devices)
