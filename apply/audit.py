@@ -46,8 +46,10 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from tfplan import compat
 from tfplan.apply.device_names import short_name
 from tfplan.apply.groups import Groups, groups_of
+from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
 from tfplan.planner.plan import Plan
 from tfplan.planner.traffic import KINDS
 
@@ -104,11 +106,9 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
     if getattr(model, "optimizer", None) is None:
         raise ValueError("audit_step needs a compiled model (it runs one training step); "
                          "call model.compile(optimizer=..., loss=...) first.")
-    groups = groups_of(plan) if plan is not None else None
-    from tfplan import compat
-
     import tensorflow as tf
 
+    groups = groups_of(plan) if plan is not None else None
     data = tf.data.Dataset.from_tensors((x, y) if sample_weight is None
                                         else (x, y, sample_weight))  # static batch shapes
     known = compat.eager_function_names()
@@ -129,8 +129,7 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
             finally:
                 tf.debugging.experimental.disable_dump_debug_info()
                 model.make_train_function(force=True)  # training goes on without either
-        static = {key: b for key, b in ((k, _bytes(v)) for k, v in _traced_shapes(
-            compat.eager_function_names() - known).items()) if b is not None}
+        static = _traced_bytes(compat.eager_function_names() - known)
         shapes = {**static, **compat.runtime_tensor_bytes(dump)}  # as they ran, else traced
     finally:
         shutil.rmtree(dump, ignore_errors=True)
@@ -213,12 +212,10 @@ def _collective(node: Any, consts: Mapping[str, Any], shapes: Mapping[tuple[str,
         nbytes = shapes.get((name, out))
     if nbytes is None or n < 1:
         return f"{node.name} ({node.op} on {device})"
-    if op == "all_reduce" and scope and scope.group(1) != "all_reduce":
-        op = scope.group(1)
-    volume = {"all_reduce": 2.0 * (n - 1) / n * nbytes,
-              "all_gather": (n - 1) * nbytes,  # (n-1)/n of the n x larger result
-              "reduce_scatter": (n - 1) / n * nbytes,
-              "all_to_all": (n - 1) / n * nbytes,
+    volume = {"all_reduce": ring_allreduce_sent_bytes(nbytes, n),
+              "all_gather": ring_half_sent_bytes(n * nbytes, n),  # of the n x larger result
+              "reduce_scatter": ring_half_sent_bytes(nbytes, n),
+              "all_to_all": ring_half_sent_bytes(nbytes, n),
               "broadcast": float(nbytes)}[op]
     if kind_hint:
         kind = kind_hint
@@ -254,7 +251,7 @@ def _traced_source(source: str, shapes: Mapping[tuple[str, int], int],
     return name, out
 
 
-def _inlined(name: str, out: int, shapes: Mapping[str, tuple]) -> str | None:
+def _inlined(name: str, out: int, shapes: Mapping[tuple[str, int], int]) -> str | None:
     """``name`` without the leading call-op scopes the runtime's inlining prefixed it with
     (``StatefulPartitionedCall/dense/MatMul`` -> ``dense/MatMul``), when that is traced."""
     parts = name.split("/")
@@ -267,34 +264,22 @@ def _inlined(name: str, out: int, shapes: Mapping[str, tuple]) -> str | None:
     return None
 
 
-def _bytes(spec: tuple | None) -> int | None:
-    """Bytes of a (static shape, bytes per element) spec; None when a dimension is unknown."""
-    if spec is None:
-        return None
-    shape, itemsize = spec
-    if shape is None or any(d is None for d in shape):
-        return None
-    return int(np.prod(shape, dtype=np.int64)) * itemsize
-
-
-def _traced_shapes(names: set[str]) -> dict[tuple[str, int], tuple]:
-    """{(op name, output index): (static shape, bytes per element)} of every op of the
-    functions ``names`` (the step's traces) and those they call; an op of a called function
-    also under ``<call op>/<name>`` (TensorFlow's name for it once inlined)."""
-    from tfplan import compat
-
+def _traced_bytes(names: set[str]) -> dict[tuple[str, int], int]:
+    """{(op name, output index): bytes} of every op output with a fully known static shape
+    in the functions ``names`` (the step's traces) and those they call; an op of a called
+    function also under ``<call op>/<name>`` (TensorFlow's name for it once inlined)."""
     graphs = compat.traced_graphs(names)
-    out: dict[tuple[str, int], tuple] = {}
+    out: dict[tuple[str, int], int] = {}
 
     def visit(graph: Any, prefix: str, depth: int) -> None:
         for op in graph.get_operations():
             for i, t in enumerate(op.outputs):
                 try:
-                    shape = None if t.shape.rank is None else tuple(t.shape.as_list())
-                    itemsize = t.dtype.size
+                    if t.shape.is_fully_defined():
+                        out.setdefault((prefix + op.name, i),
+                                       t.shape.num_elements() * t.dtype.size)
                 except (ValueError, TypeError, AttributeError):
                     continue
-                out.setdefault((prefix + op.name, i), (shape, itemsize))
             if depth < 8:
                 for name in compat.called_function_names(op):
                     if graphs.get(name) is not None:

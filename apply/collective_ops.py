@@ -55,39 +55,39 @@ def _check(values: Sequence[Any], group: Group) -> None:
                          f"{len(values)} values; expected one per member ({group.size}).")
 
 
-def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
-    """The sum of ``values`` on every member (``CollectiveReduceV2``)."""
+def _launch(name: str, op: Any, values: Sequence[Any], group: Group, kind: str | None,
+            **attrs: Any) -> list[Any]:
+    """``op`` (a ``tf.raw_ops`` collective) once per member under the name scope
+    ``tfplan_<name>_<kind>`` (what ``apply.audit`` counts by), ``values[i]`` on
+    ``group.devices[i]``, every member with the same instance key; the members' results."""
     import tensorflow as tf
 
     _check(values, group)
     key = next(_instance_keys)
     out = []
-    with tf.name_scope(f"tfplan_all_reduce_{kind or group.kind}"):
+    with tf.name_scope(f"tfplan_{name}_{kind or group.kind}"):
         for value, device in zip(values, group.devices):
             with tf.device(device):
-                out.append(tf.raw_ops.CollectiveReduceV2(
-                    input=value, group_size=group.size, group_key=group.key,
-                    instance_key=key, ordering_token=[_token(device)], merge_op="Add",
-                    final_op="Id", communication_hint=_hint(device),
-                    timeout_seconds=TIMEOUT_S))
+                out.append(op(input=value, group_size=group.size, group_key=group.key,
+                              instance_key=key, ordering_token=[_token(device)],
+                              communication_hint=_hint(device), timeout_seconds=TIMEOUT_S,
+                              **attrs))
     return out
+
+
+def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
+    """The sum of ``values`` on every member (``CollectiveReduceV2``)."""
+    import tensorflow as tf
+
+    return _launch("all_reduce", tf.raw_ops.CollectiveReduceV2, values, group, kind,
+                   merge_op="Add", final_op="Id")
 
 
 def all_gather(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
     """``values`` concatenated along axis 0 on every member (``CollectiveGatherV2``)."""
     import tensorflow as tf
 
-    _check(values, group)
-    key = next(_instance_keys)
-    out = []
-    with tf.name_scope(f"tfplan_all_gather_{kind or group.kind}"):
-        for value, device in zip(values, group.devices):
-            with tf.device(device):
-                out.append(tf.raw_ops.CollectiveGatherV2(
-                    input=value, group_size=group.size, group_key=group.key,
-                    instance_key=key, ordering_token=[_token(device)],
-                    communication_hint=_hint(device), timeout_seconds=TIMEOUT_S))
-    return out
+    return _launch("all_gather", tf.raw_ops.CollectiveGatherV2, values, group, kind)
 
 
 def reduce_scatter(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
@@ -96,27 +96,14 @@ def reduce_scatter(values: Sequence[Any], group: Group, kind: str | None = None)
     docstring). Axis 0 must divide by the group's size."""
     import tensorflow as tf
 
-    _check(values, group)
-    n = group.size
     if all(_hint(d) == "nccl" for d in group.devices):
-        key = next(_instance_keys)
-        out = []
-        with tf.name_scope(f"tfplan_reduce_scatter_{kind or group.kind}"):
-            for value, device in zip(values, group.devices):
-                with tf.device(device):
-                    out.append(tf.raw_ops.CollectiveReduceScatterV2(
-                        input=value, group_size=n, group_key=group.key, instance_key=key,
-                        ordering_token=[_token(device)], merge_op="Add", final_op="Id",
-                        communication_hint="nccl", timeout_seconds=TIMEOUT_S))
-        return out
-    key = next(_instance_keys)
+        return _launch("reduce_scatter", tf.raw_ops.CollectiveReduceScatterV2, values, group,
+                       kind, merge_op="Add", final_op="Id")
+    # the CPU stand-in: the whole sum on every member, each keeping its own slice
+    totals = _launch("reduce_scatter", tf.raw_ops.CollectiveReduceV2, values, group, kind,
+                     merge_op="Add", final_op="Id")
     out = []
-    with tf.name_scope(f"tfplan_reduce_scatter_{kind or group.kind}"):  # the CPU stand-in
-        for i, (value, device) in enumerate(zip(values, group.devices)):
-            with tf.device(device):
-                total = tf.raw_ops.CollectiveReduceV2(
-                    input=value, group_size=n, group_key=group.key, instance_key=key,
-                    ordering_token=[_token(device)], merge_op="Add", final_op="Id",
-                    communication_hint="ring", timeout_seconds=TIMEOUT_S)
-                out.append(tf.split(total, n, axis=0)[i])
+    for i, (total, device) in enumerate(zip(totals, group.devices)):
+        with tf.device(device):
+            out.append(tf.split(total, group.size, axis=0)[i])
     return out

@@ -20,9 +20,10 @@ needs it, with a ``KerasInternalsError`` that says what to install.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 from tfplan.core.errors import PlannerError
 
@@ -822,7 +823,6 @@ def holds_storage(variable: Any) -> bool:
     return variable._value is not None
 
 
-
 _CALL_ATTRS = {"PartitionedCall": ("f",), "StatefulPartitionedCall": ("f",),
                "While": ("body", "cond"), "StatelessWhile": ("body", "cond"),
                "If": ("then_branch", "else_branch"),
@@ -921,27 +921,22 @@ class RunMetadata:
     metadata: Any = None
 
 
-def collect_run_metadata() -> Any:
+@contextlib.contextmanager
+def collect_run_metadata() -> Iterator[RunMetadata]:
     """A context manager collecting the eager context's run metadata (the partitioned graphs
     of every function instantiated inside it: ``context.enable_run_metadata`` /
     ``export_run_metadata``, private), cleared first. ``apply.audit`` reads the transfers
     TensorFlow placed between devices from them. Checked on TensorFlow 2.21.0."""
-    import contextlib
-
     from tensorflow.python.eager import context
 
-    @contextlib.contextmanager
-    def collecting() -> Any:
-        ctx = context.context()
-        for name in ("enable_run_metadata", "export_run_metadata", "disable_run_metadata"):
-            _method(ctx, name, "the eager context's run metadata")
-        out = RunMetadata()
-        ctx.enable_run_metadata()
-        ctx.export_run_metadata()  # clears what an earlier collection left
-        try:
-            yield out
-            out.metadata = ctx.export_run_metadata()
-        finally:
-            ctx.disable_run_metadata()
-
-    return collecting()
+    ctx = context.context()
+    for name in ("enable_run_metadata", "export_run_metadata", "disable_run_metadata"):
+        _method(ctx, name, "the eager context's run metadata")
+    out = RunMetadata()
+    ctx.enable_run_metadata()
+    ctx.export_run_metadata()  # clears what an earlier collection left
+    try:
+        yield out
+        out.metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()

@@ -10,14 +10,14 @@ turns a priced breakdown into a ``Plan`` (``SearchContext.plan``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.core.errors import PlannerError
 from tfplan.planner import cost_model as cm
 from tfplan.planner.graph import input_edges, layer_graph, pipeline_units, topological_layers
-from tfplan.planner.traffic import sent_bytes_per_device
 from tfplan.planner.plan import BATCH_NORM, Breakdown, Plan, Prediction, Stage, Strategy
+from tfplan.planner.traffic import plan_sent_bytes
 from tfplan.profiler.model_profile import ModelProfile
 
 BATCH_NORM_TYPES = ("BatchNormalization",)  # layers whose statistics batch_norm governs
@@ -70,17 +70,10 @@ class SearchContext:
         each stage is a run of consecutive layers (its bytes sent per device are listed,
         ``planner.traffic``; a general placement's are not yet)."""
         p = self.profile
-        sent = ()
-        if consecutive:
-            index = {l.name: i for i, l in enumerate(p.layers)}
-            bounds = [(min(index[n] for n in st.layers), max(index[n] for n in st.layers) + 1)
-                      for st in stages]
-            sent = sent_bytes_per_device(p, strategy, bounds, ("",) * len(p.layers),
-                                         [st.devices for st in stages])
         breakdown = cm.with_step_overhead(breakdown, p.measured_step_overhead_s)
         step_s = breakdown.total_s
         flops_per_sample = (p.flops_fwd + p.flops_bwd) / p.batch_size
-        return Plan(
+        plan = Plan(
             name=name, model_name=p.model_name, model_fingerprint=p.fingerprint,
             model_signature=p.signature(), model_output_shapes=p.output_shapes(),
             model_input_shapes=p.input_shapes,
@@ -93,9 +86,12 @@ class SearchContext:
                 model_tflops_per_device=cm.model_tflops_per_device(
                     flops_per_sample, self.global_batch, step_s, strategy.num_devices),
                 hardware_tflops_per_device=cm.model_tflops_per_device(  # no recomputation here
-                    flops_per_sample, self.global_batch, step_s, strategy.num_devices),
-                sent_bytes_per_device=sent),
+                    flops_per_sample, self.global_batch, step_s, strategy.num_devices)),
             solver=solver)
+        if not consecutive:
+            return plan
+        return replace(plan, predicted=replace(
+            plan.predicted, sent_bytes_per_device=plan_sent_bytes(p, plan)))
 
 
 def search_context(profile: ModelProfile, cluster: ClusterSpec, global_batch: int,

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from tfplan.core.atomic import copy_file, write_json
 from tfplan.planner.plan import Plan
+from tfplan.planner.traffic import KINDS
 from tfplan.profiler.model_profile import ModelProfile
 from tfplan.reports.device_groups import mesh, stage_groups
 from tfplan.reports.layer_table import FIELDS as LAYER_FIELDS, layer_table
@@ -136,12 +137,11 @@ def plan_summary(plan: Plan, detail: bool = True) -> dict:
     del predicted["peak_memory_bytes_per_device"]
     predicted["peak_memory_bytes"] = plan.predicted.max_memory_bytes
     if predicted.pop("sent_bytes_per_device", None) is not None:  # per stage: its busiest
-        sent = {d: dict(kinds) for d, kinds in plan.predicted.sent_bytes_per_device}
+        sent = {device: dict(kinds) for device, kinds in plan.predicted.sent_bytes_per_device}
         pp = max(1, min(plan.strategy.pp, len(plan.stages)))
         predicted["sent_bytes_per_stage"] = [
-            {kind: max((sent.get(d, {}).get(kind, 0) for d in plan.stages[k].devices),
-                       default=0) for kind in next(iter(sent.values()), {})}
-            for k in range(pp)]
+            {kind: max((sent.get(device, {}).get(kind, 0) for device in plan.stages[k].devices),
+                       default=0) for kind in KINDS} for k in range(pp)]
     predicted["mfu"] = mfu(plan)
     d["stages"] = [g.to_dict() for g in stage_groups(plan)]
     d["devices"] = len(plan.devices)
