@@ -61,8 +61,11 @@ def clone_layer(layer: Any) -> Any:
         raise PlannerError(
             f"apply.wrap re-creates every layer from its config to build it on the plan's "
             f"device, and layer {layer.name!r} ({type(layer).__name__}) could not be: "
-            f"{type(e).__name__}: {e}. Give that layer class a get_config() that returns "
-            "its constructor arguments (and a from_config() if they are not plain values)."
+            f"{type(e).__name__}: {e}. Pass apply.wrap the function that builds the model "
+            "instead, apply.wrap(build_model, plan): each device then builds its copy with "
+            "your code, nothing is re-created. Or give that layer class a get_config() that "
+            "returns its constructor arguments (and a from_config() if they are not plain "
+            "values)."
         ) from e
 
 

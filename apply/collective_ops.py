@@ -22,14 +22,34 @@ Which op runs where (TensorFlow 2.21):
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tfplan.apply.groups import Group
 
 TIMEOUT_S = 600.0  # a member that never arrives fails the step instead of hanging it
-_instance_keys = itertools.count(1)
+# instance keys per (group key, device): the n-th collective a device launches in a group
+# has key n on every member, so members that trace their own programs (one per device,
+# or one per worker) agree without talking, and a key is never reused for another shape
+_instance_keys: dict[tuple[int, str], Any] = {}
 _tokens: dict[str, Any] = {}
+KEYS_PER_TRACE = 1 << 14  # instance keys one traced step may use per group and device
+_traces = itertools.count(1)
+_scope: list[tuple[int, dict]] = []  # the innermost instance_scope: (base, its counters)
+
+
+@contextlib.contextmanager
+def instance_scope() -> Iterator[None]:
+    """While a step is traced: instance keys counted afresh from a base of its own, so a
+    trace that failed half-way (some devices' collectives made, others not) cannot leave
+    the next trace's members with different keys (they would wait for each other until
+    ``TIMEOUT_S``)."""
+    _scope.append((next(_traces) * KEYS_PER_TRACE, {}))
+    try:
+        yield
+    finally:
+        _scope.pop()
 
 
 def _token(device: str) -> Any:
@@ -60,19 +80,49 @@ def _launch(name: str, op: Any, values: Sequence[Any], group: Group, kind: str |
     """``op`` (a ``tf.raw_ops`` collective) once per member under the name scope
     ``tfplan_<name>_<kind>`` (what ``apply.audit`` counts by), ``values[i]`` on
     ``group.devices[i]``, every member with the same instance key; the members' results."""
+    _check(values, group)
+    return [_member(name, op, value, group, device, kind, **attrs)
+            for value, device in zip(values, group.devices)]
+
+
+def _instance_key(group: Group, device: str) -> int:
+    if _scope:
+        base, counters = _scope[-1]
+        return base + next(counters.setdefault((group.key, device), itertools.count(1)))
+    counter = _instance_keys.setdefault((group.key, device), itertools.count(1))
+    return next(counter)
+
+
+def _member(name: str, op: Any, value: Any, group: Group, device: str, kind: str | None,
+            **attrs: Any) -> Any:
+    """One member's ``op`` on ``device`` (its instance key: ``_instance_key``)."""
     import tensorflow as tf
 
-    _check(values, group)
-    key = next(_instance_keys)
-    out = []
-    with tf.name_scope(f"tfplan_{name}_{kind or group.kind}"):
-        for value, device in zip(values, group.devices):
-            with tf.device(device):
-                out.append(op(input=value, group_size=group.size, group_key=group.key,
-                              instance_key=key, ordering_token=[_token(device)],
-                              communication_hint=_hint(device), timeout_seconds=TIMEOUT_S,
-                              **attrs))
-    return out
+    if device not in group.devices:
+        raise ValueError(f"Device {device!r} is not a member of the {group.kind} group "
+                         f"{group.devices}.")
+    with tf.name_scope(f"tfplan_{name}_{kind or group.kind}"), tf.device(device):
+        return op(input=value, group_size=group.size, group_key=group.key,
+                  instance_key=_instance_key(group, device), ordering_token=[_token(device)],
+                  communication_hint=_hint(device), timeout_seconds=TIMEOUT_S, **attrs)
+
+
+def member_all_reduce(value: Any, group: Group, device: str, kind: str | None = None) -> Any:
+    """``device``'s part of an all-reduce over ``group`` (every member calls it, in the
+    same order): the sum of every member's ``value``. For engines where each device's
+    program is traced on its own (``apply.spmd``)."""
+    import tensorflow as tf
+
+    return _member("all_reduce", tf.raw_ops.CollectiveReduceV2, value, group, device, kind,
+                   merge_op="Add", final_op="Id")
+
+
+def member_all_gather(value: Any, group: Group, device: str, kind: str | None = None) -> Any:
+    """``device``'s part of an all-gather over ``group``: every member's ``value``
+    concatenated along axis 0, in member order."""
+    import tensorflow as tf
+
+    return _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device, kind)
 
 
 def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:

@@ -87,6 +87,7 @@ from tfplan.apply.recompute import (recompute_attention_cores, recomputed_layers
 from tfplan.apply.schedule import SCHEDULED, schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 from tfplan.core.atomic import write_json
+from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.signature import model_signature, output_shapes
@@ -96,14 +97,21 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
          ) -> Any:
     """Return a keras.Model that trains ``model`` as ``plan`` says (see the module docstring).
 
-    ``plan``: a Plan or the path of a plan.json. ``logdir``: if given, the plan and
+    ``model``: the user's model, or the function that builds it (``build_model``, called
+    with no arguments): each device then builds its own copy with the user's code, so
+    custom layers need no ``get_config`` (the SPMD engine, ``apply.spmd``). ``plan``: a
+    Plan or the path of a plan.json. ``logdir``: if given, the plan and
     where each model variable was placed are written there (plan.json,
     placement.json); optimizer slots exist only after ``compile()``, see
     ``apply.variable_devices(model)`` for them.
     """
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
-    view = to_functional(model)
+    builder = _builder(model)
+    if builder is not None:  # the devices first: building starts TensorFlow's runtime
+        ensure_devices(plan, mode=execution_mode(plan))
+        model = _built(builder)
+    view = to_functional(model) if builder is None or _is_graph(model) else model
     signature = model_signature(view)
     # matched by structure, renamed to this model's layer names: every lookup below
     # (placement, tp_splits, stages, recompute, ZeRO) then finds the model's layers
@@ -112,6 +120,22 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     check_applicable(plan, mode)  # every strategy dimension has an engine here
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan, mode=mode)
+    # the builder form runs on the SPMD engine where it can (apply.spmd); a built model
+    # still runs on the engines below (they move to apply.spmd mode by mode: issue 25)
+    why_not = spmd_refusal(plan, mode, view) if builder is not None else "a built model"
+    if not why_not:
+        wrapped = _wrap_spmd(model, builder, view, plan)
+        if getattr(model, "compiled", False):
+            _compile_like(model, wrapped)
+        if logdir is not None:
+            _write_logdir(plan, wrapped, logdir)
+        return wrapped
+    if builder is not None and not _is_graph(model):
+        raise PlannerError(
+            f"apply.wrap received a function that builds a {type(model).__name__}; plan "
+            f"{plan.name!r} needs an engine that re-creates the model's graph ({why_not}), "
+            "which a subclassed model does not have. Build the model with the Functional "
+            "API or keras.Sequential, or re-plan without that dimension.")
     m = plan.strategy.num_microbatches
     recompute, stateful = recomputed_layers(plan, view)
     if stateful:
@@ -168,6 +192,67 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         # fit() then writes predicted vs measured step times there (apply.monitor)
         wrapped.plan_logdir = os.fspath(logdir)
     return wrapped
+
+
+def _builder(model: Any) -> Any:
+    """``model`` when it is a function that builds the model, else None."""
+    import keras
+
+    return model if callable(model) and not isinstance(model, keras.layers.Layer) else None
+
+
+def _built(builder: Any) -> Any:
+    """The builder's model, on the host (it holds the weights every copy starts from, and
+    serves weight files: ``apply.spmd.model``)."""
+    import keras
+    import tensorflow as tf
+
+    with tf.device("/device:CPU:0"):
+        model = builder()
+    if not isinstance(model, keras.Model):
+        raise PlannerError(f"apply.wrap called {getattr(builder, '__name__', builder)!r} to "
+                           f"build the model and received a {type(model).__name__}; the "
+                           "function must return a keras.Model.")
+    return model
+
+
+def _is_graph(model: Any) -> bool:
+    import keras
+
+    from tfplan.compat import functional_class
+
+    return isinstance(model, (functional_class(), keras.Sequential))
+
+
+def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
+    """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
+    from tfplan.apply.mode import Processes
+    from tfplan.apply.spmd import refusal
+
+    if mode.processes is not Processes.ONE_HOST:
+        return "devices on several workers"
+    if mode.mode not in (Mode.SINGLE_DEVICE, Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL):
+        return f"the {mode.mode.value} mode"
+    if plan.strategy.dp > 1 and batch_norm_layers(view):
+        return "BatchNormalization statistics over the data-parallel replicas"
+    return refusal(plan)
+
+
+def _wrap_spmd(model: Any, builder: Any, view: Any, plan: Plan) -> Any:
+    """The SPMD model (``apply.spmd``): ``builder`` builds each device's copy when given,
+    else each copy is re-created from ``view``'s layers."""
+    import tensorflow as tf
+
+    from tfplan.apply.cloning import clone_graph
+    from tfplan.apply.spmd import wrap_spmd
+
+    def template() -> Any:
+        if builder is not None:
+            return model  # built on the host by _built
+        with tf.device("/device:CPU:0"):
+            return clone_graph(view)
+
+    return wrap_spmd(builder or view, plan, template, model.get_weights(), name=model.name)
 
 
 def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:

@@ -1,8 +1,10 @@
-"""What each device sends per training step under today's apply engine, measured, against
-the bytes the plan prices (issue 25's starting point).
+"""What each device sends per training step under apply, measured, against the bytes the
+plan prices (issue 25).
 
 For the tiny MLP and transformer of tests/apply and hand-made plans on 8 logical CPUs,
-``apply.audit.audit_step`` measures one step of ``apply.wrap(model, plan)`` (the cross-
+``apply.audit.audit_step`` measures one step of ``apply.wrap(build_model, plan)`` (the
+SPMD engine, ``apply.spmd``, where it runs the plan; ``--built`` wraps the built model
+instead, the older engines; the engine is printed per row) (the cross-
 device copies TensorFlow placed and the collectives, per device and kind) and
 ``planner.traffic.plan_sent_bytes`` prices the same plan from the model's profile. Printed
 per mode: each device's measured bytes (tp/pp/dp/other; the input batch's feeding is left
@@ -34,6 +36,8 @@ MODES = {  # name: (stage devices, dp, micro-batches, splits per model)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--built", action="store_true",
+                        help="wrap the built model (the older engines) instead of its builder")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
@@ -65,7 +69,8 @@ def main() -> int:
                     plan, tp_splits=SPLITS[model_name],
                     strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp,
                                                  microbatch_size=16 // (dp * m)))
-            wrapped = apply.wrap(model, plan)
+            keras.utils.set_random_seed(0)
+            wrapped = apply.wrap(model if args.built else module.build_model, plan)
             wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
             x, y = module.sample_batch(16)
             audit = audit_step(wrapped, x, y, plan=plan)
@@ -76,7 +81,7 @@ def main() -> int:
             sent = {d: sum(v for k, v in measured.get(d, {}).items() if k != "input")
                     for d in devices}
             mean = sum(sent.values()) / len(devices)
-            rows.append({"model": model_name, "mode": mode,
+            rows.append({"model": model_name, "mode": mode, "engine": type(wrapped).__name__,
                          "measured": {d: {k: v for k, v in measured.get(d, {}).items() if v}
                                       for d in devices},
                          "priced": {d: {k: v for k, v in priced.get(d, {}).items() if v}
@@ -87,7 +92,8 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     for r in rows:
-        print(f"{r['model']:17s} {r['mode']:8s} busiest/mean {r['busiest_over_mean']:.2f}"
+        print(f"{r['model']:17s} {r['mode']:8s} {r['engine']:18s} "
+              f"busiest/mean {r['busiest_over_mean']:.2f}"
               f"  unsized copies {r['unsized']}")
         for d in r["measured"]:
             meas = sum(v for k, v in r["measured"][d].items() if k != "input")

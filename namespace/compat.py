@@ -940,3 +940,54 @@ def collect_run_metadata() -> Iterator[RunMetadata]:
         out.metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
+
+
+@contextlib.contextmanager
+def without_replica_sum(optimizer: Any) -> Iterator[None]:
+    """While tracing ``apply_gradients``: the TF backend optimizer's
+    ``_all_reduce_sum_gradients`` (the sum over ``tf.distribute`` replicas) left out.
+
+    With no strategy, that sum is the default replica context's identity, one ``IdentityN``
+    over every gradient created with no device, which TensorFlow places on the first one:
+    each device's gradients would travel there and back. The SPMD engine (``apply.spmd``)
+    has summed them already with collectives. Checked on Keras 3.15.1. Without it, a data-
+    parallel step sends every gradient through device 0, a hub the plan does not price."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    _method(target, "_all_reduce_sum_gradients", "the replicas' gradient sum")
+    target._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+    try:
+        yield
+    finally:
+        del target._all_reduce_sum_gradients
+
+
+def compiled_loss(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """``Trainer._compile_loss(y, y_pred, sample_weight)``: the loss given to ``compile``
+    alone, reduced as Keras reduces it (masks and sample weights applied), or None when
+    none was given. Checked on Keras 3.15.1. The SPMD engine (``apply.spmd``) adds each
+    device copy's own added losses to it; without it it would add the wrapped model's
+    (every copy's) instead."""
+    loss = getattr(model, "_compile_loss", None)
+    return None if loss is None else loss(y, y_pred, sample_weight)
+
+
+def added_loss(model: Any, value: Any) -> Any:
+    """``Trainer._aggregate_additional_loss(value)``: an ``add_loss`` term as the train
+    step adds it (cast, summed). Checked on Keras 3.15.1. Without it the SPMD engine's
+    added losses could differ in dtype or reduction from one device's."""
+    return _method(model, "_aggregate_additional_loss", "an added loss's reduction")(value)
+
+
+def compiled_metrics(model: Any) -> Any:
+    """``Trainer._compile_metrics``: the metrics given to ``compile`` (None without any).
+    Checked on Keras 3.15.1. The SPMD engine updates them part by part on each replica's
+    device; without it the metrics would see one device's concatenated outputs (a hub)."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def flatten_layers(layer: Any) -> list[Any]:
+    """``Layer._flatten_layers(include_self=False, recursive=True)``: every sub-layer at
+    any depth, in tracking order. Checked on Keras 3.15.1. The SPMD engine finds the rank
+    twins inside a device's copy with it; without it split weights would be read whole."""
+    return list(_method(layer, "_flatten_layers", "a layer's sub-layers")(
+        include_self=False, recursive=True))

@@ -89,7 +89,7 @@ from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
 from tfplan.planner.traffic import sent_bytes_per_device
 from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
-from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, layer_comm, profile_comm
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
 PARTITION_MICROBATCH = 8  # samples per micro-batch at which stages are balanced
@@ -125,7 +125,7 @@ class Pricer:
         self.layers = p.layers
         self.b = p.batch_size
         self.n = len(p.layers)
-        self.comm = tuple(layer_comm(l, input_bytes_of(l, p)) for l in p.layers)
+        self.comm = profile_comm(p)
         self.attention = np.array([l.kind in HEAD_SPLIT_TYPES for l in p.layers])
         self.input_bytes = np.array(ctx.input_bytes, dtype=float)
         self.cache: dict = {}

@@ -22,6 +22,11 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
 * ``dp``: the gradient reduction over the R = dp x cp replicas of the device's weights
   (G: their gradient bytes, 1/tp of a split layer's): 2 (R-1)/R G per step without ZeRO;
   (R-1)/R G (a reduce-scatter) per step under ZeRO-1 and per micro-batch under ZeRO-2/3;
+  An Embedding's gradient is sparse (``tf.IndexedSlices``: one row per looked-up token,
+  as one device's Keras optimizer receives it): its replicas all-gather their rows and
+  ids instead, (R-1) x their bytes per device (``sparse_grad_bytes``; what ``apply.spmd``
+  and ``tf.distribute`` run, exact where a summed dense gradient would change Adam's
+  second moment);
 * ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
   (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
   (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
@@ -43,7 +48,7 @@ from typing import Any, Sequence
 from tfplan.planner import experts
 from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
 from tfplan.planner.sequence import kv_bytes
-from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_bytes_of, layer_comm
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_grad_bytes_of, layer_comm
 from tfplan.profiler.model_profile import ModelProfile
 
 KINDS = ("tp", "pp", "dp", "zero", "cp", "ep")  # Prediction.sent_bytes_per_device's keys
@@ -70,14 +75,15 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     zero = strategy.zero_stage if replicas > 1 else 0
     f = mbs / b
     per_device: dict[str, dict[str, float]] = {}
+    names = frozenset(layer.name for layer in layers)
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
-        grads = dense_grads = expert_grads = weights = gathered = 0.0
+        grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
         for i in range(lo, hi):
             layer = layers[i]
             split = splits[i] if i < len(splits) else ""
             share = tp if split else 1
-            comm = layer_comm(layer, input_bytes_of(layer, profile))
+            comm = layer_comm(layer, input_grad_bytes_of(layer, profile, names))
             s = next((x for x in comm.tp_splits if x.split == split), None)
             if s is not None and tp > 1:
                 fwd = s.fwd_allreduce_bytes * f / cp
@@ -90,6 +96,10 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 calls = experts.ALL_TO_ALLS_PER_LAYER + (2 if full else 0)
                 sent["ep"] += m * calls * ring_half_sent_bytes(
                     experts.dispatch_bytes(layer, mbs, b) / cp, ep)
+            rows = sparse_grad_bytes(layer, profile.precision) * f * m / cp
+            if rows and replicas > 1 and zero == 0:
+                sparse += rows
+                continue  # no dense gradient to reduce
             g = layer.grad_bytes / share
             x = experts.expert_share(layer) if ep > 1 else 0.0
             grads += g
@@ -113,6 +123,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                     sent["zero"] += ring_half_sent_bytes(g, n)
                 else:
                     sent["dp"] += m * ring_half_sent_bytes(g, n)
+            sent["dp"] += (replicas - 1) * sparse
             if zero == 2:
                 sent["zero"] += ring_half_sent_bytes(weights, replicas)
             elif zero == 3:
@@ -120,6 +131,23 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
         _add(per_device, chunk_devices[k], sent)
     return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))
                  for d, v in per_device.items())
+
+
+SPARSE_GRAD_TYPES = ("Embedding",)
+INDEX_BYTES = 4  # an id (int32, as Keras' Embedding casts its inputs)
+
+
+def sparse_grad_bytes(layer: Any, precision: str) -> float:
+    """Bytes of the sparse gradient of ``layer`` for the profile batch (0: a dense one): an
+    Embedding's rows, one per looked-up token (its output's elements at the gradient's
+    itemsize, the variable's float32) plus each row's id."""
+    if layer.kind not in SPARSE_GRAD_TYPES or not layer.trainable_params:
+        return 0.0
+    act_itemsize = 2 if precision.startswith("mixed_") else 4
+    elements = layer.activation_bytes / act_itemsize
+    width = (layer.output_shape or (None,))[-1]
+    tokens = elements / width if width else 0.0
+    return elements * (layer.grad_bytes / layer.trainable_params) + tokens * INDEX_BYTES
 
 
 def _add(per_device: dict[str, dict[str, float]], devices: Sequence[str],

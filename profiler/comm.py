@@ -137,6 +137,23 @@ def input_bytes_of(layer: LayerProfile, profile: ModelProfile) -> int:
     return sum(e.bytes for e in profile.edges if e.dst == layer.name)
 
 
+def input_grad_bytes_of(layer: LayerProfile, profile: ModelProfile,
+                        names: frozenset[str] | None = None) -> int:
+    """The bytes of ``layer``'s input whose gradient the backward pass computes: none for
+    a top-level layer that reads only the model's inputs (nothing upstream trains, so a
+    column split's backward all-reduce of that gradient never runs), else
+    ``input_bytes_of``. ``names``: the profile's layer names (computed when not given)."""
+    names = names if names is not None else frozenset(l.name for l in profile.layers)
+    into = [e for e in profile.edges if e.dst == layer.name]
+    if not layer.block and not layer.inputs and into and all(e.src not in names
+                                                             for e in into):
+        return 0
+    return input_bytes_of(layer, profile)
+
+
 def profile_comm(profile: ModelProfile) -> tuple[LayerComm, ...]:
-    """``layer_comm`` for every layer of ``profile``, in its order."""
-    return tuple(layer_comm(layer, input_bytes_of(layer, profile)) for layer in profile.layers)
+    """``layer_comm`` for every layer of ``profile``, in its order (a split layer's backward
+    all-reduce over the input gradient the backward computes: ``input_grad_bytes_of``)."""
+    names = frozenset(l.name for l in profile.layers)
+    return tuple(layer_comm(layer, input_grad_bytes_of(layer, profile, names))
+                 for layer in profile.layers)

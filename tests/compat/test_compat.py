@@ -684,3 +684,43 @@ def test_run_metadata_function_library_and_debugger_dump_give_a_steps_transfers_
         tf.debugging.experimental.disable_dump_debug_info()
     sizes = compat.runtime_tensor_bytes(str(tmp_path))
     assert sizes[("concat", 0)] == 10 * 3 * 4 and sizes[("mul", 0)] == 120
+
+
+def _compiled_dense(**compile_kwargs):
+    inputs = keras.Input(shape=(3,))
+    dense = keras.layers.Dense(2, kernel_regularizer=keras.regularizers.L2(0.5))
+    model = keras.Model(inputs, dense(inputs))
+    model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
+    return model, dense
+
+
+def test_compiled_loss_is_the_compile_loss_alone_and_added_loss_reduces_an_add_loss():
+    model, _ = _compiled_dense(metrics=["mae"])
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    y_pred = model(x)
+    mse = float(np.mean(np.square(y_pred.numpy())))
+    assert float(compat.compiled_loss(model, y, y_pred, None)) == pytest.approx(mse, rel=1e-6)
+    (penalty,) = model.losses
+    assert float(compat.added_loss(model, penalty)) == pytest.approx(float(penalty))
+    model.evaluate(x, y, verbose=0)  # builds the compiled metrics
+    metrics = compat.compiled_metrics(model)
+    assert metrics is not None and "mae" in [m.name for m in metrics.metrics]
+    bare = keras.Model(model.inputs, model.outputs)
+    assert compat.compiled_metrics(bare) is None and compat.compiled_loss(bare, y, y_pred,
+                                                                         None) is None
+
+
+def test_flatten_layers_reaches_sub_layers_at_any_depth():
+    inner = keras.Sequential([keras.layers.Dense(2, name="deep")])
+    model = keras.Sequential([keras.Input((3,)), inner])
+    assert "deep" in [layer.name for layer in compat.flatten_layers(model)]
+
+
+def test_without_replica_sum_leaves_the_gradients_as_they_are_then_restores_it():
+    optimizer = keras.optimizers.SGD(0.1)
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer.build([variable])
+    grads = [(tf.constant([1.0, 2.0]), variable)]
+    with compat.without_replica_sum(optimizer):
+        assert optimizer._all_reduce_sum_gradients(grads) is grads
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)

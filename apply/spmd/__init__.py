@@ -1,0 +1,29 @@
+"""apply.spmd: the SPMD engine. Every device runs its own part of the step and talks
+through TensorFlow's collective ops in the plan's groups.
+
+Pipeline position: under ``apply.wrap``, which hands it the plans ``run.refusal`` accepts.
+The parts, in the order they run: ``run`` (the run description, derived once from the
+plan), ``copies`` (each device's copy of the model, split layers swapped for their
+rank's twin from ``rank_layers``, which call ``megatron``'s operators) and ``model``
+(``SpmdModel``: the steps, the gradient reduction, the weights as the user's model's).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tfplan.apply.spmd.copies import build_copies
+from tfplan.apply.spmd.model import SpmdModel
+from tfplan.apply.spmd.run import RunDescription, describe, refusal
+from tfplan.planner.plan import Plan
+
+
+def wrap_spmd(source: Any, plan: Plan, template: Callable[[], Any], reference: Any,
+              name: str | None = None) -> SpmdModel:
+    """The SPMD model of ``plan`` (``refusal(plan) == ""``) for ``source`` (the user's
+    builder or built model), every copy holding ``reference`` (the user's weights);
+    ``template`` makes a model of the user's structure on the host (for weight files)."""
+    run = describe(plan)
+    return SpmdModel(build_copies(source, run, reference), template, plan, name=name)
+
+
+__all__ = ["RunDescription", "SpmdModel", "describe", "refusal", "wrap_spmd"]

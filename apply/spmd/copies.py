@@ -1,0 +1,180 @@
+"""Each device's copy of the model: built on the device, split layers swapped for rank twins.
+
+Pipeline position: after ``apply.spmd.run.describe``; ``build_copies(source, run)`` gives
+the ``Copies`` the SPMD model trains (``apply.spmd.model``). ``source`` is either
+
+* a **builder** (the user's ``build_model`` function): it is called once per device under
+  ``tf.device`` of that device, so every variable is created where it lives and the
+  user's layers are never re-created (custom layers without ``get_config`` train); or
+* a **built model** (Functional or Sequential): each copy is re-created from its layers'
+  configs on the device (``apply.cloning.clone_graph``), which needs every layer to
+  re-create from its config; where one cannot, a PlannerError shows the builder form.
+
+In each copy, every layer the plan splits is replaced by its rank's twin
+(``apply.spmd.rank_layers``), built with the unsplit layer's build shapes: a layer of a
+Functional or Sequential model by re-wiring the copy's graph around it (its other layers
+kept as they are), a block's sub-layer in place (``apply.blocks.swap_in``).
+
+``Copies.get_weights`` / ``set_weights`` read and write the user's model's weights,
+unsplit and in its order: weight j of the user's model is weight j of every copy, cut
+along the twin's ``rank_axes`` where a twin holds it. Every copy starts from the same
+unsplit weights (the user's model's, or the first builder call's), so the replicas agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfplan import compat
+from tfplan.apply.blocks import swap_in
+from tfplan.apply.layer_tree import scopes_of
+from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
+from tfplan.apply.spmd.run import RunDescription
+from tfplan.core.errors import PlannerError
+from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
+
+
+@dataclass
+class Copies:
+    """``models[q][t]``: replica q's copy on its tensor rank t; ``axes[j]``: the axis weight
+    j of the user's model is cut along in the copies (None: whole in each)."""
+
+    models: list[list[Any]]
+    axes: list[int | None]
+    run: RunDescription
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The user's model's weights, unsplit, from replica 0."""
+        ranks = [m.weights for m in self.models[0]]
+        return [np.asarray(ranks[0][j].numpy()) if axis is None else
+                np.concatenate([np.asarray(w[j].numpy()) for w in ranks], axis=axis)
+                for j, axis in enumerate(self.axes)]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Write the user's model's (unsplit) ``weights`` into every copy."""
+        if len(weights) != len(self.axes):
+            raise ValueError(f"set_weights received {len(weights)} arrays; the model has "
+                             f"{len(self.axes)} weights.")
+        for replica in self.models:
+            for t, model in enumerate(replica):
+                for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
+                    full = np.asarray(weights[j])
+                    var.assign(full if axis is None else
+                               np.split(full, len(replica), axis=axis)[t])
+
+
+def build_copies(source: Any, run: RunDescription, reference: Sequence[np.ndarray]) -> Copies:
+    """Every device's copy of ``source`` (a builder or a built model; module docstring),
+    each holding ``reference`` (the user's model's weights, unsplit)."""
+    builder = source if callable(source) and not isinstance(source, keras.Model) else None
+    models: list[list[Any]] = []
+    for q, replica in enumerate(run.replicas):
+        row = []
+        for t, device in enumerate(replica):
+            with tf.device(device):
+                model = builder() if builder else _recreate(source, device)
+            row.append(_swap_splits(model, run, run.tp_group(q), device))
+        models.append(row)
+    copies = Copies(models, _axes(models[0][0], reference, run.tp), run)
+    copies.set_weights(reference)
+    return copies
+
+
+def _recreate(model: Any, device: str) -> Any:
+    from tfplan.apply.cloning import clone_graph, to_functional
+
+    view = to_functional(model)
+    try:
+        return clone_graph(view, {layer.name: device for layer in view.layers})
+    except PlannerError as e:
+        raise PlannerError(
+            f"{e} Or pass apply.wrap the function that builds the model instead of the "
+            "model (apply.wrap(build_model, plan)): each device then builds its own copy "
+            "with your code, and no layer is re-created from its config.") from e
+
+
+def _swap_splits(model: Any, run: RunDescription, group: Any, device: str) -> Any:
+    """``model`` with each split layer replaced by its rank's twin (module docstring)."""
+    if not run.splits:
+        return model
+    entries = dict(profiled_layer_paths(model))
+    graph = isinstance(model, (compat.functional_class(), keras.Sequential))
+    top: dict[str, Any] = {}
+    for name, split in run.splits:
+        layer = entries.get(name)
+        if layer is None:
+            raise PlannerError(f"Plan {run.plan_name!r} splits layer {name!r}, which the "
+                               "model does not have. Re-plan for this model.")
+        why = split_problem(layer, split, group.size)
+        if why:
+            raise PlannerError(
+                f"Plan {run.plan_name!r} splits layer {name!r} ({type(layer).__name__}) by "
+                f"{split!r} over tp={group.size}, which the SPMD engine cannot run: {why}. "
+                "Leave that layer replicated (remove it from tp_splits) or re-plan.")
+        rank = Rank(split, group, device, gather_output=name not in run.row_fed)
+        with tf.device(device):
+            twin = rank_twin(layer, rank)
+            with scopes_of(layer):
+                twin.build(**compat.build_arguments(layer))
+        if SEPARATOR not in name and graph:
+            top[id(layer)] = twin
+            continue
+        parent = _parent(model, name, entries)
+        swap_in(parent, layer, twin)
+    return _rewire(model, top, device) if top else model
+
+
+def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
+    parts = name.split(SEPARATOR)
+    if len(parts) == 1:
+        return model
+    parent = entries.get(SEPARATOR.join(parts[:-1]))
+    if parent is None or isinstance(parent, (compat.functional_class(), keras.Sequential)):
+        raise PlannerError(f"Layer {name!r} sits directly in a nested model, whose graph "
+                           "holds it; the SPMD engine splits layers of the top model or "
+                           "inside blocks. Leave it replicated.")
+    return parent
+
+
+def _rewire(model: Any, twins: dict[int, Any], device: str) -> Any:
+    """A Functional/Sequential ``model`` whose layers in ``twins`` (by id) are replaced,
+    every other layer itself (not re-created)."""
+    def clone_function(layer: Any) -> Any:
+        return twins.get(id(layer), layer)
+
+    def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        with tf.device(device):
+            return layer(*args, **kwargs)
+
+    with tf.device(device):
+        return keras.models.clone_model(model, clone_function=clone_function,
+                                        call_function=call_function)
+
+
+def _axes(model: Any, reference: Sequence[np.ndarray], tp: int) -> list[int | None]:
+    """For each weight of ``model`` (a copy), the axis the unsplit weight is cut along."""
+    axis_of: dict[int, int | None] = {}
+    for layer in compat.flatten_layers(model):
+        if is_twin(layer):
+            for var, axis in zip(layer.weights, layer.rank_axes()):
+                axis_of[id(var)] = axis
+    weights = model.weights
+    if len(weights) != len(reference):
+        raise PlannerError(f"A device's copy of the model has {len(weights)} weights, the "
+                           f"model {len(reference)}: the split layers changed its structure. "
+                           "Leave them replicated and report this.")
+    axes = [axis_of.get(id(w)) for w in weights]
+    for w, axis, full in zip(weights, axes, reference):
+        expected = list(np.shape(full))
+        if axis is not None:
+            expected[axis] //= tp
+        if list(w.shape) != expected:
+            raise PlannerError(f"Weight {w.path!r} of a device's copy has shape "
+                               f"{tuple(w.shape)}, the model's {np.shape(full)}. Leave its "
+                               "layer replicated and report this.")
+    return axes
+

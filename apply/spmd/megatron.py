@@ -1,0 +1,93 @@
+"""Megatron-LM's conjugate operators, one tensor-parallel rank's side of each.
+
+Pipeline position: under ``apply.spmd.rank_layers`` (each rank's shard of a split layer
+calls these on its own device), above ``apply.collective_ops`` (the member side of a
+collective over the plan's ``tp`` group). Shoeybi et al. 2019, "Megatron-LM", Sec. 3:
+
+* ``copy_to_tp`` (their *f*): identity forward; the backward all-reduces the input's
+  gradient over the group (a column split's input, attention's input);
+* ``reduce_from_tp`` (their *g*): the forward all-reduces the rank's partial sum; the
+  backward is the identity (a row split's output, attention's output, a vocabulary
+  split's lookup);
+* ``gather_from_tp``: the forward all-gathers the ranks' slices of the last axis (a
+  column split whose output a replicated layer reads); the backward keeps the rank's
+  slice of the gradient;
+* ``scatter_to_tp``: the forward keeps the rank's slice of the last axis (a row split
+  whose input is whole); the backward all-gathers the slices of the gradient.
+
+Every rank calls the same operators in the same order (SPMD), so their collectives meet
+(``collective_ops``' instance keys count per group and device). The operators are
+``tf.custom_gradient`` functions, so a rank's backward pass stays on its own device
+except for the collective itself. Slices along the last axis must be equal (the split
+dimension divides by tp; ``rank_layers`` checks it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfplan.apply.collective_ops import member_all_gather, member_all_reduce
+from tfplan.apply.groups import Group
+
+
+def copy_to_tp(x: Any, group: Group, device: str) -> Any:
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+
+    @tf.custom_gradient
+    def f(x: Any) -> Any:
+        def grad(dy: Any) -> Any:
+            return member_all_reduce(dy, group, device, "tp")
+        return tf.identity(x), grad
+
+    return f(x)
+
+
+def reduce_from_tp(x: Any, group: Group, device: str) -> Any:
+    """Megatron's g: all-reduce forward, identity backward."""
+
+    @tf.custom_gradient
+    def g(x: Any) -> Any:
+        def grad(dy: Any) -> Any:
+            return tf.identity(dy)
+        return member_all_reduce(x, group, device, "tp"), grad
+
+    return g(x)
+
+
+def _gather_last(x: Any, group: Group, device: str) -> Any:
+    """Every member's ``x`` concatenated along the last axis (the gather runs on axis 0)."""
+    rank = len(x.shape)
+    to_front = [rank - 1, *range(rank - 1)]
+    back = [*range(1, rank), 0]
+    gathered = member_all_gather(tf.transpose(x, to_front), group, device, "tp")
+    return tf.transpose(gathered, back)
+
+
+def _own_slice(x: Any, group: Group, device: str) -> Any:
+    """This member's slice (of ``group.size`` equal ones) of ``x``'s last axis."""
+    return tf.split(x, group.size, axis=-1)[group.devices.index(device)]
+
+
+def gather_from_tp(x: Any, group: Group, device: str) -> Any:
+    """All-gather of the ranks' last-axis slices forward, the rank's slice backward."""
+
+    @tf.custom_gradient
+    def gather(x: Any) -> Any:
+        def grad(dy: Any) -> Any:
+            return _own_slice(dy, group, device)
+        return _gather_last(x, group, device), grad
+
+    return gather(x)
+
+
+def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
+    """The rank's last-axis slice forward, all-gather of the gradient's slices backward."""
+
+    @tf.custom_gradient
+    def scatter(x: Any) -> Any:
+        def grad(dy: Any) -> Any:
+            return _gather_last(dy, group, device)
+        return _own_slice(x, group, device), grad
+
+    return scatter(x)

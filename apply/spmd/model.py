@@ -1,0 +1,398 @@
+"""``SpmdModel``: the keras.Model the SPMD engine trains; every device runs its own part.
+
+Pipeline position: the last step of ``apply.spmd`` (``apply.wrap`` returns it for the plans
+``apply.spmd.run.refusal`` accepts). It holds the devices' copies (``apply.spmd.copies``)
+and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
+
+* **Rows.** The global batch is cut on the host into P = dp x m parts of nearly equal
+  rows (replica q's micro-batch k is part q m + k, rows [i n / P, (i+1) n / P)); each
+  part goes from the host to its replica's devices only. Any batch size works.
+* **Forward and loss.** Every device (replica q, tensor rank t) runs its copy on its
+  replica's parts and computes the compiled loss of its own rows (Keras masks and sample
+  weights applied as one device applies them) plus its copy's ``add_loss`` terms. Tensor
+  ranks of a replica compute the same loss (Megatron: the layers between split ones run on
+  every rank).
+* **One device's mean.** Part i's loss is a mean over its n_i rows (or, with a Keras mask,
+  its v_i unmasked entries); one device's loss over the batch is sum_i c_i L_i / P with
+  c_i = P n_i / n (P v_i / v, the counts summed by an all-reduce over the data-parallel
+  group). Each device differentiates its own share (its parts' sum_i (c_i L_i + aux_i) / P,
+  scaled by the optimizer's loss scale) with respect to its own variables only, under
+  its own ``tf.device``: no device computes a gradient for another.
+* **Reduction.** Each device's gradients are summed over its data-parallel group (tensor
+  rank t of every replica) in one packed ``CollectiveReduceV2`` per dtype
+  (``apply.collective_ops``), so every replica applies the same update to its copy. A
+  ``global_clipnorm`` / ``clipnorm`` is applied to the one-device norms (each split
+  weight's squares summed over its tensor ranks by one small all-reduce), not the norm over
+  the copies the optimizer sees.
+* **Metrics and the logged loss** are updated per part, on the part's tensor rank 0, in
+  the model's own metric variables: Keras' metric states are sums (totals and counts), so
+  adding the parts' updates gives one device's values.
+
+Weights read and write as the user's model's (``get_weights``, ``set_weights``; files
+through a template model of the user's structure on the host: ``save_weights``,
+``load_weights``, ``save``), so weight files and saved models load in the plain model
+and in any plan of it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from tfplan import compat
+from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
+                                    updates_on_variable_devices)
+from tfplan.apply.spmd.copies import Copies
+from tfplan.apply.spmd.rank_layers import is_twin
+from tfplan.core.errors import PlannerError
+
+HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
+
+
+class SpmdModel(keras.Model):
+    """The wrapped model of an SPMD plan (module docstring)."""
+
+    def __init__(self, copies: Copies, template: Callable[[], Any], plan: Any,
+                 name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.plan = plan  # the plan, matched to the model (``Plan.for_model``)
+        self._copies = copies  # a plain object: Keras tracks the models below, once
+        self.device_models = [m for row in copies.models for m in row]
+        self._template_fn = template
+        self._template_model: Any = None
+        self._split_vars = {id(v) for m in self.device_models
+                            for layer in compat.flatten_layers(m)
+                            if is_twin(layer)
+                            for v, a in zip(layer.weights, layer.rank_axes()) if a is not None}
+        self.built = True
+
+    # ---------------------------------------------------------------- description
+    @property
+    def run_description(self) -> Any:
+        return self._copies.run
+
+    def compute_output_spec(self, *args: Any, **kwargs: Any) -> Any:
+        return self._copies.models[0][0].compute_output_spec(*args, **kwargs)
+
+    # ---------------------------------------------------------------- compile
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        super().compile(optimizer, *args, **kwargs)
+        build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        super().compile_from_config(config)
+        build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+
+    # ---------------------------------------------------------------- rows
+    def _parts(self, data: Any) -> list[Any]:
+        """The batch cut on the host into dp x m parts (module docstring)."""
+        run = self._copies.run
+        n_parts = run.dp * run.num_microbatches
+        with tf.device(HOST), tf.name_scope("tfplan_input"):
+            first = next(t for t in tf.nest.flatten(data) if t is not None)
+            n = tf.shape(first)[0]
+            if run.tp > 1:  # see _fixed_batch
+                n = _fixed_batch(n, run)
+            bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
+            return [tf.nest.map_structure(
+                lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
+                for lo, hi in zip(bounds, bounds[1:])]
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, data: Any, training: bool) -> list[list[dict[str, Any]]]:
+        """Every device's forward on its replica's parts: ``out[q][t]``, a list of dicts
+        (one per micro-batch: y_pred, loss, aux, count, y, sample_weight)."""
+        run = self._copies.run
+        m = run.num_microbatches
+        parts = self._parts(data)
+        out: list[list[Any]] = []
+        for q, replica in enumerate(self._copies.models):
+            row = []
+            for t, model in enumerate(replica):
+                device = run.replicas[q][t]
+                results = []
+                with tf.device(device):
+                    for k in range(m):
+                        x, y, sw = keras.utils.unpack_x_y_sample_weight(parts[q * m + k])
+                        y_pred = model(x, training=training)
+                        results.append(self._loss_terms(model, x, y, y_pred, sw, training))
+                row.append(results)
+            out.append(row)
+        return out
+
+    def _loss_terms(self, model: Any, x: Any, y: Any, y_pred: Any, sw: Any, training: bool
+                    ) -> dict[str, Any]:
+        loss = compat.compiled_loss(self, y, y_pred, sw) if y is not None else None
+        aux = [compat.added_loss(self, v) for v in model.losses]
+        first = next(v for v in tf.nest.flatten(x) if v is not None)
+        rows = ops.cast(ops.shape(first)[0], "float32")
+        mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
+        count = rows
+        if mask is not None and self._copies.run.tp > 1:
+            raise PlannerError(
+                f"Plan {self._copies.run.plan_name!r}: the model's output carries a Keras "
+                "mask (padding), and under tensor parallelism the SPMD engine does not yet "
+                "train such a model exactly like one device (issue 25, in progress). Pass "
+                "apply.wrap the built model instead of its builder (the older engine), or "
+                "use a plan with tp=1.")
+        if mask is not None and _reduction(self.loss) in ("sum_over_batch_size", "mean"):
+            count = ops.sum(ops.cast(mask, "float32"))
+        return {"y_pred": y_pred, "loss": loss, "aux": ops.sum(aux) if aux else None,
+                "counts": ops.stack([count, rows]), "y": y, "sample_weight": sw}
+
+    def _weights_of_parts(self, results: list[list[Any]]) -> list[list[list[Any]]]:
+        """(c_i of the loss, c_i of the added losses) of every part, on each device (module
+        docstring): counts summed over the replica's parts, then over the data-parallel
+        group (one all-reduce of two numbers)."""
+        run = self._copies.run
+        n_parts = run.dp * run.num_microbatches
+        out = []
+        for q, row in enumerate(results):
+            out_row = []
+            for t, parts in enumerate(row):
+                device = run.replicas[q][t]
+                with tf.device(device):
+                    own = ops.sum(ops.stack([p["counts"] for p in parts]), axis=0)
+                    total = own if run.dp == 1 else member_all_reduce(
+                        own, run.dp_group(t), device, "dp")
+                    out_row.append([ops.divide_no_nan(p["counts"] * n_parts, total)
+                                    for p in parts])
+            out.append(out_row)
+        return out
+
+    @staticmethod
+    def _part_loss(p: dict[str, Any], c: Any) -> Any:
+        """c_i L_i + c'_i aux_i of one part (``c``: both weights)."""
+        value = 0.0 if p["loss"] is None else c[0] * ops.cast(p["loss"], "float32")
+        if p["aux"] is not None:
+            value = value + c[1] * ops.cast(p["aux"], "float32")
+        return value
+
+    def _device_loss(self, parts: list[Any], weights: list[Any]) -> Any:
+        """The device's share of one device's loss: sum_i (c_i L_i + c'_i aux_i) / P."""
+        run = self._copies.run
+        n_parts = run.dp * run.num_microbatches
+        return ops.sum(ops.stack([self._part_loss(p, c) for p, c in zip(parts, weights)])
+                       ) / n_parts
+
+    def _track(self, results: list[list[Any]], weights: list[list[list[Any]]],
+               data: Any) -> None:
+        """The logged loss and the compiled metrics, per part on its tensor rank 0."""
+        run = self._copies.run
+        n_parts = run.dp * run.num_microbatches
+        first = next(v for v in tf.nest.flatten(data) if v is not None)
+        share = ops.cast(tf.shape(first)[0], "float32") / n_parts
+        for q, row in enumerate(results):
+            with tf.device(run.replicas[q][0]):
+                for p, c in zip(row[0], weights[q][0]):
+                    compat.loss_tracker(self).update_state(self._part_loss(p, c),
+                                                          sample_weight=share)
+                    metrics = compat.compiled_metrics(self)
+                    if metrics is not None and p["y"] is not None:
+                        metrics.update_state(p["y"], p["y_pred"], p["sample_weight"])
+
+    # ---------------------------------------------------------------- steps
+    def train_step(self, data: Any) -> Any:
+        with instance_scope():
+            return self._train_step(data)
+
+    def _train_step(self, data: Any) -> Any:
+        run = self._copies.run
+        with tf.GradientTape(persistent=True) as tape:
+            results = self._forward(data, training=True)
+            weights = self._weights_of_parts(results)
+            losses = [[self._device_loss(parts, weights[q][t]) for t, parts in enumerate(row)]
+                      for q, row in enumerate(results)]
+        grads, variables = [], []
+        for q, replica in enumerate(self._copies.models):
+            for t, model in enumerate(replica):
+                device = run.replicas[q][t]
+                vs = model.trainable_variables
+                with tf.device(device):
+                    loss = self.optimizer.scale_loss(losses[q][t])
+                    gs = tape.gradient(loss, vs)
+                    gs = [tf.zeros_like(v) if g is None else g for g, v in zip(gs, vs)]
+                    if run.dp > 1:
+                        gs = _reduced(gs, vs, run.dp_group(t), device)
+                grads.append(gs)
+                variables.append(vs)
+        del tape
+        grads = self._clipped(grads, variables)
+        with self._own_clipping(), updates_on_variable_devices(self.optimizer), \
+                compat.without_replica_sum(self.optimizer):
+            self.optimizer.apply_gradients(
+                [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
+        self._track(results, weights, data)
+        return self.get_metrics_result()
+
+    def test_step(self, data: Any) -> Any:
+        with instance_scope():
+            results = self._forward(data, training=False)
+            weights = self._weights_of_parts(results)
+            self._track(results, weights, data)
+        return self.get_metrics_result()
+
+    def predict_step(self, data: Any) -> Any:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        with instance_scope():
+            results = self._forward((inputs,), training=bool(training))
+        outs = [p["y_pred"] for row in results for p in row[0]]
+        with tf.device(HOST):
+            return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0), *outs)
+
+    # ---------------------------------------------------------------- clipping
+    def _clipped(self, grads: list[list[Any]], variables: list[list[Any]]) -> list[list[Any]]:
+        """``clipnorm`` / ``global_clipnorm`` on one device's norms (module docstring)."""
+        opt = inner_optimizer(self.optimizer)
+        clipnorm, global_clipnorm = opt.clipnorm, opt.global_clipnorm
+        if not clipnorm and not global_clipnorm:
+            return grads
+        run = self._copies.run
+        scale = getattr(self.optimizer, "dynamic_scale", None)
+        out = []
+        i = 0
+        for q, replica in enumerate(self._copies.models):
+            for t, _ in enumerate(replica):
+                device = run.replicas[q][t]
+                gs, vs = grads[i], variables[i]
+                i += 1
+                with tf.device(device):
+                    squares = ops.stack([
+                        ops.sum(ops.square(ops.cast(g, "float32")))
+                        if id(v) in self._split_vars or t == 0 else ops.zeros(())
+                        for g, v in zip(gs, vs)])
+                    if run.tp > 1:
+                        squares = member_all_reduce(squares, run.tp_group(q), device, "tp")
+                    if scale is not None:
+                        squares = squares / ops.square(ops.cast(scale, "float32"))
+                    norms = ops.sqrt(squares)
+                    if global_clipnorm:
+                        total = ops.sqrt(ops.sum(squares))
+                        factor = global_clipnorm / ops.maximum(total, global_clipnorm)
+                        gs = [g * ops.cast(factor, g.dtype) for g in gs]
+                    else:
+                        gs = [g * ops.cast(clipnorm / ops.maximum(norms[j], clipnorm), g.dtype)
+                              for j, g in enumerate(gs)]
+                out.append(gs)
+        return out
+
+    @contextlib.contextmanager
+    def _own_clipping(self) -> Iterator[None]:
+        """The optimizer's own norm clipping off while the step applies clipped grads."""
+        opt = inner_optimizer(self.optimizer)
+        saved = opt.clipnorm, opt.global_clipnorm
+        opt.clipnorm = opt.global_clipnorm = None
+        try:
+            yield
+        finally:
+            opt.clipnorm, opt.global_clipnorm = saved
+
+    # ---------------------------------------------------------------- weights
+    def get_weights(self) -> list[np.ndarray]:
+        return self._copies.get_weights()
+
+    def set_weights(self, weights: Any) -> None:
+        self._copies.set_weights(weights)
+
+    def _template(self) -> Any:
+        """A model of the user's structure on the host, holding the unsplit weights."""
+        if self._template_model is None:
+            with tf.device(HOST):
+                self._template_model = self._template_fn()
+        self._template_model.set_weights(self.get_weights())
+        return self._template_model
+
+    def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        self._template().save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        template = self._template()
+        template.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        self.set_weights(template.get_weights())
+
+    def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        """The user's model with these weights (optimizer state is not saved)."""
+        self._template().save(filepath, overwrite=overwrite, **kwargs)
+
+
+def _fixed_batch(n: Any, run: Any) -> Any:
+    """``n`` once checked to be the plan's global batch. Under tensor parallelism the
+    ranks all-reduce activations whose shape follows the batch, and TensorFlow's collective
+    runtime keeps the first shape it saw for each instance of a traced step: a batch of
+    another size would fail there with a shape mismatch that aborts every collective of the
+    process. So the step refuses it first, with the fix."""
+    check = tf.debugging.assert_equal(
+        n, tf.constant(run.global_batch, n.dtype),
+        message=(f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which "
+                 f"takes batches of exactly the plan's global batch ({run.global_batch} "
+                 "rows) for now. Batch the data with drop_remainder=True (or pass "
+                 f"batch_size={run.global_batch}) and the same size to evaluate/predict."))
+    with tf.control_dependencies([check]):
+        return tf.identity(n)
+
+
+def _reduction(loss: Any) -> str:
+    """The reduction of a compiled loss ("sum_over_batch_size" for names and functions)."""
+    return getattr(loss, "reduction", None) or "sum_over_batch_size"
+
+
+def _reduced(grads: list[Any], variables: list[Any], group: Any, device: str) -> list[Any]:
+    """The sum over ``group`` of every gradient: dense ones in one packed all-reduce per
+    dtype; ``tf.IndexedSlices`` (an embedding's rows) all-gathered, so they stay sparse as
+    one device's are (Keras' Adam squares a sparse gradient's rows before summing
+    duplicates: densifying them would change its update)."""
+    out: list[Any] = list(grads)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            out[i] = _gathered_slices(g, group, device)
+        else:
+            by_dtype.setdefault(g.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0)
+        summed = member_all_reduce(flat, group, device, "dp")
+        sizes = [int(np.prod(variables[i].shape)) for i in indices]
+        for i, piece in zip(indices, tf.split(summed, sizes)):
+            out[i] = tf.reshape(piece, variables[i].shape)
+    return out
+
+
+def _gathered_slices(g: Any, group: Any, device: str) -> Any:
+    """Every member's rows of a sparse gradient, as one device's would be: all-gathered
+    (padded to the longest with zero rows at id 0: adding zeros changes no update) and
+    concatenated where each member looked up its own rows' ids (tokens); summed row by
+    row where every member looked up the same ids (a lookup that does not depend on the
+    rows, as positions: one device looks them up once)."""
+    from tfplan.apply.collective_ops import member_all_gather
+
+    n = group.size
+    rows = tf.shape(g.indices)[0]
+    counts = member_all_gather(tf.reshape(rows, [1]), group, device, "dp")
+    longest = tf.reduce_max(counts)
+    pad = longest - rows
+    values = tf.pad(g.values, [[0, pad]] + [[0, 0]] * (len(g.values.shape) - 1))
+    indices = tf.pad(g.indices, [[0, pad]])
+    values = member_all_gather(values, group, device, "dp")
+    indices = member_all_gather(indices, group, device, "dp")
+    per_member = tf.reshape(indices, [n, longest])
+    same = tf.logical_and(tf.reduce_all(tf.equal(counts, counts[0])),
+                          tf.reduce_all(tf.equal(per_member, per_member[:1])))
+    width = tf.shape(values)[1:]
+
+    def summed() -> tuple[Any, Any]:
+        stacked = tf.reshape(values, tf.concat([[n, longest], width], 0))
+        return tf.reduce_sum(stacked, axis=0), per_member[0]
+
+    def joined() -> tuple[Any, Any]:
+        return values, indices
+
+    values, indices = tf.cond(same, summed, joined)
+    return tf.IndexedSlices(values, indices, g.dense_shape)

@@ -1,0 +1,104 @@
+"""The run description: what the SPMD engine derives from a plan, once, as data.
+
+Pipeline position: the first step of ``apply.spmd`` (after ``apply.wrap`` has matched the
+plan to the model): ``describe(plan)`` gives one immutable ``RunDescription`` that every
+later step reads (building the copies, the train step, weight files), as Keras 3's
+``Distribution`` decides layouts once and keeps them as data. ``refusal(plan)`` says why
+the SPMD engine does not run a plan yet ("" when it does); ``apply.wrap`` then uses the
+older engines for it.
+
+The mesh: replica q (data-parallel rank) holds ``replicas[q]``, its tensor ranks in
+order (the plan's stage devices, tensor rank innermost: ``planner.plan``). Its groups
+come from ``apply.groups.groups_of`` (one table, keys from the devices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfplan.apply.groups import Group, Groups, groups_of
+from tfplan.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """How a plan runs on its devices (module docstring).
+
+    ``splits``: (layer path, split) of every tensor-parallel split, in the plan's order;
+    ``row_fed``: the column splits whose output a row split reads sliced (Megatron's pair:
+    no gather between them); ``num_microbatches``: each replica's micro-batches per step,
+    their gradients accumulated on the replica's devices before one reduction."""
+
+    plan_name: str
+    replicas: tuple[tuple[str, ...], ...]
+    groups: Groups
+    splits: tuple[tuple[str, str], ...]
+    row_fed: frozenset[str]
+    num_microbatches: int
+    global_batch: int
+
+    @property
+    def dp(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def tp(self) -> int:
+        return len(self.replicas[0])
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for replica in self.replicas for d in replica)
+
+    def tp_group(self, q: int) -> Group:
+        """Replica q's tensor ranks (a group of one device when tp = 1)."""
+        return self._group("tp", self.replicas[q])
+
+    def dp_group(self, t: int) -> Group:
+        """Tensor rank t of every replica (their gradients are summed)."""
+        return self._group("dp", tuple(replica[t] for replica in self.replicas))
+
+    def _group(self, kind: str, devices: tuple[str, ...]) -> Group:
+        found = next((g for g in self.groups.of_kind(kind) if g.devices == devices), None)
+        return found or Group(kind, devices, 0)  # one device: no collective is launched
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan_name, "replicas": [list(r) for r in self.replicas],
+                "groups": self.groups.to_dict(), "splits": [list(s) for s in self.splits],
+                "row_fed": sorted(self.row_fed), "num_microbatches": self.num_microbatches,
+                "global_batch": self.global_batch}
+
+
+def refusal(plan: Plan) -> str:
+    """Why the SPMD engine does not run ``plan`` yet ("" when it does)."""
+    s = plan.strategy
+    if plan.placement != "stages":
+        return "a general placement"
+    if len(plan.stages) != 1:
+        return "pipeline stages"
+    if any("/job:" in d for d in plan.stages[0].devices):
+        return "devices on several workers"
+    for name, value in (("cp", s.cp), ("ep", s.ep)):
+        if value > 1:
+            return f"{name} > 1"
+    if s.zero_stage:
+        return "ZeRO"
+    if s.offload != "none":
+        return "offload"
+    if s.sequence_parallel:
+        return "sequence parallelism"
+    if s.recompute != "none":
+        return "recomputation"
+    return ""
+
+
+def describe(plan: Plan) -> RunDescription:
+    """The run description of a one-stage plan (``refusal(plan) == ""``)."""
+    s = plan.strategy
+    tp = max(1, s.tp)
+    devices = plan.stages[0].devices
+    replicas = tuple(tuple(devices[q * tp:(q + 1) * tp]) for q in range(len(devices) // tp))
+    splits = tuple(plan.tp_splits) if tp > 1 else ()
+    row_fed = frozenset(name for (name, split), (_, after) in zip(splits, splits[1:])
+                        if split == "column" and after == "row")
+    return RunDescription(plan_name=plan.name, replicas=replicas, groups=groups_of(plan),
+                          splits=splits, row_fed=row_fed,
+                          num_microbatches=s.num_microbatches, global_batch=plan.global_batch)

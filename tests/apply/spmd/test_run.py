@@ -1,0 +1,56 @@
+"""apply.spmd.run: the run description a plan gives, and the plans the engine refuses."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tfplan.apply.spmd.run import describe, refusal
+from tests.apply import helpers
+
+MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"), ("head", "row"))
+
+
+def _mlp():
+    return helpers.base_model("tiny_mlp")[1]
+
+
+def test_dp2_x_tp2_mesh_groups_and_megatron_pairs():
+    plan = helpers.tp_plan(_mlp(), [helpers.cpus(0, 1, 2, 3)], MLP_SPLITS, dp=2)
+    run = describe(plan)
+    assert run.replicas == (tuple(helpers.cpus(0, 1)), tuple(helpers.cpus(2, 3)))
+    assert (run.dp, run.tp) == (2, 2)
+    assert run.tp_group(1).devices == tuple(helpers.cpus(2, 3))
+    assert run.dp_group(1).devices == tuple(helpers.cpus(1, 3))
+    assert run.tp_group(0).key != run.tp_group(1).key != run.dp_group(0).key
+    # each column split feeds the row split after it: no gather between them
+    assert run.row_fed == frozenset({"dense_in", "narrow"})
+    assert run.to_dict()["replicas"] == [helpers.cpus(0, 1), helpers.cpus(2, 3)]
+
+
+def test_a_column_split_not_followed_by_a_row_split_is_gathered():
+    splits = (("dense_in", "column"), ("hidden", "column"), ("head", "row"))
+    plan = helpers.tp_plan(_mlp(), [helpers.cpus(0, 1)], splits)
+    assert describe(plan).row_fed == frozenset({"hidden"})
+
+
+def test_one_device_group_launches_nothing():
+    plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
+    run = describe(plan)
+    assert run.tp == 1 and run.tp_group(0).size == 1 and run.splits == ()
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(zero_stage=1), "ZeRO"), (dict(offload="optimizer"), "offload"),
+    (dict(sequence_parallel=True), "sequence parallelism"),
+    (dict(recompute="full"), "recomputation"), (dict(cp=2), "cp > 1")])
+def test_refusal_names_the_dimension(change, reason):
+    plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **change))
+    assert refusal(plan) == reason
+    assert refusal(helpers.make_plan(_mlp(), [helpers.cpus(0)], num_microbatches=1)) == ""
+
+
+def test_pipeline_stages_are_refused_for_now():
+    plan = helpers.make_plan(_mlp(), [helpers.cpus(0), helpers.cpus(1)], num_microbatches=2)
+    assert refusal(plan) == "pipeline stages"
