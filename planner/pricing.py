@@ -89,7 +89,7 @@ from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
 from tfplan.planner.traffic import sent_bytes_per_device
 from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
-from tfplan.profiler.comm import HEAD_SPLIT_TYPES, layer_comm, profile_comm
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 
 KEEP_PER_SHAPE = 2  # hybrid candidates kept per (dp, tp, pp)
 PARTITION_MICROBATCH = 8  # samples per micro-batch at which stages are balanced

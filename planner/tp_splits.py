@@ -69,7 +69,8 @@ from tfplan.core.errors import SolverError
 from tfplan.planner.tp_ilp import (SplitOption, TPEdge, TPLayer, TPProblem, block_of_runs,
                             evaluate_tp, ilp_tp, resharding, split_options)
 from tfplan.profiler.comm import (ATTENTION_BLOCK, COLUMN_ROW_TYPES, HEAD_SPLIT_TYPES,
-                                  VOCAB_SPLIT_TYPES, layer_comm, split_kind)
+                                  VOCAB_SPLIT_TYPES, input_grad_bytes, layer_comm,
+                                  split_kind)
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 from tfplan.profiler.repeats import MIN_REPEATS
 
@@ -138,21 +139,12 @@ def tp_problem(profile: ModelProfile, cluster: ClusterSpec, tp: int, *,
         raise SolverError(f"choose_splits received {len(times)} layer times for "
                           f"{len(layers)} layers; expected one per layer in profile order.")
     edges = _edges(profile, f)
-    in_bytes: dict[str, int] = {}  # as profiler.comm.input_grad_bytes_of, in one pass
-    names = {layer.name for layer in layers}
-    from_layers: set[str] = set()  # layers with an input from another layer
-    for e in profile.edges:
-        in_bytes[e.dst] = in_bytes.get(e.dst, 0) + e.bytes
-        if e.src in names:
-            from_layers.add(e.dst)
+    grad_in = input_grad_bytes(profile)
     base_s = grad_allreduce_s(0.0) if grad_allreduce_s else 0.0
     priced: dict[tuple, tuple[SplitOption, ...]] = {}
     tp_layers = []
     for layer, time_s in zip(layers, times):
-        input_bytes = layer.input_bytes or in_bytes.get(layer.name, 0)
-        if not layer.block and not layer.inputs and layer.name in in_bytes and \
-                layer.name not in from_layers:
-            input_bytes = 0  # reads the model's inputs only: no input gradient
+        input_bytes = grad_in[layer.name]
         key = (_cost_fields(layer), input_bytes, float(time_s))
         if key not in priced:
             dp_s = grad_allreduce_s(layer.grad_bytes) - base_s if grad_allreduce_s else 0.0

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 from tfplan.planner import experts
 from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
 from tfplan.planner.sequence import kv_bytes
-from tfplan.profiler.comm import HEAD_SPLIT_TYPES, input_grad_bytes_of, layer_comm
+from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 from tfplan.profiler.model_profile import ModelProfile
 
 KINDS = ("tp", "pp", "dp", "zero", "cp", "ep")  # Prediction.sent_bytes_per_device's keys
@@ -75,7 +75,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     zero = strategy.zero_stage if replicas > 1 else 0
     f = mbs / b
     per_device: dict[str, dict[str, float]] = {}
-    names = frozenset(layer.name for layer in layers)
+    comms = profile_comm(profile)
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
@@ -83,7 +83,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
             layer = layers[i]
             split = splits[i] if i < len(splits) else ""
             share = tp if split else 1
-            comm = layer_comm(layer, input_grad_bytes_of(layer, profile, names))
+            comm = comms[i]
             s = next((x for x in comm.tp_splits if x.split == split), None)
             if s is not None and tp > 1:
                 fwd = s.fwd_allreduce_bytes * f / cp

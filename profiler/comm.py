@@ -129,31 +129,26 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
                      pp_send_bytes=out)
 
 
-def input_bytes_of(layer: LayerProfile, profile: ModelProfile) -> int:
-    """Bytes flowing into ``layer``: its recorded input bytes, else the sum of its in-edges."""
-    recorded = getattr(layer, "input_bytes", 0)
-    if recorded:
-        return recorded
-    return sum(e.bytes for e in profile.edges if e.dst == layer.name)
-
-
-def input_grad_bytes_of(layer: LayerProfile, profile: ModelProfile,
-                        names: frozenset[str] | None = None) -> int:
-    """The bytes of ``layer``'s input whose gradient the backward pass computes: none for
-    a top-level layer that reads only the model's inputs (nothing upstream trains, so a
-    column split's backward all-reduce of that gradient never runs), else
-    ``input_bytes_of``. ``names``: the profile's layer names (computed when not given)."""
-    names = names if names is not None else frozenset(l.name for l in profile.layers)
-    into = [e for e in profile.edges if e.dst == layer.name]
-    if not layer.block and not layer.inputs and into and all(e.src not in names
-                                                             for e in into):
-        return 0
-    return input_bytes_of(layer, profile)
+def input_grad_bytes(profile: ModelProfile) -> dict[str, int]:
+    """{layer name: bytes of its input whose gradient the backward pass computes}, in one
+    pass over the edges: a layer's recorded input bytes, else the sum of its in-edges; none
+    for a top-level layer that reads only the model's inputs (nothing upstream trains, so a
+    column split's backward all-reduce of that gradient never runs)."""
+    names = {layer.name for layer in profile.layers}
+    into: dict[str, int] = {}
+    from_layers: set[str] = set()  # layers with an input from another layer
+    for e in profile.edges:
+        into[e.dst] = into.get(e.dst, 0) + e.bytes
+        if e.src in names:
+            from_layers.add(e.dst)
+    return {layer.name: 0 if (not layer.block and not layer.inputs and layer.name in into
+                              and layer.name not in from_layers)
+            else layer.input_bytes or into.get(layer.name, 0)
+            for layer in profile.layers}
 
 
 def profile_comm(profile: ModelProfile) -> tuple[LayerComm, ...]:
     """``layer_comm`` for every layer of ``profile``, in its order (a split layer's backward
-    all-reduce over the input gradient the backward computes: ``input_grad_bytes_of``)."""
-    names = frozenset(l.name for l in profile.layers)
-    return tuple(layer_comm(layer, input_grad_bytes_of(layer, profile, names))
-                 for layer in profile.layers)
+    all-reduce over the input gradient the backward computes: ``input_grad_bytes``)."""
+    grad_in = input_grad_bytes(profile)
+    return tuple(layer_comm(layer, grad_in[layer.name]) for layer in profile.layers)
