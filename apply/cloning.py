@@ -27,12 +27,10 @@ def to_functional(model: Any) -> Any:
     twin so that ``clone_model`` does not compile (and build optimizer slots for)
     a throw-away clone. Subclassed models cannot be re-wired and are refused.
     """
-    import keras
-
     from tfplan.compat import functional_class
 
     Functional = functional_class()
-    if not isinstance(model, (Functional, keras.Sequential)):
+    if not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a {type(model).__name__}, a subclassed keras.Model; it "
             "needs a Functional or Sequential model, whose layer graph it can re-create on "
@@ -47,6 +45,16 @@ def to_functional(model: Any) -> Any:
             f"Model {model.name!r} has no defined inputs (it was never built on an input "
             "shape). Start it with keras.Input(shape=...) or build it before apply.wrap.")
     return Functional(inputs, outputs, name=model.name)
+
+
+def is_graph_model(model: Any) -> bool:
+    """Whether ``model`` is a Functional or Sequential model (a layer graph that can be
+    re-wired), not a subclassed one."""
+    import keras
+
+    from tfplan.compat import functional_class
+
+    return isinstance(model, (functional_class(), keras.Sequential))
 
 
 def clone_layer(layer: Any) -> Any:

@@ -70,7 +70,7 @@ import warnings
 from typing import Any
 
 from tfplan.apply.batch_stats import batch_norm_layers
-from tfplan.apply.cloning import to_functional
+from tfplan.apply.cloning import is_graph_model, to_functional
 from tfplan.apply.context_parallel import wrap_context_parallel
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
@@ -111,7 +111,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     if builder is not None:  # the devices first: building starts TensorFlow's runtime
         ensure_devices(plan, mode=execution_mode(plan))
         model = _built(builder)
-    view = to_functional(model) if builder is None or _is_graph(model) else model
+    view = to_functional(model) if builder is None or is_graph_model(model) else model
     signature = model_signature(view)
     # matched by structure, renamed to this model's layer names: every lookup below
     # (placement, tp_splits, stages, recompute, ZeRO) then finds the model's layers
@@ -124,13 +124,13 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     # still runs on the engines below (they move to apply.spmd mode by mode: issue 25)
     why_not = spmd_refusal(plan, mode, view) if builder is not None else "a built model"
     if not why_not:
-        wrapped = _wrap_spmd(model, builder, view, plan)
+        wrapped = _wrap_spmd(builder, model, plan)
         if getattr(model, "compiled", False):
             _compile_like(model, wrapped)
         if logdir is not None:
             _write_logdir(plan, wrapped, logdir)
         return wrapped
-    if builder is not None and not _is_graph(model):
+    if builder is not None and not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a function that builds a {type(model).__name__}; plan "
             f"{plan.name!r} needs an engine that re-creates the model's graph ({why_not}), "
@@ -207,21 +207,15 @@ def _built(builder: Any) -> Any:
     import keras
     import tensorflow as tf
 
-    with tf.device("/device:CPU:0"):
+    from tfplan.apply.spmd.model import HOST
+
+    with tf.device(HOST):
         model = builder()
     if not isinstance(model, keras.Model):
         raise PlannerError(f"apply.wrap called {getattr(builder, '__name__', builder)!r} to "
                            f"build the model and received a {type(model).__name__}; the "
                            "function must return a keras.Model.")
     return model
-
-
-def _is_graph(model: Any) -> bool:
-    import keras
-
-    from tfplan.compat import functional_class
-
-    return isinstance(model, (functional_class(), keras.Sequential))
 
 
 def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
@@ -238,21 +232,13 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     return refusal(plan)
 
 
-def _wrap_spmd(model: Any, builder: Any, view: Any, plan: Plan) -> Any:
-    """The SPMD model (``apply.spmd``): ``builder`` builds each device's copy when given,
-    else each copy is re-created from ``view``'s layers."""
-    import tensorflow as tf
-
-    from tfplan.apply.cloning import clone_graph
+def _wrap_spmd(builder: Any, model: Any, plan: Plan) -> Any:
+    """The SPMD model (``apply.spmd``): ``builder`` builds each device's copy, starting
+    from the weights of ``model`` (its first build, on the host), which also serves weight
+    files."""
     from tfplan.apply.spmd import wrap_spmd
 
-    def template() -> Any:
-        if builder is not None:
-            return model  # built on the host by _built
-        with tf.device("/device:CPU:0"):
-            return clone_graph(view)
-
-    return wrap_spmd(builder or view, plan, template, model.get_weights(), name=model.name)
+    return wrap_spmd(builder, plan, model, name=model.name)
 
 
 def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:

@@ -17,13 +17,14 @@ from tfplan.apply.spmd.run import RunDescription, describe, refusal
 from tfplan.planner.plan import Plan
 
 
-def wrap_spmd(source: Any, plan: Plan, template: Callable[[], Any], reference: Any,
+def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
               name: str | None = None) -> SpmdModel:
-    """The SPMD model of ``plan`` (``refusal(plan) == ""``) for ``source`` (the user's
-    builder or built model), every copy holding ``reference`` (the user's weights);
-    ``template`` makes a model of the user's structure on the host (for weight files)."""
+    """The SPMD model of ``plan`` (``refusal(plan) == ""``): ``builder`` (the user's
+    ``build_model``) builds each device's copy, every copy starting from the weights of
+    ``template`` (the model built first, on the host), which also serves weight files."""
     run = describe(plan)
-    return SpmdModel(build_copies(source, run, reference), template, plan, name=name)
+    return SpmdModel(build_copies(builder, run, template.get_weights()), template, plan,
+                     name=name)
 
 
 __all__ = ["RunDescription", "SpmdModel", "describe", "refusal", "wrap_spmd"]

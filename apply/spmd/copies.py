@@ -1,14 +1,10 @@
 """Each device's copy of the model: built on the device, split layers swapped for rank twins.
 
-Pipeline position: after ``apply.spmd.run.describe``; ``build_copies(source, run)`` gives
-the ``Copies`` the SPMD model trains (``apply.spmd.model``). ``source`` is either
-
-* a **builder** (the user's ``build_model`` function): it is called once per device under
-  ``tf.device`` of that device, so every variable is created where it lives and the
-  user's layers are never re-created (custom layers without ``get_config`` train); or
-* a **built model** (Functional or Sequential): each copy is re-created from its layers'
-  configs on the device (``apply.cloning.clone_graph``), which needs every layer to
-  re-create from its config; where one cannot, a PlannerError shows the builder form.
+Pipeline position: after ``apply.spmd.run.describe``; ``build_copies(builder, run,
+reference)`` gives the ``Copies`` the SPMD model trains (``apply.spmd.model``). The
+``builder`` (the user's ``build_model`` function) is called once per device under
+``tf.device`` of that device, so every variable is created where it lives and the
+user's layers are never re-created (custom layers without ``get_config`` train).
 
 In each copy, every layer the plan splits is replaced by its rank's twin
 (``apply.spmd.rank_layers``), built with the unsplit layer's build shapes: a layer of a
@@ -18,7 +14,8 @@ kept as they are), a block's sub-layer in place (``apply.blocks.swap_in``).
 ``Copies.get_weights`` / ``set_weights`` read and write the user's model's weights,
 unsplit and in its order: weight j of the user's model is weight j of every copy, cut
 along the twin's ``rank_axes`` where a twin holds it. Every copy starts from the same
-unsplit weights (the user's model's, or the first builder call's), so the replicas agree.
+unsplit weights (``reference``: the model ``apply.wrap`` built first, on the host), so
+the replicas agree.
 """
 from __future__ import annotations
 
@@ -31,6 +28,7 @@ import tensorflow as tf
 
 from tfplan import compat
 from tfplan.apply.blocks import swap_in
+from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.spmd.run import RunDescription
@@ -67,16 +65,16 @@ class Copies:
                                np.split(full, len(replica), axis=axis)[t])
 
 
-def build_copies(source: Any, run: RunDescription, reference: Sequence[np.ndarray]) -> Copies:
-    """Every device's copy of ``source`` (a builder or a built model; module docstring),
-    each holding ``reference`` (the user's model's weights, unsplit)."""
-    builder = source if callable(source) and not isinstance(source, keras.Model) else None
+def build_copies(builder: Any, run: RunDescription, reference: Sequence[np.ndarray]
+                 ) -> Copies:
+    """Every device's copy of ``builder()`` (module docstring), each holding ``reference``
+    (the user's model's weights, unsplit)."""
     models: list[list[Any]] = []
     for q, replica in enumerate(run.replicas):
         row = []
-        for t, device in enumerate(replica):
+        for device in replica:
             with tf.device(device):
-                model = builder() if builder else _recreate(source, device)
+                model = builder()
             row.append(_swap_splits(model, run, run.tp_group(q), device))
         models.append(row)
     copies = Copies(models, _axes(models[0][0], reference, run.tp), run)
@@ -84,25 +82,12 @@ def build_copies(source: Any, run: RunDescription, reference: Sequence[np.ndarra
     return copies
 
 
-def _recreate(model: Any, device: str) -> Any:
-    from tfplan.apply.cloning import clone_graph, to_functional
-
-    view = to_functional(model)
-    try:
-        return clone_graph(view, {layer.name: device for layer in view.layers})
-    except PlannerError as e:
-        raise PlannerError(
-            f"{e} Or pass apply.wrap the function that builds the model instead of the "
-            "model (apply.wrap(build_model, plan)): each device then builds its own copy "
-            "with your code, and no layer is re-created from its config.") from e
-
-
 def _swap_splits(model: Any, run: RunDescription, group: Any, device: str) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring)."""
     if not run.splits:
         return model
     entries = dict(profiled_layer_paths(model))
-    graph = isinstance(model, (compat.functional_class(), keras.Sequential))
+    graph = is_graph_model(model)
     top: dict[str, Any] = {}
     for name, split in run.splits:
         layer = entries.get(name)
@@ -133,7 +118,7 @@ def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
     if len(parts) == 1:
         return model
     parent = entries.get(SEPARATOR.join(parts[:-1]))
-    if parent is None or isinstance(parent, (compat.functional_class(), keras.Sequential)):
+    if parent is None or is_graph_model(parent):
         raise PlannerError(f"Layer {name!r} sits directly in a nested model, whose graph "
                            "holds it; the SPMD engine splits layers of the top model or "
                            "inside blocks. Leave it replicated.")

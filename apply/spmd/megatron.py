@@ -31,28 +31,36 @@ from tfplan.apply.collective_ops import member_all_gather, member_all_reduce
 from tfplan.apply.groups import Group
 
 
-def copy_to_tp(x: Any, group: Group, device: str) -> Any:
-    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+def _conjugate(x: Any, forward: Any, backward: Any) -> Any:
+    """``forward(x)``, whose gradient is ``backward(dy)`` (one rank's side of both)."""
 
     @tf.custom_gradient
-    def f(x: Any) -> Any:
-        def grad(dy: Any) -> Any:
-            return member_all_reduce(dy, group, device, "tp")
-        return tf.identity(x), grad
+    def op(x: Any) -> Any:
+        return forward(x), backward
 
-    return f(x)
+    return op(x)
+
+
+def copy_to_tp(x: Any, group: Group, device: str) -> Any:
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+    return _conjugate(x, tf.identity, lambda dy: member_all_reduce(dy, group, device, "tp"))
 
 
 def reduce_from_tp(x: Any, group: Group, device: str) -> Any:
     """Megatron's g: all-reduce forward, identity backward."""
+    return _conjugate(x, lambda v: member_all_reduce(v, group, device, "tp"), tf.identity)
 
-    @tf.custom_gradient
-    def g(x: Any) -> Any:
-        def grad(dy: Any) -> Any:
-            return tf.identity(dy)
-        return member_all_reduce(x, group, device, "tp"), grad
 
-    return g(x)
+def gather_from_tp(x: Any, group: Group, device: str) -> Any:
+    """All-gather of the ranks' last-axis slices forward, the rank's slice backward."""
+    return _conjugate(x, lambda v: _gather_last(v, group, device),
+                      lambda dy: _own_slice(dy, group, device))
+
+
+def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
+    """The rank's last-axis slice forward, all-gather of the gradient's slices backward."""
+    return _conjugate(x, lambda v: _own_slice(v, group, device),
+                      lambda dy: _gather_last(dy, group, device))
 
 
 def _gather_last(x: Any, group: Group, device: str) -> Any:
@@ -67,27 +75,3 @@ def _gather_last(x: Any, group: Group, device: str) -> Any:
 def _own_slice(x: Any, group: Group, device: str) -> Any:
     """This member's slice (of ``group.size`` equal ones) of ``x``'s last axis."""
     return tf.split(x, group.size, axis=-1)[group.devices.index(device)]
-
-
-def gather_from_tp(x: Any, group: Group, device: str) -> Any:
-    """All-gather of the ranks' last-axis slices forward, the rank's slice backward."""
-
-    @tf.custom_gradient
-    def gather(x: Any) -> Any:
-        def grad(dy: Any) -> Any:
-            return _own_slice(dy, group, device)
-        return _gather_last(x, group, device), grad
-
-    return gather(x)
-
-
-def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
-    """The rank's last-axis slice forward, all-gather of the gradient's slices backward."""
-
-    @tf.custom_gradient
-    def scatter(x: Any) -> Any:
-        def grad(dy: Any) -> Any:
-            return _gather_last(dy, group, device)
-        return _own_slice(x, group, device), grad
-
-    return scatter(x)

@@ -36,7 +36,7 @@ and in any plan of it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import keras
 import numpy as np
@@ -57,14 +57,13 @@ HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
 class SpmdModel(keras.Model):
     """The wrapped model of an SPMD plan (module docstring)."""
 
-    def __init__(self, copies: Copies, template: Callable[[], Any], plan: Any,
+    def __init__(self, copies: Copies, template: Any, plan: Any,
                  name: str | None = None) -> None:
         super().__init__(name=name)
         self.plan = plan  # the plan, matched to the model (``Plan.for_model``)
         self._copies = copies  # a plain object: Keras tracks the models below, once
         self.device_models = [m for row in copies.models for m in row]
-        self._template_fn = template
-        self._template_model: Any = None
+        self._template_model = template  # the user's structure, on the host
         self._split_vars = {id(v) for m in self.device_models
                             for layer in compat.flatten_layers(m)
                             if is_twin(layer)
@@ -92,10 +91,9 @@ class SpmdModel(keras.Model):
     def _parts(self, data: Any) -> list[Any]:
         """The batch cut on the host into dp x m parts (module docstring)."""
         run = self._copies.run
-        n_parts = run.dp * run.num_microbatches
+        n_parts = run.parts
         with tf.device(HOST), tf.name_scope("tfplan_input"):
-            first = next(t for t in tf.nest.flatten(data) if t is not None)
-            n = tf.shape(first)[0]
+            n = _rows(data)
             if run.tp > 1:  # see _fixed_batch
                 n = _fixed_batch(n, run)
             bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
@@ -129,8 +127,7 @@ class SpmdModel(keras.Model):
                     ) -> dict[str, Any]:
         loss = compat.compiled_loss(self, y, y_pred, sw) if y is not None else None
         aux = [compat.added_loss(self, v) for v in model.losses]
-        first = next(v for v in tf.nest.flatten(x) if v is not None)
-        rows = ops.cast(ops.shape(first)[0], "float32")
+        rows = ops.cast(_rows(x), "float32")
         mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
         count = rows
         if mask is not None and self._copies.run.tp > 1:
@@ -150,7 +147,6 @@ class SpmdModel(keras.Model):
         docstring): counts summed over the replica's parts, then over the data-parallel
         group (one all-reduce of two numbers)."""
         run = self._copies.run
-        n_parts = run.dp * run.num_microbatches
         out = []
         for q, row in enumerate(results):
             out_row = []
@@ -160,7 +156,7 @@ class SpmdModel(keras.Model):
                     own = ops.sum(ops.stack([p["counts"] for p in parts]), axis=0)
                     total = own if run.dp == 1 else member_all_reduce(
                         own, run.dp_group(t), device, "dp")
-                    out_row.append([ops.divide_no_nan(p["counts"] * n_parts, total)
+                    out_row.append([ops.divide_no_nan(p["counts"] * run.parts, total)
                                     for p in parts])
             out.append(out_row)
         return out
@@ -175,18 +171,14 @@ class SpmdModel(keras.Model):
 
     def _device_loss(self, parts: list[Any], weights: list[Any]) -> Any:
         """The device's share of one device's loss: sum_i (c_i L_i + c'_i aux_i) / P."""
-        run = self._copies.run
-        n_parts = run.dp * run.num_microbatches
         return ops.sum(ops.stack([self._part_loss(p, c) for p, c in zip(parts, weights)])
-                       ) / n_parts
+                       ) / self._copies.run.parts
 
     def _track(self, results: list[list[Any]], weights: list[list[list[Any]]],
                data: Any) -> None:
         """The logged loss and the compiled metrics, per part on its tensor rank 0."""
         run = self._copies.run
-        n_parts = run.dp * run.num_microbatches
-        first = next(v for v in tf.nest.flatten(data) if v is not None)
-        share = ops.cast(tf.shape(first)[0], "float32") / n_parts
+        share = ops.cast(_rows(data), "float32") / run.parts
         for q, row in enumerate(results):
             with tf.device(run.replicas[q][0]):
                 for p, c in zip(row[0], weights[q][0]):
@@ -258,30 +250,26 @@ class SpmdModel(keras.Model):
         run = self._copies.run
         scale = getattr(self.optimizer, "dynamic_scale", None)
         out = []
-        i = 0
-        for q, replica in enumerate(self._copies.models):
-            for t, _ in enumerate(replica):
-                device = run.replicas[q][t]
-                gs, vs = grads[i], variables[i]
-                i += 1
-                with tf.device(device):
-                    squares = ops.stack([
-                        ops.sum(ops.square(ops.cast(g, "float32")))
-                        if id(v) in self._split_vars or t == 0 else ops.zeros(())
-                        for g, v in zip(gs, vs)])
-                    if run.tp > 1:
-                        squares = member_all_reduce(squares, run.tp_group(q), device, "tp")
-                    if scale is not None:
-                        squares = squares / ops.square(ops.cast(scale, "float32"))
-                    norms = ops.sqrt(squares)
-                    if global_clipnorm:
-                        total = ops.sqrt(ops.sum(squares))
-                        factor = global_clipnorm / ops.maximum(total, global_clipnorm)
-                        gs = [g * ops.cast(factor, g.dtype) for g in gs]
-                    else:
-                        gs = [g * ops.cast(clipnorm / ops.maximum(norms[j], clipnorm), g.dtype)
-                              for j, g in enumerate(gs)]
-                out.append(gs)
+        for i, (device, gs, vs) in enumerate(zip(run.devices, grads, variables)):
+            q, t = divmod(i, run.tp)  # grads and variables are in run.devices' order
+            with tf.device(device):
+                squares = ops.stack([
+                    ops.sum(ops.square(ops.cast(g, "float32")))
+                    if id(v) in self._split_vars or t == 0 else ops.zeros(())
+                    for g, v in zip(gs, vs)])
+                if run.tp > 1:
+                    squares = member_all_reduce(squares, run.tp_group(q), device, "tp")
+                if scale is not None:
+                    squares = squares / ops.square(ops.cast(scale, "float32"))
+                norms = ops.sqrt(squares)
+                if global_clipnorm:
+                    total = ops.sqrt(ops.sum(squares))
+                    factor = global_clipnorm / ops.maximum(total, global_clipnorm)
+                    gs = [g * ops.cast(factor, g.dtype) for g in gs]
+                else:
+                    gs = [g * ops.cast(clipnorm / ops.maximum(norms[j], clipnorm), g.dtype)
+                          for j, g in enumerate(gs)]
+            out.append(gs)
         return out
 
     @contextlib.contextmanager
@@ -303,10 +291,7 @@ class SpmdModel(keras.Model):
         self._copies.set_weights(weights)
 
     def _template(self) -> Any:
-        """A model of the user's structure on the host, holding the unsplit weights."""
-        if self._template_model is None:
-            with tf.device(HOST):
-                self._template_model = self._template_fn()
+        """The model of the user's structure on the host, holding the unsplit weights."""
         self._template_model.set_weights(self.get_weights())
         return self._template_model
 
@@ -321,6 +306,11 @@ class SpmdModel(keras.Model):
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """The user's model with these weights (optimizer state is not saved)."""
         self._template().save(filepath, overwrite=overwrite, **kwargs)
+
+
+def _rows(structure: Any) -> Any:
+    """The batch size of a (possibly nested) batch: its first tensor's leading dimension."""
+    return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
 
 
 def _fixed_batch(n: Any, run: Any) -> Any:

@@ -62,18 +62,45 @@ class Rank:
 
 
 class _RankTwin:
-    """What every twin shares: its ``Rank`` and the unsplit layer's config."""
+    """What every twin shares: its ``Rank``; for a column or row split of a Dense-like
+    layer (``kernel``, ``bias``, ``activation``), its call around a ``product`` and the
+    whole bias a row split adds after g (``row_bias``)."""
 
     rank: Rank
+    row_bias: Any = None
 
     def rank_axes(self) -> list[int | None]:
         raise NotImplementedError
+
+    def _add_row_bias(self, shape: Any) -> None:
+        self.row_bias = self.add_weight(name="bias", shape=tuple(shape),
+                                        initializer=self.bias_initializer,
+                                        regularizer=self.bias_regularizer,
+                                        constraint=self.bias_constraint)
+
+    def _split_call(self, inputs: Any, product: Any, sliced_in: int) -> Any:
+        """Column: f, the rank's slice of the product (and bias), ``_column_out``. Row: a
+        whole input cut to the rank's ``sliced_in`` features, g on the partial product,
+        then the whole bias and the activation."""
+        r = self.rank
+        if r.split == "column":
+            y = product(copy_to_tp(inputs, r.group, r.device))
+            if self.bias is not None:
+                y = ops.add(y, self.bias)
+            return _column_out(self, y)
+        x = inputs
+        if x.shape[-1] == self.full_in and self.full_in != sliced_in:
+            x = scatter_to_tp(x, r.group, r.device)
+        y = reduce_from_tp(product(x), r.group, r.device)
+        if self.row_bias is not None:
+            y = ops.add(y, self.row_bias)
+        return y if self.activation is None else self.activation(y)
 
 
 class RankDense(_RankTwin, keras.layers.Dense):
     def __init__(self, rank: Rank, full_units: int, **config: Any) -> None:
         self.rank, self.full_units = rank, full_units
-        self.row_bias_used = config.get("use_bias", True) and rank.split == "row"
+        self.full_use_bias = config.get("use_bias", True)
         config["units"] = full_units // rank.size if rank.split == "column" else full_units
         if rank.split == "row":
             config["use_bias"] = False  # the row split adds the whole bias after g
@@ -85,27 +112,12 @@ class RankDense(_RankTwin, keras.layers.Dense):
             input_shape = (*input_shape[:-1], self.full_in // self.rank.size)
         super().build(input_shape)
         self.input_spec = None  # a row split reads a slice or the whole input
-        if self.row_bias_used:
-            self.row_bias = self.add_weight(name="bias", shape=(self.full_units,),
-                                            initializer=self.bias_initializer,
-                                            regularizer=self.bias_regularizer,
-                                            constraint=self.bias_constraint)
+        if self.rank.split == "row" and self.full_use_bias:
+            self._add_row_bias((self.full_units,))
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        r = self.rank
-        if r.split == "column":
-            x = copy_to_tp(inputs, r.group, r.device)
-            y = ops.matmul(x, self.kernel)
-            if self.use_bias:
-                y = ops.add(y, self.bias)
-            return _column_out(self, y)
-        x = inputs
-        if x.shape[-1] == self.full_in and self.full_in != self.kernel.shape[0]:
-            x = scatter_to_tp(x, r.group, r.device)
-        y = reduce_from_tp(ops.matmul(x, self.kernel), r.group, r.device)
-        if self.row_bias_used:
-            y = ops.add(y, self.row_bias)
-        return y if self.activation is None else self.activation(y)
+        return self._split_call(inputs, lambda x: ops.matmul(x, self.kernel),
+                                self.kernel.shape[0])
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         units = self.units if self.rank.split == "column" and not self.rank.gather_output \
@@ -115,7 +127,7 @@ class RankDense(_RankTwin, keras.layers.Dense):
     def rank_axes(self) -> list[int | None]:
         if self.rank.split == "column":
             return [1, 0] if self.use_bias else [1]
-        return [0, None] if self.row_bias_used else [0]
+        return [0, None] if self.row_bias is not None else [0]
 
 
 def _column_out(layer: Any, y: Any) -> Any:
@@ -164,28 +176,12 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
             input_shape = (*input_shape[:-1], self.full_in // self.rank.size)
         super().build(input_shape)
         self.input_spec = None
-        self.row_bias = None
         if self.rank.split == "row" and self.full_bias_axes:
-            self.row_bias = self.add_weight(name="bias", shape=tuple(bias_shape),
-                                            initializer=self.bias_initializer,
-                                            regularizer=self.bias_regularizer,
-                                            constraint=self.bias_constraint)
+            self._add_row_bias(bias_shape)
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        r = self.rank
-        if r.split == "column":
-            x = copy_to_tp(inputs, r.group, r.device)
-            y = ops.einsum(self.equation, x, self.kernel)
-            if self.bias is not None:
-                y = ops.add(y, self.bias)
-            return _column_out(self, y)
-        x = inputs
-        if x.shape[-1] == self.full_in and self.full_in != self.kernel.shape[self.kernel_axis]:
-            x = scatter_to_tp(x, r.group, r.device)
-        y = reduce_from_tp(ops.einsum(self.equation, x, self.kernel), r.group, r.device)
-        if self.row_bias is not None:
-            y = ops.add(y, self.row_bias)
-        return y if self.activation is None else self.activation(y)
+        return self._split_call(inputs, lambda x: ops.einsum(self.equation, x, self.kernel),
+                                self.kernel.shape[self.kernel_axis])
 
     def rank_axes(self) -> list[int | None]:
         if self.rank.split == "column":

@@ -45,6 +45,11 @@ class RunDescription:
         return len(self.replicas[0])
 
     @property
+    def parts(self) -> int:
+        """P: the parts a batch is cut into, dp x micro-batches."""
+        return self.dp * self.num_microbatches
+
+    @property
     def devices(self) -> tuple[str, ...]:
         return tuple(d for replica in self.replicas for d in replica)
 
