@@ -198,16 +198,16 @@ class SpmdModel(keras.Model):
         with tf.GradientTape(persistent=True) as tape:
             results = self._forward(data, training=True)
             weights = self._weights_of_parts(results)
-            losses = [[self._device_loss(parts, weights[q][t]) for t, parts in enumerate(row)]
-                      for q, row in enumerate(results)]
+            # scaled inside the tape (mixed_float16's loss scale): the tape records it
+            losses = [[self.optimizer.scale_loss(self._device_loss(parts, weights[q][t]))
+                       for t, parts in enumerate(row)] for q, row in enumerate(results)]
         grads, variables = [], []
         for q, replica in enumerate(self._copies.models):
             for t, model in enumerate(replica):
                 device = run.replicas[q][t]
                 vs = model.trainable_variables
                 with tf.device(device):
-                    loss = self.optimizer.scale_loss(losses[q][t])
-                    gs = tape.gradient(loss, vs)
+                    gs = tape.gradient(losses[q][t], vs)
                     gs = [tf.zeros_like(v) if g is None else g for g, v in zip(gs, vs)]
                     if run.dp > 1:
                         gs = _reduced(gs, vs, run.dp_group(t), device)

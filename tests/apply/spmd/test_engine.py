@@ -202,16 +202,21 @@ def test_global_clipnorm_is_the_one_device_norm():
 
 
 @pytest.fixture
-def bfloat16_policy():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
+def policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("case", ["dp4", "dp2xtp2"])
-def test_mixed_bfloat16_trains_like_one_device_at_the_same_policy(case, bfloat16_policy):
+@pytest.mark.parametrize("policy, case", [("mixed_bfloat16", "dp4"),
+                                          ("mixed_bfloat16", "dp2xtp2"),
+                                          ("mixed_float16", "dp2xtp2")], indirect=["policy"])
+def test_mixed_precision_trains_like_one_device_at_the_same_policy(policy, case):
     module, _, wrapped, reference = _wrapped("tiny_mlp", case)
+    if policy == "mixed_float16":  # Keras wraps the optimizer in a LossScaleOptimizer
+        assert isinstance(wrapped.optimizer, keras.optimizers.LossScaleOptimizer)
     batches = helpers.batches_of(module, STEPS, BATCH)
-    # bfloat16 keeps 8 bits of mantissa: the partial sums of a split layer round apart
+    # 16-bit activations: the partial sums of a split layer round apart (bfloat16 keeps 8
+    # bits of mantissa, float16 11)
     helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
                                 helpers.step_losses(reference, batches), rtol=2e-2)
