@@ -13,11 +13,11 @@ model as it found it.
 
 * A cross-device copy (a ``_Send`` between two devices) counts its tensor's bytes for the
   sending device, once per tensor and receiving device, as TensorFlow sends it. Its size is
-  the tensor's as it ran: a second step runs with TensorFlow's debugger dumping every
-  graph op's output shape (``tf.debugging.experimental.enable_dump_debug_info``, SHAPE
-  mode; not the measured step, whose transfers the debugger's ops would change), else the
-  traced static shape; a copy whose size neither gives is listed in
-  ``Audit.unsized`` rather than counted as 0. Control edges (no data) are not counted.
+  the traced static shape's; where a tensor's shape is known only as the step runs, a
+  second step runs with TensorFlow's debugger dumping every graph op's output shape
+  (``tf.debugging.experimental.enable_dump_debug_info``, SHAPE mode; not the measured
+  step, whose transfers the debugger's ops would change); a copy whose size neither gives
+  is listed in ``Audit.unsized`` rather than counted as 0. Control edges (no data) are not counted.
 * A collective counts its ring volume for each member: all-reduce 2 (n-1)/n N, all-gather
   (n-1)/n of the gathered result, reduce-scatter (n-1)/n N, all-to-all (n-1)/n N,
   broadcast N from the sender (``planner.collectives``). A CPU stand-in built by
@@ -115,25 +115,48 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
     dump = tempfile.mkdtemp(prefix="tfplan_audit_")
     try:
         with _restored(model), _grappler_off():
-            model.fit(data, epochs=1, verbose=0)  # builds the optimizer's slots (eagerly)
+            if not model.optimizer.built:
+                model.fit(data, epochs=1, verbose=0)  # builds the optimizer's slots (eagerly)
             model.make_train_function(force=True)  # traced and instantiated afresh, audited
             with compat.collect_run_metadata() as collected:
                 model.fit(data, epochs=1, verbose=0)
             metadata = collected.metadata
-            # the sizes, from a step of its own: the debugger's ops would add transfers
-            model.make_train_function(force=True)
-            tf.debugging.experimental.enable_dump_debug_info(
-                dump, tensor_debug_mode="SHAPE", circular_buffer_size=-1)
-            try:
-                model.fit(data, epochs=1, verbose=0)
-            finally:
-                tf.debugging.experimental.disable_dump_debug_info()
-                model.make_train_function(force=True)  # training goes on without either
-        static = _traced_bytes(compat.eager_function_names() - known)
-        shapes = {**static, **compat.runtime_tensor_bytes(dump)}  # as they ran, else traced
+            shapes = _traced_bytes(compat.eager_function_names() - known)
+            transfers, unsized = _transfers(metadata, shapes, groups)
+            if unsized:  # sizes known only as the step runs: from a step of its own
+                shapes = {**shapes, **_runtime_bytes(model, data, dump)}
+                transfers, unsized = _transfers(metadata, shapes, groups)
+            model.make_train_function(force=True)  # training goes on without either
     finally:
         shutil.rmtree(dump, ignore_errors=True)
-    transfers, unsized = [], []
+    per_device: dict[str, dict[str, int]] = {}
+    for t in transfers:
+        row = per_device.setdefault(t.sender, dict.fromkeys(AUDIT_KINDS, 0))
+        row[t.kind] += t.nbytes
+    sent = tuple((d, tuple(row.items())) for d, row in sorted(per_device.items()))
+    return Audit(sent, tuple(transfers), tuple(unsized))
+
+
+def _runtime_bytes(model: Any, data: Any, dump: str) -> dict[tuple[str, int], int]:
+    """{(op name, output index): bytes} of every graph op's output as one more step ran,
+    dumped by TensorFlow's debugger (its ops would add transfers: not the audited step)."""
+    import tensorflow as tf
+
+    model.make_train_function(force=True)
+    tf.debugging.experimental.enable_dump_debug_info(
+        dump, tensor_debug_mode="SHAPE", circular_buffer_size=-1)
+    try:
+        model.fit(data, epochs=1, verbose=0)
+    finally:
+        tf.debugging.experimental.disable_dump_debug_info()
+    return compat.runtime_tensor_bytes(dump)
+
+
+def _transfers(metadata: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | None
+               ) -> tuple[list[Transfer], list[str]]:
+    """The counted transfers of a step's partitioned graphs, and those of unknown size."""
+    transfers: list[Transfer] = []
+    unsized: list[str] = []
     seen: set[bytes] = set()
     for fg in metadata.function_graphs:
         for part in fg.partition_graphs:
@@ -152,12 +175,7 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
                 elif node.op in _COLLECTIVES:
                     t = _collective(node, consts, shapes, groups, nodes)
                     (transfers if isinstance(t, Transfer) else unsized).append(t)
-    per_device: dict[str, dict[str, int]] = {}
-    for t in transfers:
-        row = per_device.setdefault(t.sender, dict.fromkeys(AUDIT_KINDS, 0))
-        row[t.kind] += t.nbytes
-    sent = tuple((d, tuple(row.items())) for d, row in sorted(per_device.items()))
-    return Audit(sent, tuple(transfers), tuple(unsized))
+    return transfers, unsized
 
 
 def _copy(node: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | None,

@@ -93,9 +93,13 @@ class SpmdModel(keras.Model):
         run = self._copies.run
         n_parts = run.parts
         with tf.device(HOST), tf.name_scope("tfplan_input"):
-            n = _rows(data)
-            if run.tp > 1:  # see _fixed_batch
-                n = _fixed_batch(n, run)
+            n = _static_rows(data)  # static where known: every part's shape is then known
+            if n is None:
+                n = _rows(data)
+                if run.tp > 1:  # see _fixed_batch
+                    n = _fixed_batch(n, run)
+            elif run.tp > 1 and n != run.global_batch:
+                raise PlannerError(_fixed_batch_message(run))
             bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
             return [tf.nest.map_structure(
                 lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
@@ -319,14 +323,23 @@ def _fixed_batch(n: Any, run: Any) -> Any:
     runtime keeps the first shape it saw for each instance of a traced step: a batch of
     another size would fail there with a shape mismatch that aborts every collective of the
     process. So the step refuses it first, with the fix."""
-    check = tf.debugging.assert_equal(
-        n, tf.constant(run.global_batch, n.dtype),
-        message=(f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which "
-                 f"takes batches of exactly the plan's global batch ({run.global_batch} "
-                 "rows) for now. Batch the data with drop_remainder=True (or pass "
-                 f"batch_size={run.global_batch}) and the same size to evaluate/predict."))
+    check = tf.debugging.assert_equal(n, tf.constant(run.global_batch, n.dtype),
+                                      message=_fixed_batch_message(run))
     with tf.control_dependencies([check]):
         return tf.identity(n)
+
+
+def _fixed_batch_message(run: Any) -> str:
+    return (f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which takes "
+            f"batches of exactly the plan's global batch ({run.global_batch} rows) for now. "
+            "Batch the data with drop_remainder=True (or pass "
+            f"batch_size={run.global_batch}) and the same size to evaluate/predict.")
+
+
+def _static_rows(structure: Any) -> int | None:
+    """The batch size of a batch when its first tensor's leading dimension is static."""
+    first = next(t for t in tf.nest.flatten(structure) if t is not None)
+    return first.shape[0] if first.shape.rank else None
 
 
 def _reduction(loss: Any) -> str:
