@@ -112,9 +112,8 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
     data = tf.data.Dataset.from_tensors((x, y) if sample_weight is None
                                         else (x, y, sample_weight))  # static batch shapes
     known = compat.eager_function_names()
-    dump = tempfile.mkdtemp(prefix="tfplan_audit_")
-    try:
-        with _restored(model), _grappler_off():
+    with _restored(model), _grappler_off():
+        try:
             if not model.optimizer.built:
                 model.fit(data, epochs=1, verbose=0)  # builds the optimizer's slots (eagerly)
             model.make_train_function(force=True)  # traced and instantiated afresh, audited
@@ -124,11 +123,10 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
             shapes = _traced_bytes(compat.eager_function_names() - known)
             transfers, unsized = _transfers(metadata, shapes, groups)
             if unsized:  # sizes known only as the step runs: from a step of its own
-                shapes = {**shapes, **_runtime_bytes(model, data, dump)}
+                shapes = {**shapes, **_runtime_bytes(model, data)}
                 transfers, unsized = _transfers(metadata, shapes, groups)
+        finally:
             model.make_train_function(force=True)  # training goes on without either
-    finally:
-        shutil.rmtree(dump, ignore_errors=True)
     per_device: dict[str, dict[str, int]] = {}
     for t in transfers:
         row = per_device.setdefault(t.sender, dict.fromkeys(AUDIT_KINDS, 0))
@@ -137,19 +135,23 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
     return Audit(sent, tuple(transfers), tuple(unsized))
 
 
-def _runtime_bytes(model: Any, data: Any, dump: str) -> dict[tuple[str, int], int]:
+def _runtime_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:
     """{(op name, output index): bytes} of every graph op's output as one more step ran,
     dumped by TensorFlow's debugger (its ops would add transfers: not the audited step)."""
     import tensorflow as tf
 
-    model.make_train_function(force=True)
-    tf.debugging.experimental.enable_dump_debug_info(
-        dump, tensor_debug_mode="SHAPE", circular_buffer_size=-1)
+    dump = tempfile.mkdtemp(prefix="tfplan_audit_")
     try:
-        model.fit(data, epochs=1, verbose=0)
+        model.make_train_function(force=True)
+        tf.debugging.experimental.enable_dump_debug_info(
+            dump, tensor_debug_mode="SHAPE", circular_buffer_size=-1)
+        try:
+            model.fit(data, epochs=1, verbose=0)
+        finally:
+            tf.debugging.experimental.disable_dump_debug_info()
+        return compat.runtime_tensor_bytes(dump)
     finally:
-        tf.debugging.experimental.disable_dump_debug_info()
-    return compat.runtime_tensor_bytes(dump)
+        shutil.rmtree(dump, ignore_errors=True)
 
 
 def _transfers(metadata: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | None

@@ -93,13 +93,12 @@ class SpmdModel(keras.Model):
         run = self._copies.run
         n_parts = run.parts
         with tf.device(HOST), tf.name_scope("tfplan_input"):
-            n = _static_rows(data)  # static where known: every part's shape is then known
-            if n is None:
-                n = _rows(data)
-                if run.tp > 1:  # see _fixed_batch
-                    n = _fixed_batch(n, run)
-            elif run.tp > 1 and n != run.global_batch:
-                raise PlannerError(_fixed_batch_message(run))
+            n = _rows(data)  # static where known: every part's shape is then known
+            if run.tp > 1 and isinstance(n, int):  # see _fixed_batch
+                if n != run.global_batch:
+                    raise PlannerError(_fixed_batch_message(run))
+            elif run.tp > 1:
+                n = _fixed_batch(n, run)
             bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
             return [tf.nest.map_structure(
                 lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
@@ -313,8 +312,11 @@ class SpmdModel(keras.Model):
 
 
 def _rows(structure: Any) -> Any:
-    """The batch size of a (possibly nested) batch: its first tensor's leading dimension."""
-    return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
+    """The batch size of a (possibly nested) batch: its first tensor's leading dimension, an
+    int where the traced shape knows it, else a scalar tensor."""
+    first = next(t for t in tf.nest.flatten(structure) if t is not None)
+    static = first.shape[0] if first.shape.rank else None
+    return tf.shape(first)[0] if static is None else static
 
 
 def _fixed_batch(n: Any, run: Any) -> Any:
@@ -334,12 +336,6 @@ def _fixed_batch_message(run: Any) -> str:
             f"batches of exactly the plan's global batch ({run.global_batch} rows) for now. "
             "Batch the data with drop_remainder=True (or pass "
             f"batch_size={run.global_batch}) and the same size to evaluate/predict.")
-
-
-def _static_rows(structure: Any) -> int | None:
-    """The batch size of a batch when its first tensor's leading dimension is static."""
-    first = next(t for t in tf.nest.flatten(structure) if t is not None)
-    return first.shape[0] if first.shape.rank else None
 
 
 def _reduction(loss: Any) -> str:
