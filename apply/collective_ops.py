@@ -125,6 +125,23 @@ def member_all_gather(value: Any, group: Group, device: str, kind: str | None = 
     return _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device, kind)
 
 
+def member_reduce_scatter(value: Any, group: Group, device: str, kind: str | None = None
+                          ) -> Any:
+    """``device``'s part of a reduce-scatter over ``group``: its slice (member i: slice i of
+    n equal slices along axis 0, which must divide by n) of the sum of every member's
+    ``value``. ``CollectiveReduceScatterV2`` between GPUs; between CPUs the stand-in
+    (module docstring), under the name scope the audit counts as a reduce-scatter."""
+    import tensorflow as tf
+
+    if _hint(device) == "nccl":
+        return _member("reduce_scatter", tf.raw_ops.CollectiveReduceScatterV2, value, group,
+                       device, kind, merge_op="Add", final_op="Id")
+    total = _member("reduce_scatter", tf.raw_ops.CollectiveReduceV2, value, group, device,
+                    kind, merge_op="Add", final_op="Id")
+    with tf.device(device):
+        return tf.split(total, group.size, axis=0)[group.devices.index(device)]
+
+
 def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:
     """The sum of ``values`` on every member (``CollectiveReduceV2``)."""
     import tensorflow as tf

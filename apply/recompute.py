@@ -106,7 +106,7 @@ def recompute_attention_cores(model: Any, names: Collection[str]) -> int:
     return count
 
 
-def recompute_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+def recompute_call(fn: Callable[..., Any], tape_only: bool = False) -> Callable[..., Any]:
     """``fn`` (one layer's call) wrapped so its forward ops are re-run in the backward pass.
 
     ``tf.recompute_grad`` (a ``tf.custom_gradient``) accepts only tensors as
@@ -114,7 +114,11 @@ def recompute_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     everything else (keyword arguments such as ``training``, masks, Python values,
     the nesting) is bound here. Called under the layer's ``tf.device``, so the
     recomputation is created next to the forward op (``tf.gradients`` colocates a
-    gradient function's ops with its forward op).
+    gradient function's ops with its forward op). ``tape_only`` (for steps that
+    differentiate with a ``tf.GradientTape``, as ``apply.spmd``'s): a tensor the tape does
+    not record (the model's input) is read through ``tf.stop_gradient`` in the recomputed
+    forward, so no gradient is computed for it (``tf.recompute_grad`` differentiates every
+    tensor it is passed; under tensor parallelism that gradient would be all-reduced).
     """
     import keras
     import tensorflow as tf
@@ -126,9 +130,10 @@ def recompute_call(fn: Callable[..., Any]) -> Callable[..., Any]:
         tensors = [leaf for leaf, t in zip(leaves, is_tensor) if t]
         if not tensors:  # nothing to differentiate through
             return fn(*args, **kwargs)
+        constant = [tape_only and not compat.on_gradient_path(t) for t in tensors]
 
         def forward(*inputs: Any) -> Any:
-            it = iter(inputs)
+            it = iter(tf.stop_gradient(x) if c else x for x, c in zip(inputs, constant))
             filled = [next(it) if t else leaf for leaf, t in zip(leaves, is_tensor)]
             a, k = keras.tree.pack_sequence_as(structure, filled)
             return fn(*a, **k)

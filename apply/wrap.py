@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 from tfplan.apply.batch_stats import batch_norm_layers
 from tfplan.apply.cloning import is_graph_model, to_functional
@@ -122,9 +122,16 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     ensure_devices(plan, mode=mode)
     # the builder form runs on the SPMD engine where it can (apply.spmd); a built model
     # still runs on the engines below (they move to apply.spmd mode by mode: issue 25)
+    recompute, stateful = recomputed_layers(plan, view)
+    if stateful:
+        warnings.warn(
+            f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
+            f"{list(stateful)}, which hold state a second forward pass would change "
+            "(moving statistics, random seeds, as attention dropout draws); they keep their "
+            "activations instead (apply.recompute).", stacklevel=2)
     why_not = spmd_refusal(plan, mode, view) if builder is not None else "a built model"
     if not why_not:
-        wrapped = _wrap_spmd(builder, model, plan)
+        wrapped = _wrap_spmd(builder, model, plan, recompute)
         if getattr(model, "compiled", False):
             _compile_like(model, wrapped)
         if logdir is not None:
@@ -137,13 +144,6 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             "which a subclassed model does not have. Build the model with the Functional "
             "API or keras.Sequential, or re-plan without that dimension.")
     m = plan.strategy.num_microbatches
-    recompute, stateful = recomputed_layers(plan, view)
-    if stateful:
-        warnings.warn(
-            f"Plan {plan.name!r} recomputes ({plan.strategy.recompute}) layers "
-            f"{list(stateful)}, which hold state a second forward pass would change "
-            "(moving statistics, random seeds, as attention dropout draws); they keep their "
-            "activations instead (apply.recompute).", stacklevel=2)
     recompute, cores = split_recompute(plan, recompute)  # whole layers / attention cores
     grouped = moe_group_warning(plan, view)  # MoE capacity / aux loss per token group
     if grouped:
@@ -232,13 +232,13 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     return refusal(plan)
 
 
-def _wrap_spmd(builder: Any, model: Any, plan: Plan) -> Any:
+def _wrap_spmd(builder: Any, model: Any, plan: Plan, recomputed: Sequence[str]) -> Any:
     """The SPMD model (``apply.spmd``): ``builder`` builds each device's copy, starting
     from the weights of ``model`` (its first build, on the host), which also serves weight
-    files."""
+    files; ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``)."""
     from tfplan.apply.spmd import wrap_spmd
 
-    return wrap_spmd(builder, plan, model, name=model.name)
+    return wrap_spmd(builder, plan, model, recomputed=tuple(recomputed), name=model.name)
 
 
 def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:

@@ -8,7 +8,7 @@ instead, the older engines; the engine is printed per row) (the cross-
 device copies TensorFlow placed and the collectives, per device and kind) and
 ``planner.traffic.plan_sent_bytes`` prices the same plan from the model's profile. Printed
 per mode: each device's measured bytes (tp/pp/dp/other; the input batch's feeding is left
-out), the priced bytes, and the busiest device's share against its group's mean (the
+out), the priced bytes (ZeRO's gathers as kind zero), and the busiest device's share against its group's mean (the
 issue's bar: at most 1.25x, measured within 10% of priced).
 
     .venv/bin/python benchmarks/comm_audit.py [--json]
@@ -24,12 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MODES = {  # name: (stage devices, dp, micro-batches, splits per model)
-    "dp4": ([[0, 1, 2, 3]], 4, 1),
-    "pp2-m2": ([[0], [1]], 1, 2),
-    "tp2": ([[0, 1]], 1, 1),
-    "tp4": ([[0, 1, 2, 3]], 1, 1),
-    "dp2xtp2": ([[0, 1, 2, 3]], 2, 1),
+MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage)
+    "dp4": ([[0, 1, 2, 3]], 4, 1, 0),
+    "pp2-m2": ([[0], [1]], 1, 2, 0),
+    "tp2": ([[0, 1]], 1, 1, 0),
+    "tp4": ([[0, 1, 2, 3]], 1, 1, 0),
+    "dp2xtp2": ([[0, 1, 2, 3]], 2, 1, 0),
+    "dp4-zero1": ([[0, 1, 2, 3]], 4, 1, 1),
+    "dp4-m2-zero2": ([[0, 1, 2, 3]], 4, 2, 2),
+    "dp2xtp2-zero1": ([[0, 1, 2, 3]], 2, 1, 1),
 }
 
 
@@ -58,17 +61,16 @@ def main() -> int:
     rows = []
     for model_name in ("tiny_mlp", "tiny_transformer"):
         module = load_model_file(model_name)
-        for mode, (stages, dp, m) in MODES.items():
+        for mode, (stages, dp, m, zero) in MODES.items():
             keras.utils.set_random_seed(0)
             model = module.build_model()
             plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
                              global_batch=16)
             tp = len(stages[0]) // dp
-            if tp > 1:
-                plan = dataclasses.replace(
-                    plan, tp_splits=SPLITS[model_name],
-                    strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp,
-                                                 microbatch_size=16 // (dp * m)))
+            plan = dataclasses.replace(
+                plan, tp_splits=SPLITS[model_name] if tp > 1 else (),
+                strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=zero,
+                                             microbatch_size=16 // (dp * m)))
             keras.utils.set_random_seed(0)
             wrapped = apply.wrap(model if args.built else module.build_model, plan)
             wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
@@ -92,7 +94,7 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     for r in rows:
-        print(f"{r['model']:17s} {r['mode']:8s} {r['engine']:18s} "
+        print(f"{r['model']:17s} {r['mode']:13s} {r['engine']:18s} "
               f"busiest/mean {r['busiest_over_mean']:.2f}"
               f"  unsized copies {r['unsized']}")
         for d in r["measured"]:

@@ -961,6 +961,26 @@ def without_replica_sum(optimizer: Any) -> Iterator[None]:
         del target._all_reduce_sum_gradients
 
 
+def on_gradient_path(tensor: Any) -> bool:
+    """Whether an active ``tf.GradientTape`` records ``tensor`` (it depends on a watched
+    variable or tensor): TensorFlow's ``record.should_record_backprop``. ``apply.spmd``'s
+    recomputation passes a tensor no tape records (the model's input) to
+    ``tf.recompute_grad`` as a constant, so its backward computes no gradient for it (nor
+    the tensor-parallel all-reduce of that gradient). Checked on TensorFlow 2.21.0."""
+    should_record = _private("tensorflow.python.eager.record", "should_record_backprop",
+                             "whether a gradient tape records a tensor")
+    return bool(should_record([tensor]))
+
+
+def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+    """``BaseOptimizer._use_weight_decay(variable)``: whether the optimizer's weight decay
+    applies to ``variable`` (False where ``exclude_from_weight_decay`` named it or a
+    substring of its name). ``apply.spmd.zero`` gives a weight's shards the same rule.
+    Checked on Keras 3.15.1."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    return bool(_method(target, "_use_weight_decay", "the weight-decay exclusions")(variable))
+
+
 def compiled_loss(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
     """``Trainer._compile_loss(y, y_pred, sample_weight)``: the loss given to ``compile``
     alone, reduced as Keras reduces it (masks and sample weights applied), or None when

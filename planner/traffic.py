@@ -26,7 +26,8 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
   as one device's Keras optimizer receives it): its replicas all-gather their rows and
   ids instead, (R-1) x their bytes per device (``sparse_grad_bytes``; what ``apply.spmd``
   and ``tf.distribute`` run, exact where a summed dense gradient would change Adam's
-  second moment);
+  second moment), under ZeRO-1/2 too (``apply.spmd.zero``: each replica keeps the rows
+  of its shard), the updated weight then all-gathered (kind ``zero``, (R-1)/R P);
 * ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
   (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
   (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
@@ -79,6 +80,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
+        sparse_weights = 0.0
         for i in range(lo, hi):
             layer = layers[i]
             split = splits[i] if i < len(splits) else ""
@@ -97,8 +99,9 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 sent["ep"] += m * calls * ring_half_sent_bytes(
                     experts.dispatch_bytes(layer, mbs, b) / cp, ep)
             rows = sparse_grad_bytes(layer, profile.precision) * f * m / cp
-            if rows and replicas > 1 and zero == 0:
+            if rows and replicas > 1 and zero < 3:
                 sparse += rows
+                sparse_weights += layer.param_bytes / share  # ZeRO-1/2: gathered after
                 continue  # no dense gradient to reduce
             g = layer.grad_bytes / share
             x = experts.expert_share(layer) if ep > 1 else 0.0
@@ -124,6 +127,8 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 else:
                     sent["dp"] += m * ring_half_sent_bytes(g, n)
             sent["dp"] += (replicas - 1) * sparse
+            if zero in (1, 2):  # the updated shards of sparse-gradient weights, gathered
+                sent["zero"] += ring_half_sent_bytes(sparse_weights, replicas)
             if zero == 2:
                 sent["zero"] += ring_half_sent_bytes(weights, replicas)
             elif zero == 3:

@@ -5,7 +5,9 @@ Pipeline position: under ``apply.wrap``, which hands it the plans ``run.refusal`
 The parts, in the order they run: ``run`` (the run description, derived once from the
 plan), ``copies`` (each device's copy of the model, split layers swapped for their
 rank's twin from ``rank_layers``, which call ``megatron``'s operators) and ``model``
-(``SpmdModel``: the steps, the gradient reduction, the weights as the user's model's).
+(``SpmdModel``: the steps, the weights as the user's model's), whose gradients meet in
+``reduction`` (all-reduce) or ``zero`` (ZeRO-1/2: reduce-scatter, sharded update,
+all-gather).
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from tfplan.planner.plan import Plan
 
 
 def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
-              name: str | None = None) -> SpmdModel:
+              recomputed: tuple[str, ...] = (), name: str | None = None) -> SpmdModel:
     """The SPMD model of ``plan`` (``refusal(plan) == ""``): ``builder`` (the user's
     ``build_model``) builds each device's copy, every copy starting from the weights of
-    ``template`` (the model built first, on the host), which also serves weight files."""
-    run = describe(plan)
+    ``template`` (the model built first, on the host), which also serves weight files.
+    ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``)."""
+    run = describe(plan, recomputed)
     return SpmdModel(build_copies(builder, run, template.get_weights()), template, plan,
                      name=name)
 

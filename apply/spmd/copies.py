@@ -13,9 +13,10 @@ kept as they are), a block's sub-layer in place (``apply.blocks.swap_in``).
 
 ``Copies.get_weights`` / ``set_weights`` read and write the user's model's weights,
 unsplit and in its order: weight j of the user's model is weight j of every copy, cut
-along the twin's ``rank_axes`` where a twin holds it. Every copy starts from the same
-unsplit weights (``reference``: the model ``apply.wrap`` built first, on the host), so
-the replicas agree.
+along the twin's ``rank_axes`` where a twin holds it. The layers the plan recomputes run
+under ``tf.recompute_grad`` in every copy (whole, or their attention cores under
+"selective": ``apply.recompute``). Every copy starts from the same unsplit weights
+(``reference``: the model ``apply.wrap`` built first, on the host), so the replicas agree.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tfplan import compat
 from tfplan.apply.blocks import swap_in
 from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
+from tfplan.apply.recompute import attention_layers, recompute_call
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.core.errors import PlannerError
@@ -75,7 +77,7 @@ def build_copies(builder: Any, run: RunDescription, reference: Sequence[np.ndarr
         for device in replica:
             with tf.device(device):
                 model = builder()
-            row.append(_swap_splits(model, run, run.tp_group(q), device))
+            row.append(_recomputing(_swap_splits(model, run, run.tp_group(q), device), run))
         models.append(row)
     copies = Copies(models, _axes(models[0][0], reference, run.tp), run)
     copies.set_weights(reference)
@@ -111,6 +113,27 @@ def _swap_splits(model: Any, run: RunDescription, group: Any, device: str) -> An
         parent = _parent(model, name, entries)
         swap_in(parent, layer, twin)
     return _rewire(model, top, device) if top else model
+
+
+def _recomputing(model: Any, run: RunDescription) -> Any:
+    """``model`` with the run's recomputed layers under ``tf.recompute_grad``
+    (``apply.recompute.recompute_call``): under "full" each such top-level layer's call,
+    on this instance; under "selective" the attention cores inside them. A split layer's
+    twin is recomputed with its collectives (the forward's all-reduce runs again in the
+    backward, as ``planner.traffic`` prices full recomputation)."""
+    for name in run.recomputed:
+        layer = model.get_layer(name)
+        if run.recompute == "selective":
+            for attention in attention_layers(layer):
+                if not compat.attention_core_is_wrapped(attention):
+                    compat.wrap_attention_core(attention, _recompute_on_tape)
+        else:
+            layer.call = _recompute_on_tape(layer.call)
+    return model
+
+
+def _recompute_on_tape(fn: Any) -> Any:
+    return recompute_call(fn, tape_only=True)  # SpmdModel differentiates with a tape
 
 
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:

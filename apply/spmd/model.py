@@ -20,10 +20,13 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
   its own ``tf.device``: no device computes a gradient for another.
 * **Reduction.** Each device's gradients are summed over its data-parallel group (tensor
   rank t of every replica) in one packed ``CollectiveReduceV2`` per dtype
-  (``apply.collective_ops``), so every replica applies the same update to its copy. A
+  (``apply.spmd.reduction``), so every replica applies the same update to its copy. Under
+  ZeRO-1/2 (``apply.spmd.zero``) each device receives only its shard of the sum (a
+  reduce-scatter), updates its shards, and all-gathers them into its copy. A
   ``global_clipnorm`` / ``clipnorm`` is applied to the one-device norms (each split
-  weight's squares summed over its tensor ranks by one small all-reduce), not the norm over
-  the copies the optimizer sees.
+  weight's squares summed over its tensor ranks by one small all-reduce, and over the
+  data-parallel group where ZeRO holds shards), not the norm over the copies the optimizer
+  sees; a clipped sparse gradient becomes dense, as one device's clipping makes it.
 * **Metrics and the logged loss** are updated per part, on the part's tensor rank 0, in
   the model's own metric variables: Keras' metric states are sums (totals and counts), so
   adding the parts' updates gives one device's values.
@@ -49,6 +52,8 @@ from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
 from tfplan.apply.spmd.copies import Copies
 from tfplan.apply.spmd.rank_layers import is_twin
+from tfplan.apply.spmd.reduction import reduced
+from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
 from tfplan.core.errors import PlannerError
 
 HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
@@ -68,6 +73,9 @@ class SpmdModel(keras.Model):
                             for layer in compat.flatten_layers(m)
                             if is_twin(layer)
                             for v, a in zip(layer.weights, layer.rank_axes()) if a is not None}
+        run = copies.run
+        # a plain object too: its shards are scratch, read from the copies every step
+        self._zero = ZeroShards(copies, run.zero_stage) if run.zero_stage else None
         self.built = True
 
     # ---------------------------------------------------------------- description
@@ -81,11 +89,21 @@ class SpmdModel(keras.Model):
     # ---------------------------------------------------------------- compile
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
         super().compile(optimizer, *args, **kwargs)
-        build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+        self._build_optimizer()
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         super().compile_from_config(config)
-        build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
+        the devices' shards (``apply.spmd.zero``)."""
+        if self._zero is None:
+            build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+            return
+        check_optimizer(self.optimizer, self.plan.name)
+        self._zero.exclude_like_weights(self.optimizer)
+        build_optimizer_on_devices(self.optimizer, self._zero.variables)
 
     # ---------------------------------------------------------------- rows
     def _parts(self, data: Any) -> list[Any]:
@@ -172,10 +190,11 @@ class SpmdModel(keras.Model):
             value = value + c[1] * ops.cast(p["aux"], "float32")
         return value
 
-    def _device_loss(self, parts: list[Any], weights: list[Any]) -> Any:
-        """The device's share of one device's loss: sum_i (c_i L_i + c'_i aux_i) / P."""
-        return ops.sum(ops.stack([self._part_loss(p, c) for p, c in zip(parts, weights)])
-                       ) / self._copies.run.parts
+    def _part_losses(self, parts: list[Any], weights: list[Any]) -> list[Any]:
+        """The device's share of one device's loss, part by part: (c_i L_i + c'_i aux_i) / P,
+        each times the optimizer's loss scale (mixed_float16)."""
+        return [self.optimizer.scale_loss(self._part_loss(p, c) / self._copies.run.parts)
+                for p, c in zip(parts, weights)]
 
     def _track(self, results: list[list[Any]], weights: list[list[list[Any]]],
                data: Any) -> None:
@@ -197,31 +216,42 @@ class SpmdModel(keras.Model):
             return self._train_step(data)
 
     def _train_step(self, data: Any) -> Any:
-        run = self._copies.run
+        run, zero = self._copies.run, self._zero
         with tf.GradientTape(persistent=True) as tape:
             results = self._forward(data, training=True)
             weights = self._weights_of_parts(results)
             # scaled inside the tape (mixed_float16's loss scale): the tape records it
-            losses = [[self.optimizer.scale_loss(self._device_loss(parts, weights[q][t]))
-                       for t, parts in enumerate(row)] for q, row in enumerate(results)]
-        grads, variables = [], []
+            losses = [[self._part_losses(parts, weights[q][t]) for t, parts in enumerate(row)]
+                      for q, row in enumerate(results)]
+            totals = [[tf.add_n(parts) for parts in row] for row in losses]  # on the tape
+        grads, variables, owners = [], [], []
         for q, replica in enumerate(self._copies.models):
             for t, model in enumerate(replica):
                 device = run.replicas[q][t]
                 vs = model.trainable_variables
                 with tf.device(device):
-                    gs = tape.gradient(losses[q][t], vs)
-                    gs = [tf.zeros_like(v) if g is None else g for g, v in zip(gs, vs)]
-                    if run.dp > 1:
-                        gs = _reduced(gs, vs, run.dp_group(t), device)
+                    if zero is not None:
+                        zero.load(q, t)
+                        # ZeRO-2: each micro-batch's gradient reduced as soon as it exists
+                        per_part = losses[q][t] if zero.stage == 2 else [totals[q][t]]
+                        gs = zero.reduce([_gradients(tape, loss, vs) for loss in per_part], q, t)
+                    else:
+                        gs = _gradients(tape, totals[q][t], vs)
+                        gs = reduced(gs, vs, run.dp_group(t), device) if run.dp > 1 else gs
                 grads.append(gs)
-                variables.append(vs)
+                owners.append(vs)
+                variables.append(zero.shards[q][t] if zero is not None else vs)
         del tape
-        grads = self._clipped(grads, variables)
+        grads = self._clipped(grads, owners)
         with self._own_clipping(), updates_on_variable_devices(self.optimizer), \
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
+        if zero is not None:
+            for q, replica in enumerate(run.replicas):
+                for t, device in enumerate(replica):
+                    with tf.device(device):
+                        zero.gather(q, t)
         self._track(results, weights, data)
         return self.get_metrics_result()
 
@@ -257,9 +287,10 @@ class SpmdModel(keras.Model):
             q, t = divmod(i, run.tp)  # grads and variables are in run.devices' order
             with tf.device(device):
                 squares = ops.stack([
-                    ops.sum(ops.square(ops.cast(g, "float32")))
-                    if id(v) in self._split_vars or t == 0 else ops.zeros(())
+                    _sum_of_squares(g) if id(v) in self._split_vars or t == 0 else ops.zeros(())
                     for g, v in zip(gs, vs)])
+                if self._zero is not None:  # each replica holds a shard of each sum
+                    squares = member_all_reduce(squares, run.dp_group(t), device, "dp")
                 if run.tp > 1:
                     squares = member_all_reduce(squares, run.tp_group(q), device, "tp")
                 if scale is not None:
@@ -268,9 +299,9 @@ class SpmdModel(keras.Model):
                 if global_clipnorm:
                     total = ops.sqrt(ops.sum(squares))
                     factor = global_clipnorm / ops.maximum(total, global_clipnorm)
-                    gs = [g * ops.cast(factor, g.dtype) for g in gs]
+                    gs = [_times(g, factor) for g in gs]
                 else:
-                    gs = [g * ops.cast(clipnorm / ops.maximum(norms[j], clipnorm), g.dtype)
+                    gs = [_times(g, clipnorm / ops.maximum(norms[j], clipnorm))
                           for j, g in enumerate(gs)]
             out.append(gs)
         return out
@@ -311,6 +342,27 @@ class SpmdModel(keras.Model):
         self._template().save(filepath, overwrite=overwrite, **kwargs)
 
 
+def _sum_of_squares(g: Any) -> Any:
+    """The squared norm of a gradient as Keras' clipping computes it (a sparse one's rows
+    squared as they are, before duplicates are summed)."""
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    return ops.sum(ops.square(ops.cast(values, "float32")))
+
+
+def _times(g: Any, factor: Any) -> Any:
+    """A gradient times a scalar, dense as Keras' clipping leaves it: one device's
+    ``clip_by_global_norm`` / ``_clip_by_norm`` multiply a ``tf.IndexedSlices``, which
+    TensorFlow converts to a dense tensor (its duplicate rows summed) before the update."""
+    g = tf.convert_to_tensor(g)
+    return g * ops.cast(factor, g.dtype)
+
+
+def _gradients(tape: Any, loss: Any, variables: list[Any]) -> list[Any]:
+    """d loss / d variables (zeros where the loss does not reach a variable)."""
+    gs = tape.gradient(loss, variables)
+    return [tf.zeros_like(v) if g is None else g for g, v in zip(gs, variables)]
+
+
 def _rows(structure: Any) -> Any:
     """The batch size of a (possibly nested) batch: its first tensor's leading dimension, an
     int where the traced shape knows it, else a scalar tensor."""
@@ -341,57 +393,3 @@ def _fixed_batch_message(run: Any) -> str:
 def _reduction(loss: Any) -> str:
     """The reduction of a compiled loss ("sum_over_batch_size" for names and functions)."""
     return getattr(loss, "reduction", None) or "sum_over_batch_size"
-
-
-def _reduced(grads: list[Any], variables: list[Any], group: Any, device: str) -> list[Any]:
-    """The sum over ``group`` of every gradient: dense ones in one packed all-reduce per
-    dtype; ``tf.IndexedSlices`` (an embedding's rows) all-gathered, so they stay sparse as
-    one device's are (Keras' Adam squares a sparse gradient's rows before summing
-    duplicates: densifying them would change its update)."""
-    out: list[Any] = list(grads)
-    by_dtype: dict[Any, list[int]] = {}
-    for i, g in enumerate(grads):
-        if isinstance(g, tf.IndexedSlices):
-            out[i] = _gathered_slices(g, group, device)
-        else:
-            by_dtype.setdefault(g.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0)
-        summed = member_all_reduce(flat, group, device, "dp")
-        sizes = [int(np.prod(variables[i].shape)) for i in indices]
-        for i, piece in zip(indices, tf.split(summed, sizes)):
-            out[i] = tf.reshape(piece, variables[i].shape)
-    return out
-
-
-def _gathered_slices(g: Any, group: Any, device: str) -> Any:
-    """Every member's rows of a sparse gradient, as one device's would be: all-gathered
-    (padded to the longest with zero rows at id 0: adding zeros changes no update) and
-    concatenated where each member looked up its own rows' ids (tokens); summed row by
-    row where every member looked up the same ids (a lookup that does not depend on the
-    rows, as positions: one device looks them up once)."""
-    from tfplan.apply.collective_ops import member_all_gather
-
-    n = group.size
-    rows = tf.shape(g.indices)[0]
-    counts = member_all_gather(tf.reshape(rows, [1]), group, device, "dp")
-    longest = tf.reduce_max(counts)
-    pad = longest - rows
-    values = tf.pad(g.values, [[0, pad]] + [[0, 0]] * (len(g.values.shape) - 1))
-    indices = tf.pad(g.indices, [[0, pad]])
-    values = member_all_gather(values, group, device, "dp")
-    indices = member_all_gather(indices, group, device, "dp")
-    per_member = tf.reshape(indices, [n, longest])
-    same = tf.logical_and(tf.reduce_all(tf.equal(counts, counts[0])),
-                          tf.reduce_all(tf.equal(per_member, per_member[:1])))
-    width = tf.shape(values)[1:]
-
-    def summed() -> tuple[Any, Any]:
-        stacked = tf.reshape(values, tf.concat([[n, longest], width], 0))
-        return tf.reduce_sum(stacked, axis=0), per_member[0]
-
-    def joined() -> tuple[Any, Any]:
-        return values, indices
-
-    values, indices = tf.cond(same, summed, joined)
-    return tf.IndexedSlices(values, indices, g.dense_shape)

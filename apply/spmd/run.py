@@ -26,7 +26,8 @@ class RunDescription:
     ``splits``: (layer path, split) of every tensor-parallel split, in the plan's order;
     ``row_fed``: the column splits whose output a row split reads sliced (Megatron's pair:
     no gather between them); ``num_microbatches``: each replica's micro-batches per step,
-    their gradients accumulated on the replica's devices before one reduction."""
+    their gradients accumulated on the replica's devices before one reduction (ZeRO-2: each
+    micro-batch's reduced at once, ``apply.spmd.zero``)."""
 
     plan_name: str
     replicas: tuple[tuple[str, ...], ...]
@@ -35,6 +36,9 @@ class RunDescription:
     row_fed: frozenset[str]
     num_microbatches: int
     global_batch: int
+    zero_stage: int = 0  # 1, 2: apply.spmd.zero (0 where dp = 1: nothing to shard over)
+    recompute: str = "none"  # "full": whole layers; "selective": their attention cores
+    recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
 
     @property
     def dp(self) -> int:
@@ -69,7 +73,8 @@ class RunDescription:
         return {"plan": self.plan_name, "replicas": [list(r) for r in self.replicas],
                 "groups": self.groups.to_dict(), "splits": [list(s) for s in self.splits],
                 "row_fed": sorted(self.row_fed), "num_microbatches": self.num_microbatches,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "zero_stage": self.zero_stage,
+                "recompute": self.recompute, "recomputed": list(self.recomputed)}
 
 
 def refusal(plan: Plan) -> str:
@@ -84,19 +89,18 @@ def refusal(plan: Plan) -> str:
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"
-    if s.zero_stage:
-        return "ZeRO"
+    if s.zero_stage > 2:
+        return "ZeRO-3"
     if s.offload != "none":
         return "offload"
     if s.sequence_parallel:
         return "sequence parallelism"
-    if s.recompute != "none":
-        return "recomputation"
     return ""
 
 
-def describe(plan: Plan) -> RunDescription:
-    """The run description of a one-stage plan (``refusal(plan) == ""``)."""
+def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
+    """The run description of a one-stage plan (``refusal(plan) == ""``); ``recomputed``:
+    the top-level layers it recomputes (``apply.recompute.recomputed_layers``)."""
     s = plan.strategy
     tp = max(1, s.tp)
     devices = plan.stages[0].devices
@@ -106,4 +110,7 @@ def describe(plan: Plan) -> RunDescription:
                         if split == "column" and after == "row")
     return RunDescription(plan_name=plan.name, replicas=replicas, groups=groups_of(plan),
                           splits=splits, row_fed=row_fed,
-                          num_microbatches=s.num_microbatches, global_batch=plan.global_batch)
+                          num_microbatches=s.num_microbatches, global_batch=plan.global_batch,
+                          zero_stage=s.zero_stage if len(replicas) > 1 else 0,
+                          recompute=s.recompute if recomputed else "none",
+                          recomputed=tuple(recomputed))

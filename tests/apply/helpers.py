@@ -57,10 +57,10 @@ def make_plan(model: Any, stage_devices: Sequence[Sequence[str]], *, global_batc
 
 
 def tp_plan(model: Any, stage_devices: Sequence[Sequence[str]], splits: Sequence[Any] = (), *,
-            dp: int = 1, zero: bool = False, num_microbatches: int = 1,
+            dp: int = 1, zero: bool | int = False, num_microbatches: int = 1,
             global_batch: int = 16, cluster_size: int = 8, name: str | None = None) -> Plan:
     """``make_plan`` with tensor parallelism: stage s lists dp x tp devices (tensor rank
-    innermost), ``splits`` the plan's ``tp_splits``; ``zero``: ZeRO-1 over the dp replicas."""
+    innermost), ``splits`` the plan's ``tp_splits``; ``zero``: the ZeRO stage over the dp replicas (True: 1)."""
     plan = make_plan(model, stage_devices, num_microbatches=num_microbatches,
                      global_batch=global_batch, cluster_size=cluster_size)
     tp = len(stage_devices[0]) // dp
@@ -68,7 +68,7 @@ def tp_plan(model: Any, stage_devices: Sequence[Sequence[str]], splits: Sequence
                                    microbatch_size=global_batch // (dp * num_microbatches))
     return dataclasses.replace(plan, strategy=strategy, tp_splits=tuple(splits),
                                name=name or f"test dp={dp} tp={tp} pp={len(stage_devices)}"
-                               + (" zero1" if zero else ""))
+                               + (f" zero{int(zero)}" if zero else ""))
 
 
 def cpus(*indices: int) -> list[str]:

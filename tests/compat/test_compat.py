@@ -724,3 +724,22 @@ def test_without_replica_sum_leaves_the_gradients_as_they_are_then_restores_it()
     with compat.without_replica_sum(optimizer):
         assert optimizer._all_reduce_sum_gradients(grads) is grads
     assert "_all_reduce_sum_gradients" not in vars(optimizer)
+
+
+def test_uses_weight_decay_follows_the_exclusions():
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.01)
+    kept = keras.Variable(np.ones(2, "float32"), name="kernel")
+    left = keras.Variable(np.ones(2, "float32"), name="bias")
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    optimizer.build([kept, left])
+    assert compat.uses_weight_decay(optimizer, kept)
+    assert not compat.uses_weight_decay(optimizer, left)
+
+
+def test_on_gradient_path_is_true_for_what_a_tape_records_only():
+    v = tf.Variable(1.0)
+    x = tf.constant(2.0)
+    with tf.GradientTape():
+        y = v * x
+        assert compat.on_gradient_path(y) and not compat.on_gradient_path(x)
+    assert not compat.on_gradient_path(y)  # no tape

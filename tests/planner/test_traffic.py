@@ -3,6 +3,7 @@ chain of Dense layers (tests.planner.test_search.chain_profile: 1000 params, 4-b
 gradients, 32 KiB activations per 8 samples), and carried in plan.json."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from tfplan.planner.plan import Plan, Strategy
@@ -80,3 +81,21 @@ def test_every_searched_plan_lists_its_devices_and_round_trips_in_plan_json():
         assert (totals["pp"] > 0) == (s.pp > 1), plan.name
         again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
         assert again.predicted.sent_bytes_per_device == plan.predicted.sent_bytes_per_device
+
+
+def test_zero_gathers_an_embeddings_rows_and_then_its_updated_weights():
+    # layer d0 an Embedding of 1000 float32 params (width 8): the profile batch's 32768
+    # output bytes are 8192 elements = 1024 tokens; rows 4 x 8192 + ids 4 x 1024 bytes,
+    # a quarter per replica (micro-batch 2 of 8); layer d1 dense, 4000 gradient bytes
+    p = chain_profile(n_layers=2, params=1000)
+    emb = dataclasses.replace(p.layers[0], type="Embedding", output_shape=(None, 4, 8))
+    p = dataclasses.replace(p, layers=(emb, p.layers[1]))
+    rows = 4 * 8192 + 4 * 1024
+    for stage in (0, 1, 2):
+        s = Strategy(dp=4, tp=1, pp=1, microbatch_size=2, num_microbatches=1, zero_stage=stage)
+        sent = dict(dict(sent_bytes_per_device(p, s, [(0, 2)], ("", ""), [DEV[:4]]))[DEV[0]])
+        dense = {0: 2 * 3 * 4000 // 4, 1: 3 * 4000 // 4, 2: 3 * 4000 // 4}[stage]
+        assert sent["dp"] == round(3 * rows / 4) + dense  # (R-1) x each replica's rows
+        # ZeRO-1/2: d1's shards (priced at G = P here) and the Embedding's, all-gathered
+        gathers = {0: 0, 1: 2 * (3 * 4000 // 4), 2: 2 * (3 * 4000 // 4)}
+        assert sent["zero"] == gathers[stage]

@@ -1,0 +1,234 @@
+"""ZeRO-1 and ZeRO-2 on the SPMD engine: each data-parallel rank keeps the optimizer state of
+1/dp of every weight (stage 1) and receives only that share of the summed gradients
+(stage 2 also for each micro-batch).
+
+Pipeline position: part of ``SpmdModel``'s step (``apply.spmd.model``) when the run
+description's ``zero_stage`` is 1 or 2 with dp > 1. ``ZeroShards`` is made once from the
+devices' copies; ``SpmdModel.compile`` builds the optimizer on its shards.
+
+How it works (ZeRO's stages 1 and 2, Rajbhandari et al., SC'20, Sec. 5.1-5.2, with
+per-parameter shards cut along the first axis as PyTorch's FSDP2 ``fully_shard`` cuts them):
+
+* **Shards.** A weight of shape [d0, ...] (a scalar counts as [1]) is padded to dp r
+  rows, r = ceil(d0 / dp); replica q's shard is rows [q r, (q+1) r), a variable on each of
+  that replica's devices (tensor rank t holds the shard of its own slice of a split
+  weight). The optimizer is built on the shards only: each device holds 1/dp of its
+  copy's optimizer state (``planner.pricing`` divides it by dp). The padding rows get zero
+  gradients and are never read back.
+* **Each step** a shard is first read from the device's own copy of the weight (a local
+  slice), so weight files, ``set_weights`` and the copies never disagree with it.
+* **Gradients.** A device's dense gradients of one dtype are packed as [dp, sum_i r_i w_i]
+  (weight i's padded rows, w_i elements each, cut into the dp shards) and reduce-scattered
+  over its data-parallel group, one collective per dtype (between CPUs the all-reduce
+  stand-in of ``apply.collective_ops``): replica q receives the sum of its shards. A sparse
+  gradient (``tf.IndexedSlices``: an Embedding's looked-up rows) is all-gathered as without
+  ZeRO and each replica keeps the rows inside its shard: the optimizer sees one device's
+  rows (Keras' Adam squares a sparse gradient's rows before summing duplicates), so the
+  update is one device's exactly. ZeRO-1 reduces the step's gradient once; ZeRO-2 with m
+  micro-batches reduces each micro-batch's gradient as soon as it exists and accumulates
+  only the shard (m reduce-scatters, as ``planner.traffic`` prices).
+* **Update.** One ``optimizer.apply_gradients`` over every device's (shard gradient, shard)
+  pairs: its update math runs beside each shard, and a ``LossScaleOptimizer``'s check for
+  non-finite gradients sees every shard of the model at once (all devices skip together).
+* **All-gather.** Each device packs its updated shards per dtype and all-gathers them over
+  its data-parallel group (kind ``zero``); every copy of a weight then holds the update.
+
+Elementwise optimizers only: the update of each element depends on that element's
+gradient and state alone (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
+Ftrl, Lion). Lamb's trust ratio, Adafactor's factored moments and Muon's orthogonalised
+update read a whole weight, which a shard is not: ``check_optimizer`` refuses them with
+the fix. ``AdamW``'s exclusions from weight decay follow each weight to its shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfplan import compat
+from tfplan.apply.collective_ops import member_all_gather, member_reduce_scatter
+from tfplan.apply.placement import inner_optimizer
+from tfplan.apply.spmd.reduction import gathered_slices
+from tfplan.core.errors import PlannerError
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+               "Ftrl", "Lion")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How one weight is cut into dp shards along its first axis (module docstring)."""
+
+    shape: tuple[int, ...]  # the weight's (in the device's copy)
+    dp: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def per_shard(self) -> int:
+        """r = ceil(d0 / dp): rows of each shard."""
+        return -(-self.rows // self.dp)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def width(self) -> int:
+        """Elements of one row."""
+        return int(np.prod(self.row_shape, dtype=np.int64))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.per_shard, *self.row_shape)
+
+    def padded(self, value: Any) -> Any:
+        """``value`` (the weight's shape) as [dp r, ...] with zero rows after its own."""
+        value = tf.reshape(value, (self.rows, *self.row_shape))
+        extra = self.dp * self.per_shard - self.rows
+        return value if extra == 0 else tf.pad(value, [[0, extra]] + [[0, 0]] * len(self.row_shape))
+
+    def shard_of(self, value: Any, q: int) -> Any:
+        """Replica q's rows of ``value`` (a local slice, padded)."""
+        r = self.per_shard
+        return self.padded(value)[q * r:(q + 1) * r]
+
+    def rows_of(self, g: Any, q: int) -> Any:
+        """The rows of a sparse gradient (``tf.IndexedSlices``) inside replica q's shard, as
+        the shard's own sparse gradient (ids relative to the shard)."""
+        lo = q * self.per_shard
+        ids = tf.cast(g.indices, tf.int64)
+        inside = tf.logical_and(ids >= lo, ids < lo + self.per_shard)
+        return tf.IndexedSlices(tf.boolean_mask(g.values, inside),
+                                tf.boolean_mask(ids, inside) - lo,
+                                tf.constant(self.shard_shape, tf.int64))
+
+
+def check_optimizer(optimizer: Any, plan_name: str) -> None:
+    """Refuse an optimizer whose update reads a whole weight (module docstring)."""
+    opt = inner_optimizer(optimizer)
+    name = type(opt).__name__
+    problem = ""
+    if name not in ELEMENTWISE or type(opt).__module__.split(".")[0] != "keras":
+        problem = f"{name} is not one of Keras' elementwise optimizers ({', '.join(ELEMENTWISE)})"
+    elif getattr(opt, "use_ema", False):
+        problem = "use_ema=True keeps a moving average of whole weights"
+    elif (getattr(opt, "gradient_accumulation_steps", None) or 1) > 1:
+        problem = "gradient_accumulation_steps accumulates whole gradients"
+    if problem:
+        raise PlannerError(
+            f"Plan {plan_name!r} shards the optimizer state (ZeRO) into rows of each weight "
+            f"on the SPMD engine, and {problem}. Received optimizer {name}; expected an "
+            "elementwise one. Fix: compile with one of those, or use a plan with zero_stage=0 "
+            "(tfplan plan ... --fix zero=0), or pass apply.wrap the built model (the older "
+            "engine keeps whole weights per replica).")
+
+
+class ZeroShards:
+    """Every device's shards of its copy's trainable weights (module docstring)."""
+
+    def __init__(self, copies: Any, stage: int) -> None:
+        run = copies.run
+        self.run, self.stage = run, stage
+        self.weights = [[list(model.trainable_variables) for model in row]
+                        for row in copies.models]
+        self.cuts = [[[Cut(tuple(int(d) for d in v.shape), run.dp) for v in vs] for vs in row]
+                     for row in self.weights]
+        self.shards = []
+        for q, row in enumerate(self.weights):
+            shard_row = []
+            for t, vs in enumerate(row):
+                with tf.init_scope(), tf.device(run.replicas[q][t]):
+                    shard_row.append([
+                        keras.Variable(np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,
+                                       name=f"zero{stage}_shard_q{q}_t{t}_{i}")
+                        for i, (v, cut) in enumerate(zip(vs, self.cuts[q][t]))])
+            self.shards.append(shard_row)
+
+    @property
+    def variables(self) -> list[Any]:
+        """Every device's shards: what the optimizer is built on."""
+        return [s for row in self.shards for shards in row for s in shards]
+
+    def exclude_like_weights(self, optimizer: Any) -> None:
+        """A weight AdamW leaves out of weight decay leaves its shards out too."""
+        opt = inner_optimizer(optimizer)
+        if not getattr(opt, "weight_decay", None):
+            return
+        excluded = [s for row_w, row_s in zip(self.weights, self.shards)
+                    for vs, ss in zip(row_w, row_s)
+                    for v, s in zip(vs, ss) if not compat.uses_weight_decay(opt, v)]
+        if excluded:
+            opt.exclude_from_weight_decay(var_list=excluded)
+
+    # ------------------------------------------------------------------ step
+    def load(self, q: int, t: int) -> None:
+        """Device (q, t)'s shards read from its copy's weights (a local slice)."""
+        for v, s, cut in zip(self.weights[q][t], self.shards[q][t], self.cuts[q][t]):
+            s.assign(cut.shard_of(v.value, q))
+
+    def reduce(self, per_part: Sequence[Sequence[Any]], q: int, t: int) -> list[Any]:
+        """Device (q, t)'s shard of the gradient summed over its data-parallel group:
+        ``per_part`` holds one gradient list per reduction (one for ZeRO-1; each
+        micro-batch's for ZeRO-2), each reduced on its own and the shards accumulated."""
+        out: list[Any] = []
+        for grads in per_part:
+            out = _accumulated(out, self._reduced(grads, q, t))
+        return out
+
+    def _reduced(self, grads: Sequence[Any], q: int, t: int) -> list[Any]:
+        run, device = self.run, self.run.replicas[q][t]
+        group = run.dp_group(t)
+        cuts = self.cuts[q][t]
+        out: list[Any] = [None] * len(grads)
+        by_dtype: dict[Any, list[int]] = {}
+        for i, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = cuts[i].rows_of(gathered_slices(g, group, device), q)
+            else:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for indices in by_dtype.values():
+            packed = tf.concat([tf.reshape(cuts[i].padded(grads[i]), (run.dp, -1))
+                                for i in indices], axis=1)
+            mine = member_reduce_scatter(tf.reshape(packed, [-1]), group, device, "dp")
+            sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
+            for i, piece in zip(indices, tf.split(mine, sizes)):
+                out[i] = tf.reshape(piece, cuts[i].shard_shape)
+        return out
+
+    def gather(self, q: int, t: int) -> None:
+        """Device (q, t)'s updated shards all-gathered over its data-parallel group into
+        its copy's weights (kind ``zero``)."""
+        run, device = self.run, self.run.replicas[q][t]
+        weights, shards, cuts = self.weights[q][t], self.shards[q][t], self.cuts[q][t]
+        by_dtype: dict[Any, list[int]] = {}
+        for i, s in enumerate(shards):
+            by_dtype.setdefault(s.dtype, []).append(i)
+        for indices in by_dtype.values():
+            packed = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], axis=0)
+            whole = tf.reshape(member_all_gather(packed, run.dp_group(t), device, "zero"),
+                               (run.dp, -1))
+            sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
+            for i, piece in zip(indices, tf.split(whole, sizes, axis=1)):
+                cut = cuts[i]
+                rows = tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape))
+                weights[i].assign(tf.reshape(rows[:cut.rows], cut.shape))
+
+
+def _accumulated(total: list[Any], more: list[Any]) -> list[Any]:
+    """Shard gradients summed; sparse ones joined (their rows, as one device's would be)."""
+    if not total:
+        return list(more)
+    out = []
+    for a, b in zip(total, more):
+        if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                        tf.concat([a.indices, b.indices], 0), a.dense_shape))
+        else:
+            out.append(tf.convert_to_tensor(a) + tf.convert_to_tensor(b))
+    return out
