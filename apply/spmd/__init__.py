@@ -26,7 +26,7 @@ def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
     ``template`` (the model built first, on the host), which also serves weight files.
     ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``)."""
     run = describe(plan, recomputed)
-    return SpmdModel(build_copies(builder, run, template.get_weights()), template, plan,
+    return SpmdModel(build_copies(builder, run, template), template, plan,
                      name=name)
 
 

@@ -1,7 +1,7 @@
 """Each device's copy of the model: built on the device, split layers swapped for rank twins.
 
 Pipeline position: after ``apply.spmd.run.describe``; ``build_copies(builder, run,
-reference)`` gives the ``Copies`` the SPMD model trains (``apply.spmd.model``). The
+template)`` gives the ``Copies`` the SPMD model trains (``apply.spmd.model``). The
 ``builder`` (the user's ``build_model`` function) is called once per device under
 ``tf.device`` of that device, so every variable is created where it lives and the
 user's layers are never re-created (custom layers without ``get_config`` train).
@@ -67,32 +67,74 @@ class Copies:
                                np.split(full, len(replica), axis=axis)[t])
 
 
-def build_copies(builder: Any, run: RunDescription, reference: Sequence[np.ndarray]
-                 ) -> Copies:
-    """Every device's copy of ``builder()`` (module docstring), each holding ``reference``
-    (the user's model's weights, unsplit)."""
+def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
+    """Every device's copy of ``builder()`` (module docstring), each holding the weights of
+    ``template`` (the user's model built first, on the host: the plan's layer names are
+    its names)."""
+    reference = template.get_weights()
+    paths = [path for path, _ in profiled_layer_paths(template)]
     models: list[list[Any]] = []
     for q, replica in enumerate(run.replicas):
         row = []
         for device in replica:
             with tf.device(device):
                 model = builder()
-            row.append(_recomputing(_swap_splits(model, run, run.tp_group(q), device), run))
+            layers = _layers_by_template_path(model, paths, run)
+            model = _swap_splits(model, layers, run, run.tp_group(q), device)
+            _recompute(model, layers, run)
+            row.append(model)
         models.append(row)
     copies = Copies(models, _axes(models[0][0], reference, run.tp), run)
     copies.set_weights(reference)
     return copies
 
 
-def _swap_splits(model: Any, run: RunDescription, group: Any, device: str) -> Any:
-    """``model`` with each split layer replaced by its rank's twin (module docstring)."""
+def _layers_by_template_path(model: Any, paths: Sequence[str], run: RunDescription
+                             ) -> dict[str, tuple[str, Any]]:
+    """{the template's layer path: (this copy's path, layer)}. The builder makes the same
+    structure each time, but Keras names a layer built without a name by a counter
+    (``transformer_encoder``, then ``transformer_encoder_1``, ...), so a copy's layers are
+    matched to the plan's names by position, not by name."""
+    own = profiled_layer_paths(model)
+    if len(own) != len(paths):
+        raise PlannerError(
+            f"Plan {run.plan_name!r}: a call of the model's builder made {len(own)} layers "
+            f"and the first {len(paths)}; the builder must make the same model every time "
+            "(build the same layers; no structure that depends on a counter or on state).")
+    return {path: entry for path, entry in zip(paths, own)}
+
+
+def _recompute(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription) -> None:
+    """The run's recomputed layers under ``tf.recompute_grad`` in the copy ``model``
+    (``apply.recompute.recompute_call``): under "full" each such top-level layer's call,
+    on this instance; under "selective" the attention cores inside them. A split layer's
+    twin is recomputed with its collectives (the forward's all-reduce runs again in the
+    backward, as ``planner.traffic`` prices full recomputation)."""
+    for name in run.recomputed:  # top-level layers: a split one is its twin by now
+        layer = model.get_layer(layers[name][0])
+        if run.recompute == "selective":
+            for attention in attention_layers(layer):
+                if not compat.attention_core_is_wrapped(attention):
+                    compat.wrap_attention_core(attention, _recompute_on_tape)
+        else:
+            layer.call = _recompute_on_tape(layer.call)
+
+
+def _recompute_on_tape(fn: Any) -> Any:
+    return recompute_call(fn, tape_only=True)  # SpmdModel differentiates with a tape
+
+
+def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
+                 group: Any, device: str) -> Any:
+    """``model`` with each split layer replaced by its rank's twin (module docstring);
+    ``layers``: ``_layers_by_template_path``'s."""
     if not run.splits:
         return model
-    entries = dict(profiled_layer_paths(model))
+    entries = dict(layers.values())
     graph = is_graph_model(model)
-    top: dict[str, Any] = {}
+    top: dict[int, Any] = {}
     for name, split in run.splits:
-        layer = entries.get(name)
+        own, layer = layers.get(name, (name, None))
         if layer is None:
             raise PlannerError(f"Plan {run.plan_name!r} splits layer {name!r}, which the "
                                "model does not have. Re-plan for this model.")
@@ -107,33 +149,12 @@ def _swap_splits(model: Any, run: RunDescription, group: Any, device: str) -> An
             twin = rank_twin(layer, rank)
             with scopes_of(layer):
                 twin.build(**compat.build_arguments(layer))
-        if SEPARATOR not in name and graph:
+        if SEPARATOR not in own and graph:
             top[id(layer)] = twin
             continue
-        parent = _parent(model, name, entries)
+        parent = _parent(model, own, entries)
         swap_in(parent, layer, twin)
     return _rewire(model, top, device) if top else model
-
-
-def _recomputing(model: Any, run: RunDescription) -> Any:
-    """``model`` with the run's recomputed layers under ``tf.recompute_grad``
-    (``apply.recompute.recompute_call``): under "full" each such top-level layer's call,
-    on this instance; under "selective" the attention cores inside them. A split layer's
-    twin is recomputed with its collectives (the forward's all-reduce runs again in the
-    backward, as ``planner.traffic`` prices full recomputation)."""
-    for name in run.recomputed:
-        layer = model.get_layer(name)
-        if run.recompute == "selective":
-            for attention in attention_layers(layer):
-                if not compat.attention_core_is_wrapped(attention):
-                    compat.wrap_attention_core(attention, _recompute_on_tape)
-        else:
-            layer.call = _recompute_on_tape(layer.call)
-    return model
-
-
-def _recompute_on_tape(fn: Any) -> Any:
-    return recompute_call(fn, tape_only=True)  # SpmdModel differentiates with a tape
 
 
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:

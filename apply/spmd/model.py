@@ -151,13 +151,6 @@ class SpmdModel(keras.Model):
         rows = ops.cast(_rows(x), "float32")
         mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
         count = rows
-        if mask is not None and self._copies.run.tp > 1:
-            raise PlannerError(
-                f"Plan {self._copies.run.plan_name!r}: the model's output carries a Keras "
-                "mask (padding), and under tensor parallelism the SPMD engine does not yet "
-                "train such a model exactly like one device (issue 25, in progress). Pass "
-                "apply.wrap the built model instead of its builder (the older engine), or "
-                "use a plan with tp=1.")
         if mask is not None and _reduction(self.loss) in ("sum_over_batch_size", "mean"):
             count = ops.sum(ops.cast(mask, "float32"))
         return {"y_pred": y_pred, "loss": loss, "aux": ops.sum(aux) if aux else None,

@@ -240,6 +240,8 @@ class RankMultiHeadAttention(_RankTwin, keras.layers.MultiHeadAttention):
         query_mask = compat.get_keras_mask(query)  # as MultiHeadAttention.call reads them
         value_mask = compat.get_keras_mask(value) if value_mask is None else value_mask
         key_mask = compat.get_keras_mask(key) if key_mask is None else key_mask
+        for x in (query, value, key):  # and clears them, so a residual `x + attention(x)`
+            compat.set_keras_mask(x, None)  # of Add layers drops the mask as on one device
         attention_mask = compat.attention_mask(
             self, query, value, query_mask=query_mask, value_mask=value_mask,
             key_mask=key_mask, attention_mask=attention_mask, use_causal_mask=use_causal_mask)
