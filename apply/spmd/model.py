@@ -6,7 +6,9 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
 
 * **Rows.** The global batch is cut on the host into P = dp x m parts of nearly equal
   rows (replica q's micro-batch k is part q m + k, rows [i n / P, (i+1) n / P)); each
-  part goes from the host to its replica's devices only. Any batch size works.
+  part goes from the host to its replica's devices only. Any batch size works; under
+  tensor parallelism (collectives of fixed shapes) a batch smaller than the plan's is
+  padded to it with zero rows that weigh 0 in the loss and the metrics.
 * **Forward and loss.** Every device (replica q, tensor rank t) runs its copy on its
   replica's parts and computes the compiled loss of its own rows (Keras masks and sample
   weights applied as one device applies them) plus its copy's ``add_loss`` terms. Tensor
@@ -106,21 +108,25 @@ class SpmdModel(keras.Model):
         build_optimizer_on_devices(self.optimizer, self._zero.variables)
 
     # ---------------------------------------------------------------- rows
-    def _parts(self, data: Any) -> list[Any]:
-        """The batch cut on the host into dp x m parts (module docstring)."""
+    def _parts(self, data: Any) -> tuple[list[Any], list[Any]]:
+        """The batch cut on the host into dp x m parts (module docstring), and each part's
+        row flags (1 real, 0 padding; None where nothing is padded). Under tensor
+        parallelism a batch smaller than the plan's is padded to it (``_padded``)."""
         run = self._copies.run
         n_parts = run.parts
         with tf.device(HOST), tf.name_scope("tfplan_input"):
             n = _rows(data)  # static where known: every part's shape is then known
-            if run.tp > 1 and isinstance(n, int):  # see _fixed_batch
-                if n != run.global_batch:
-                    raise PlannerError(_fixed_batch_message(run))
-            elif run.tp > 1:
-                n = _fixed_batch(n, run)
+            valid = None
+            if run.tp > 1 and not (isinstance(n, int) and n == run.global_batch):
+                data, valid = _padded(data, n, run)
+                n = run.global_batch
             bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
-            return [tf.nest.map_structure(
+            parts = [tf.nest.map_structure(
                 lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
                 for lo, hi in zip(bounds, bounds[1:])]
+            flags = [None if valid is None else valid[lo:hi]
+                     for lo, hi in zip(bounds, bounds[1:])]
+            return parts, flags
 
     # ---------------------------------------------------------------- forward
     def _forward(self, data: Any, training: bool) -> list[list[dict[str, Any]]]:
@@ -128,7 +134,7 @@ class SpmdModel(keras.Model):
         (one per micro-batch: y_pred, loss, aux, count, y, sample_weight)."""
         run = self._copies.run
         m = run.num_microbatches
-        parts = self._parts(data)
+        parts, flags = self._parts(data)
         out: list[list[Any]] = []
         for q, replica in enumerate(self._copies.models):
             row = []
@@ -139,27 +145,42 @@ class SpmdModel(keras.Model):
                     for k in range(m):
                         x, y, sw = keras.utils.unpack_x_y_sample_weight(parts[q * m + k])
                         y_pred = model(x, training=training)
-                        results.append(self._loss_terms(model, x, y, y_pred, sw, training))
+                        results.append(self._loss_terms(model, x, y, y_pred, sw,
+                                                        flags[q * m + k]))
                 row.append(results)
             out.append(row)
         return out
 
-    def _loss_terms(self, model: Any, x: Any, y: Any, y_pred: Any, sw: Any, training: bool
+    def _loss_terms(self, model: Any, x: Any, y: Any, y_pred: Any, sw: Any, valid: Any
                     ) -> dict[str, Any]:
+        """One part's loss terms. ``counts``: what its loss divides by (its rows, or with
+        a Keras mask its unmasked entries); ``reals``: the same over its real rows (less
+        where ``valid`` flags padding rows, which weigh 0 in the loss and the metrics)."""
+        mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
+        # Keras' compiled metrics take no weights (only weighted_metrics do): they see the
+        # real rows alone
+        metric_args = (y, y_pred, sw) if valid is None else _real_rows(valid, (y, y_pred, sw))
+        if valid is not None:
+            sw = _flagged(valid, sw, mask)
         loss = compat.compiled_loss(self, y, y_pred, sw) if y is not None else None
         aux = [compat.added_loss(self, v) for v in model.losses]
+        if aux and valid is not None:
+            aux = [_without_padding(a, valid, self._copies.run) for a in aux]
         rows = ops.cast(_rows(x), "float32")
-        mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
-        count = rows
+        real_rows = rows if valid is None else ops.sum(valid)
+        count, real = rows, real_rows
         if mask is not None and _reduction(self.loss) in ("sum_over_batch_size", "mean"):
-            count = ops.sum(ops.cast(mask, "float32"))
+            mask = ops.cast(mask, "float32")
+            count = ops.sum(mask)
+            real = count if valid is None else ops.sum(mask * _along_rows(valid, mask))
         return {"y_pred": y_pred, "loss": loss, "aux": ops.sum(aux) if aux else None,
-                "counts": ops.stack([count, rows]), "y": y, "sample_weight": sw}
+                "counts": ops.stack([count, rows]), "reals": ops.stack([real, real_rows]),
+                "metric_args": metric_args}
 
     def _weights_of_parts(self, results: list[list[Any]]) -> list[list[list[Any]]]:
         """(c_i of the loss, c_i of the added losses) of every part, on each device (module
-        docstring): counts summed over the replica's parts, then over the data-parallel
-        group (one all-reduce of two numbers)."""
+        docstring): each part's counts over the real counts summed over the replica's parts,
+        then over the data-parallel group (one all-reduce of two numbers)."""
         run = self._copies.run
         out = []
         for q, row in enumerate(results):
@@ -167,7 +188,7 @@ class SpmdModel(keras.Model):
             for t, parts in enumerate(row):
                 device = run.replicas[q][t]
                 with tf.device(device):
-                    own = ops.sum(ops.stack([p["counts"] for p in parts]), axis=0)
+                    own = ops.sum(ops.stack([p["reals"] for p in parts]), axis=0)
                     total = own if run.dp == 1 else member_all_reduce(
                         own, run.dp_group(t), device, "dp")
                     out_row.append([ops.divide_no_nan(p["counts"] * run.parts, total)
@@ -200,8 +221,8 @@ class SpmdModel(keras.Model):
                     compat.loss_tracker(self).update_state(self._part_loss(p, c),
                                                           sample_weight=share)
                     metrics = compat.compiled_metrics(self)
-                    if metrics is not None and p["y"] is not None:
-                        metrics.update_state(p["y"], p["y_pred"], p["sample_weight"])
+                    if metrics is not None and p["metric_args"][0] is not None:
+                        metrics.update_state(*p["metric_args"])
 
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> Any:
@@ -263,8 +284,9 @@ class SpmdModel(keras.Model):
         with instance_scope():
             results = self._forward((inputs,), training=bool(training))
         outs = [p["y_pred"] for row in results for p in row[0]]
+        n = _rows(inputs)  # a padded batch's outputs cut back to its rows
         with tf.device(HOST):
-            return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0), *outs)
+            return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0)[:n], *outs)
 
     # ---------------------------------------------------------------- clipping
     def _clipped(self, grads: list[list[Any]], variables: list[list[Any]]) -> list[list[Any]]:
@@ -364,23 +386,83 @@ def _rows(structure: Any) -> Any:
     return tf.shape(first)[0] if static is None else static
 
 
-def _fixed_batch(n: Any, run: Any) -> Any:
-    """``n`` once checked to be the plan's global batch. Under tensor parallelism the
-    ranks all-reduce activations whose shape follows the batch, and TensorFlow's collective
-    runtime keeps the first shape it saw for each instance of a traced step: a batch of
-    another size would fail there with a shape mismatch that aborts every collective of the
-    process. So the step refuses it first, with the fix."""
-    check = tf.debugging.assert_equal(n, tf.constant(run.global_batch, n.dtype),
-                                      message=_fixed_batch_message(run))
-    with tf.control_dependencies([check]):
-        return tf.identity(n)
+def _padded(data: Any, n: Any, run: Any) -> tuple[Any, Any]:
+    """``data`` (n rows, n <= the plan's global batch B) padded with zero rows to B rows, and
+    the row flags (1 real, 0 padding). Under tensor parallelism the ranks all-reduce
+    activations whose shape follows the batch, and TensorFlow's collective runtime keeps
+    the first shape it saw for each instance of a traced step: every step's collectives
+    must have the same shapes, so a smaller batch (a dataset's last) runs as a full one
+    whose padding rows weigh 0. A larger batch is refused first, with the fix."""
+    b = run.global_batch
+    if isinstance(n, int):
+        if n > b:
+            raise PlannerError(_batch_message(run, n))
+    else:
+        check = tf.debugging.assert_less_equal(n, tf.constant(b, n.dtype),
+                                               message=_batch_message(run, None))
+        with tf.control_dependencies([check]):
+            n = tf.identity(n)
+
+    def pad(t: Any) -> Any:
+        if t is None:
+            return None
+        rows = tf.pad(t, [[0, b - n]] + [[0, 0]] * (len(t.shape) - 1))
+        return tf.ensure_shape(rows, [b, *t.shape[1:]])
+
+    valid = tf.cast(tf.range(b) < n, "float32")
+    return tf.nest.map_structure(pad, data), valid
 
 
-def _fixed_batch_message(run: Any) -> str:
+def _batch_message(run: Any, n: int | None) -> str:
+    received = f"received {n} rows" if n is not None else "received a larger batch"
     return (f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which takes "
-            f"batches of exactly the plan's global batch ({run.global_batch} rows) for now. "
-            "Batch the data with drop_remainder=True (or pass "
-            f"batch_size={run.global_batch}) and the same size to evaluate/predict.")
+            f"batches of at most the plan's global batch ({run.global_batch} rows; smaller "
+            f"ones are padded); {received}. Batch the data by {run.global_batch} "
+            f"(batch_size={run.global_batch}) for fit, evaluate and predict.")
+
+
+def _along_rows(valid: Any, like: Any) -> Any:
+    """The row flags shaped to multiply ``like`` (rows first, any further axes)."""
+    return ops.reshape(valid, (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def _flagged(valid: Any, sw: Any, mask: Any) -> Any:
+    """The sample weights with padding rows at 0 (the flags alone where none were given,
+    shaped as the output's Keras mask where it has one: Keras multiplies the two)."""
+    if sw is None:
+        return valid if mask is None else _along_rows(valid, mask)
+    sw = ops.cast(sw, "float32")
+    return sw * _along_rows(valid, sw)
+
+
+def _real_rows(valid: Any, structure: Any) -> Any:
+    """Every tensor of ``structure`` without its padding rows (a Keras mask kept along)."""
+    keep = valid > 0.5
+
+    def cut(t: Any) -> Any:
+        if t is None:
+            return None
+        out = tf.boolean_mask(t, keep)
+        mask = compat.get_keras_mask(t)
+        if mask is not None:
+            compat.set_keras_mask(out, tf.boolean_mask(mask, keep))
+        return out
+
+    return tf.nest.map_structure(cut, structure)
+
+
+def _without_padding(term: Any, valid: Any, run: Any) -> Any:
+    """An ``add_loss`` term of a part; refused where the part holds padding rows (it is
+    computed over every row of the part, so the padding would change it)."""
+    check = tf.debugging.assert_equal(
+        ops.sum(1.0 - valid), 0.0,
+        message=(f"Plan {run.plan_name!r}: the model adds losses (add_loss, activity "
+                 "regularizers) over its rows, and this batch is smaller than the plan's "
+                 f"global batch ({run.global_batch}); under tensor parallelism it is padded "
+                 "and the padding rows would change those terms. Batch the data with "
+                 "drop_remainder=True."))
+    with tf.control_dependencies([check]):
+        return tf.identity(term)
 
 
 def _reduction(loss: Any) -> str:
