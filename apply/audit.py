@@ -97,6 +97,31 @@ class Audit:
                                "what": t.what, "tensor": t.tensor} for t in self.transfers]}
 
 
+def compare(audit: Audit, priced: Any, devices: Any, tolerance: float = 0.10) -> dict:
+    """The audit against a plan's priced bytes (``Prediction.sent_bytes_per_device`` or
+    ``planner.traffic.plan_sent_bytes``), device by device, the input feeding left out:
+    each device's measured and priced bytes by kind, their ratio, whether it is within
+    ``tolerance``, and the busiest device's bytes over the mean (the issue's bar: within
+    10%, at most 1.25). A JSON-ready dict (``plan audit --json``)."""
+    measured = audit.by_device()
+    prices = {d: dict(kinds) for d, kinds in priced}
+    rows, totals = {}, []
+    for d in devices:
+        got = {k: v for k, v in measured.get(d, {}).items() if v and k != "input"}
+        want = {k: v for k, v in prices.get(d, {}).items() if v}
+        sent, price = sum(got.values()), sum(want.values())
+        ratio = sent / price if price else (1.0 if not sent else float("inf"))
+        rows[d] = {"measured": got, "priced": want, "measured_bytes": sent,
+                   "priced_bytes": price, "ratio": round(ratio, 4),
+                   "within": abs(ratio - 1.0) <= tolerance}
+        totals.append(sent)
+    mean = sum(totals) / len(totals) if totals else 0.0
+    busiest = max(totals) / mean if mean else 1.0
+    return {"devices": rows, "busiest_over_mean": round(busiest, 3),
+            "within_tolerance": all(r["within"] for r in rows.values()) and busiest <= 1.25,
+            "tolerance": tolerance, "unsized": list(audit.unsized)}
+
+
 def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
                plan: Plan | None = None) -> Audit:
     """Run one training step of the compiled ``model`` on (``x``, ``y``, ``sample_weight``)

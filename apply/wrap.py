@@ -220,15 +220,32 @@ def _built(builder: Any) -> Any:
 
 def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
+    import keras
+
     from tfplan.apply.mode import Processes
     from tfplan.apply.spmd import refusal
+    from tfplan.apply.spmd.batch_norm import is_batch_norm
+    from tfplan.profiler.signature import profiled_layer_paths
 
     if mode.processes is not Processes.ONE_HOST:
         return "devices on several workers"
     if mode.mode not in (Mode.SINGLE_DEVICE, Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL):
         return f"the {mode.mode.value} mode"
-    if plan.strategy.dp > 1 and batch_norm_layers(view):
-        return "BatchNormalization statistics over the data-parallel replicas"
+    s = plan.strategy
+    norms = [(path, layer) for path, layer in profiled_layer_paths(view)
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    if norms and s.num_microbatches > 1:
+        return "BatchNormalization statistics over micro-batches"
+    if norms and s.dp > 1:
+        if s.batch_norm != "global":
+            return f"{s.batch_norm} BatchNormalization statistics"
+        if any(not is_batch_norm(layer) or getattr(layer, "renorm", False)
+               for _, layer in norms):
+            return "a BatchNormalization subclass or renorm"
+        nested = {path.rsplit("/", 1)[0] for path, _ in norms if "/" in path}
+        entries = dict(profiled_layer_paths(view))
+        if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
+            return "BatchNormalization inside a nested model"
     return refusal(plan)
 
 

@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_clusters)
     _add_launch_parser(sub)
     _add_report_parser(sub)
+    _add_audit_parser(sub)
     return parser
 
 
@@ -189,6 +190,74 @@ def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     if html_path:
         ui.note(f"Wrote {html_path}")
     return 0
+
+
+def _add_audit_parser(sub: Any) -> None:
+    au = sub.add_parser(
+        "audit", help="measure what each device sends in one step of a plan, vs priced",
+        description="Wrap MODEL's builder with PLAN (apply.wrap), run one training step on "
+                    "the model file's sample_batch(global batch) on this host's devices "
+                    "(logical CPUs stand in for a plan's CPU devices), and print the bytes "
+                    "each device sent by kind (apply.audit: copies at their size, "
+                    "collectives at their ring volume) beside the plan's priced bytes "
+                    "(planner.traffic). Exit 1 when a device is outside --tolerance or the "
+                    "busiest sends more than 1.25x the mean.")
+    au.add_argument("model", metavar="MODEL", help="a .py file defining build_model(), loss, "
+                    "optimizer and sample_batch(batch_size)")
+    au.add_argument("--plan", required=True, metavar="PLAN_JSON",
+                    help="the plan (plan analyze --out DIR writes DIR/plan.json)")
+    au.add_argument("--tolerance", type=float, default=0.10,
+                    help="relative difference allowed per device (default 0.10)")
+    au.add_argument("--json", action="store_true", help="print one JSON object")
+    au.set_defaults(func=cmd_audit)
+
+
+def cmd_audit(args: argparse.Namespace, ui: "UI") -> int:
+    from tfplan.planner.plan import load_plan
+    from tfplan.profiler.loader import ModelLoadError, load_model_source
+
+    plan = load_plan(args.plan)
+    source = load_model_source(args.model)
+    if source.sample_batch is None or source.loss is None:
+        raise ModelLoadError(f"plan audit runs a training step of {args.model}, which needs "
+                             "loss and sample_batch(batch_size) in the model file; add them "
+                             "(examples/mlp.py shows both).")
+    with ui.status(f"Wrapping {source.name} with plan {plan.name!r} and auditing one step"):
+        doc = _audit(source, plan, args.tolerance)
+    if args.json:
+        ui.print_json(doc)
+        return 0 if doc["within_tolerance"] else 1
+    rows = [(d, f"{r['measured_bytes']:,}", f"{r['priced_bytes']:,}", f"{r['ratio']:.3f}",
+             " ".join(f"{k} {v:,}" for k, v in r["measured"].items()) or "-")
+            for d, r in doc["devices"].items()]
+    ui.table(f"Plan {plan.name!r} on {doc['engine']}: bytes sent per device in one step "
+             "(input feeding left out)", ("device", "measured", "priced", "ratio", "by kind"),
+             rows, left_columns=1)
+    verdict = "within" if doc["within_tolerance"] else "OUTSIDE"
+    ui.note(f"busiest / mean {doc['busiest_over_mean']:.2f}; {verdict} the bar "
+            f"(every device within {args.tolerance:.0%} of priced, busiest <= 1.25x mean)"
+            + (f"; {len(doc['unsized'])} copies of unknown size not counted"
+               if doc["unsized"] else ""))
+    return 0 if doc["within_tolerance"] else 1
+
+
+def _audit(source: Any, plan: Any, tolerance: float) -> dict:
+    from tfplan import apply
+    from tfplan.apply.audit import audit_step, compare
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    wrapped = apply.wrap(source.build_model, plan)
+    optimizer = source.optimizer or "adam"
+    if not isinstance(optimizer, str):
+        optimizer = type(optimizer).from_config(optimizer.get_config())  # a fresh one
+    wrapped.compile(optimizer=optimizer, loss=source.loss)
+    x, y = source.sample_batch(plan.global_batch)[:2]
+    audit = audit_step(wrapped, x, y, plan=wrapped.plan)
+    priced = plan_sent_bytes(profile_model(source.build_model(), batch_size=plan.global_batch),
+                             wrapped.plan)
+    doc = compare(audit, priced, wrapped.plan.devices, tolerance)
+    return {"plan": plan.name, "engine": type(wrapped).__name__, **doc}
 
 
 def _add_launch_parser(sub: Any) -> None:

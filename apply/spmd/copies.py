@@ -15,8 +15,10 @@ kept as they are), a block's sub-layer in place (``apply.blocks.swap_in``).
 unsplit and in its order: weight j of the user's model is weight j of every copy, cut
 along the twin's ``rank_axes`` where a twin holds it. The layers the plan recomputes run
 under ``tf.recompute_grad`` in every copy (whole, or their attention cores under
-"selective": ``apply.recompute``). Every copy starts from the same unsplit weights
-(``reference``: the model ``apply.wrap`` built first, on the host), so the replicas agree.
+"selective": ``apply.recompute``), and under data parallelism its BatchNormalization
+layers sum their statistics over the data-parallel group (``apply.spmd.batch_norm``).
+Every copy starts from the same unsplit weights (``reference``: the model ``apply.wrap``
+built first, on the host), so the replicas agree.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tfplan.apply.blocks import swap_in
 from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
 from tfplan.apply.recompute import attention_layers, recompute_call
+from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.core.errors import PlannerError
@@ -128,11 +131,19 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
                  group: Any, device: str) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring);
     ``layers``: ``_layers_by_template_path``'s."""
-    if not run.splits:
+    twins = _batch_norm_twins(layers, run, _bn_group(run, device), device)
+    if not run.splits and not twins:
         return model
     entries = dict(layers.values())
     graph = is_graph_model(model)
     top: dict[int, Any] = {}
+    for own, layer, twin in twins:
+        with tf.device(device), scopes_of(layer):
+            twin.build(**compat.build_arguments(layer))
+        if SEPARATOR not in own and graph:
+            top[id(layer)] = twin
+        else:
+            swap_in(_parent(model, own, entries), layer, twin)
     for name, split in run.splits:
         own, layer = layers.get(name, (name, None))
         if layer is None:
@@ -155,6 +166,23 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
         parent = _parent(model, own, entries)
         swap_in(parent, layer, twin)
     return _rewire(model, top, device) if top else model
+
+
+def _bn_group(run: RunDescription, device: str) -> Any:
+    """The data-parallel group whose statistics ``device``'s BatchNormalization layers sum:
+    its tensor rank's (every replica's rows)."""
+    t = next(r.index(device) for r in run.replicas if device in r)
+    return run.dp_group(t)
+
+
+def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription, group: Any,
+                      device: str) -> list[tuple[str, Any, Any]]:
+    """(this copy's path, layer, twin) of every BatchNormalization layer whose statistics
+    are summed over the data-parallel group (``apply.spmd.batch_norm``; dp > 1)."""
+    if run.dp == 1:
+        return []
+    return [(own, layer, group_batch_norm(layer, group, device))
+            for own, layer in layers.values() if is_batch_norm(layer)]
 
 
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:

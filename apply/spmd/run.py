@@ -39,6 +39,7 @@ class RunDescription:
     zero_stage: int = 0  # 1, 2: apply.spmd.zero (0 where dp = 1: nothing to shard over)
     recompute: str = "none"  # "full": whole layers; "selective": their attention cores
     recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
+    batch_norm: str = "global"  # statistics over the dp group (apply.spmd.batch_norm)
 
     @property
     def dp(self) -> int:
@@ -74,7 +75,8 @@ class RunDescription:
                 "groups": self.groups.to_dict(), "splits": [list(s) for s in self.splits],
                 "row_fed": sorted(self.row_fed), "num_microbatches": self.num_microbatches,
                 "global_batch": self.global_batch, "zero_stage": self.zero_stage,
-                "recompute": self.recompute, "recomputed": list(self.recomputed)}
+                "recompute": self.recompute, "recomputed": list(self.recomputed),
+                "batch_norm": self.batch_norm}
 
 
 def refusal(plan: Plan) -> str:
@@ -113,4 +115,4 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           num_microbatches=s.num_microbatches, global_batch=plan.global_batch,
                           zero_stage=s.zero_stage if len(replicas) > 1 else 0,
                           recompute=s.recompute if recomputed else "none",
-                          recomputed=tuple(recomputed))
+                          recomputed=tuple(recomputed), batch_norm=s.batch_norm)
