@@ -24,8 +24,10 @@ model as it found it.
   ``apply.collective_ops`` is counted as the collective it stands for (its name scope
   says which).
 
-The step's input batch, sent from where the input pipeline put it to the devices that
-read it (``IteratorGetNext``'s outputs, or what an engine cuts of them under the
+Offload's copies between a device and its host (a gradient to the host's optimizer state,
+the update back: ``apply.placement``'s ``HOST_SCOPE``) are kind ``host``: host transfers,
+which the plan does not list either. The step's input batch, sent from where the input
+pipeline put it to the devices that read it (``IteratorGetNext``'s outputs, or what an engine cuts of them under the
 ``tfplan_input`` name scope), is kind ``input``: feeding, not communication between the
 devices (on GPUs it comes from host memory), and not part of the plan's bytes.
 
@@ -49,11 +51,12 @@ import numpy as np
 from tfplan import compat
 from tfplan.apply.device_names import short_name
 from tfplan.apply.groups import Groups, groups_of
+from tfplan.apply.placement import HOST_SCOPE
 from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
 from tfplan.planner.plan import Plan
 from tfplan.planner.traffic import KINDS
 
-AUDIT_KINDS = (*KINDS, "input", "other")
+AUDIT_KINDS = (*KINDS, "input", "host", "other")
 INPUT_SCOPE = "tfplan_input"  # where an engine cuts the step's batch for its devices
 # name scopes apply.collective_ops gives the collectives it builds, and the CPU stand-ins
 STAND_IN = re.compile(r"tfplan_(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast)"
@@ -99,7 +102,8 @@ class Audit:
 
 def compare(audit: Audit, priced: Any, devices: Any, tolerance: float = 0.10) -> dict:
     """The audit against a plan's priced bytes (``Prediction.sent_bytes_per_device`` or
-    ``planner.traffic.plan_sent_bytes``), device by device, the input feeding left out:
+    ``planner.traffic.plan_sent_bytes``), device by device, the input feeding and the host
+    transfers left out:
     each device's measured and priced bytes by kind, their ratio, whether it is within
     ``tolerance``, and the busiest device's bytes over the mean (the issue's bar: within
     10%, at most 1.25). A JSON-ready dict (``plan audit --json``)."""
@@ -107,7 +111,8 @@ def compare(audit: Audit, priced: Any, devices: Any, tolerance: float = 0.10) ->
     prices = {d: dict(kinds) for d, kinds in priced}
     rows, totals = {}, []
     for d in devices:
-        got = {k: v for k, v in measured.get(d, {}).items() if v and k != "input"}
+        got = {k: v for k, v in measured.get(d, {}).items()
+               if v and k not in ("input", "host")}
         want = {k: v for k, v in prices.get(d, {}).items() if v}
         sent, price = sum(got.values()), sum(want.values())
         ratio = sent / price if price else (1.0 if not sent else float("inf"))
@@ -218,6 +223,8 @@ def _copy(node: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | Non
         return f"{name}:{out} ({src} -> {dst})"
     if _is_input(name):
         kind = "input"
+    elif _in_scope(source.split(":")[0], HOST_SCOPE) or _in_scope(name, HOST_SCOPE):
+        kind = "host"
     else:
         kind = groups.kind_of_pair(src, dst) if groups is not None else "other"
     return Transfer(src, kind, nbytes, f"copy to {dst}", f"{name}:{out}")
@@ -226,9 +233,11 @@ def _copy(node: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | Non
 def _is_input(name: str) -> bool:
     """Whether a sent tensor is the step's input batch (or a piece an engine cut of it under
     ``INPUT_SCOPE``): feeding the devices, not communication between them."""
-    parts = name.split("/")
-    return parts[-1].startswith("IteratorGetNext") or any(
-        p == INPUT_SCOPE or p.startswith(INPUT_SCOPE + "_") for p in parts)
+    return name.split("/")[-1].startswith("IteratorGetNext") or _in_scope(name, INPUT_SCOPE)
+
+
+def _in_scope(name: str, scope: str) -> bool:
+    return any(p == scope or p.startswith(scope + "_") for p in name.split("/"))
 
 
 def _collective(node: Any, consts: Mapping[str, Any], shapes: Mapping[tuple[str, int], int],

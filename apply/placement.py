@@ -44,6 +44,9 @@ from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 
 
+HOST_SCOPE = "tfplan_host"  # the name scope of offload's copies to and from the host
+
+
 def operation_devices(functional: Any, device_of_layer: Mapping[str, str],
                       default: str) -> dict[int, str]:
     """``{id(operation): device}`` for every operation in ``functional``'s graph."""
@@ -163,9 +166,12 @@ def updates_on_variable_devices(optimizer: Any, state_device: StateDevice | None
 
     def placed(gradient: Any, variable: Any, learning_rate: Any) -> Any:
         device = where(variable)
+        if device != _device(variable) and gradient is not None:
+            # the gradient, copied to the state device (named: apply.audit counts it as a
+            # host transfer, not a send between the plan's devices)
+            with _sent_from(_device(variable)):
+                gradient = tf.identity(gradient)
         with tf.device(device):
-            if device != _device(variable) and gradient is not None:
-                gradient = tf.identity(gradient)  # the gradient, copied to the state device
             return original(gradient, variable, learning_rate)
 
     writes = {}
@@ -177,6 +183,9 @@ def updates_on_variable_devices(optimizer: Any, state_device: StateDevice | None
         method = writes[name]
 
         def write(variable: Any, value: Any) -> Any:
+            if tf.is_tensor(value):  # computed on the state device, copied back (named)
+                with _sent_from(where(variable)):
+                    value = tf.identity(value)
             with tf.device(_device(variable)):  # a variable is written where it lives
                 return method(variable, value)
         return write
@@ -190,6 +199,16 @@ def updates_on_variable_devices(optimizer: Any, state_device: StateDevice | None
         del target.update_step
         for name in writes:
             delattr(target, name)
+
+
+@contextlib.contextmanager
+def _sent_from(device: str) -> Iterator[None]:
+    """Ops made here run on ``device``, under ``HOST_SCOPE``: the tensor an offloaded update
+    sends between a device and its host is one of them, by name (``apply.audit``)."""
+    import tensorflow as tf
+
+    with tf.device(device), tf.name_scope(HOST_SCOPE):
+        yield
 
 
 def devices_of(variable: Any) -> list[str]:

@@ -29,6 +29,10 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
   weight's squares summed over its tensor ranks by one small all-reduce, and over the
   data-parallel group where ZeRO holds shards), not the norm over the copies the optimizer
   sees; a clipped sparse gradient becomes dense, as one device's clipping makes it.
+* **Offload** (``"optimizer"``: ZeRO-Offload, ``apply.offload``): the optimizer state (each
+  copy's, or under ZeRO each shard's) lives on the device's host CPU; each reduced gradient
+  is copied there, the update runs there, and the new value is written back to the
+  device.
 * **Metrics and the logged loss** are updated per part, on the part's tensor rank 0, in
   the model's own metric variables: Keras' metric states are sums (totals and counts), so
   adding the parts' updates gives one device's values.
@@ -50,6 +54,7 @@ from keras import ops
 
 from tfplan import compat
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
 from tfplan.apply.spmd.copies import Copies
@@ -101,11 +106,18 @@ class SpmdModel(keras.Model):
         """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
         the devices' shards (``apply.spmd.zero``)."""
         if self._zero is None:
-            build_optimizer_on_devices(self.optimizer, self.trainable_variables)
+            build_optimizer_on_devices(self.optimizer, self.trainable_variables,
+                                       self._state_device)
             return
         check_optimizer(self.optimizer, self.plan.name)
         self._zero.exclude_like_weights(self.optimizer)
-        build_optimizer_on_devices(self.optimizer, self._zero.variables)
+        build_optimizer_on_devices(self.optimizer, self._zero.variables, self._state_device)
+
+    @property
+    def _state_device(self) -> Any:
+        """Where each weight's optimizer state lives: beside it (None), or under offload
+        ("optimizer") on its host's CPU (ZeRO-Offload, ``apply.offload``)."""
+        return state_on_host if self._copies.run.offload == "optimizer" else None
 
     # ---------------------------------------------------------------- rows
     def _parts(self, data: Any) -> tuple[list[Any], list[Any]]:
@@ -257,7 +269,8 @@ class SpmdModel(keras.Model):
                 variables.append(zero.shards[q][t] if zero is not None else vs)
         del tape
         grads = self._clipped(grads, owners)
-        with self._own_clipping(), updates_on_variable_devices(self.optimizer), \
+        with self._own_clipping(), \
+                updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])

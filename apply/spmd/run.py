@@ -40,6 +40,7 @@ class RunDescription:
     recompute: str = "none"  # "full": whole layers; "selective": their attention cores
     recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
     batch_norm: str = "global"  # statistics over the dp group (apply.spmd.batch_norm)
+    offload: str = "none"  # "optimizer": the optimizer state and update on the host
 
     @property
     def dp(self) -> int:
@@ -76,7 +77,7 @@ class RunDescription:
                 "row_fed": sorted(self.row_fed), "num_microbatches": self.num_microbatches,
                 "global_batch": self.global_batch, "zero_stage": self.zero_stage,
                 "recompute": self.recompute, "recomputed": list(self.recomputed),
-                "batch_norm": self.batch_norm}
+                "batch_norm": self.batch_norm, "offload": self.offload}
 
 
 def refusal(plan: Plan) -> str:
@@ -93,8 +94,8 @@ def refusal(plan: Plan) -> str:
             return f"{name} > 1"
     if s.zero_stage > 2:
         return "ZeRO-3"
-    if s.offload != "none":
-        return "offload"
+    if s.offload not in ("none", "optimizer"):
+        return "offload of the weights"
     if s.sequence_parallel:
         return "sequence parallelism"
     return ""
@@ -115,4 +116,5 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           num_microbatches=s.num_microbatches, global_batch=plan.global_batch,
                           zero_stage=s.zero_stage if len(replicas) > 1 else 0,
                           recompute=s.recompute if recomputed else "none",
-                          recomputed=tuple(recomputed), batch_norm=s.batch_norm)
+                          recomputed=tuple(recomputed), batch_norm=s.batch_norm,
+                          offload=s.offload)

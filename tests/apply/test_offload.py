@@ -23,7 +23,7 @@ from tfplan import apply
 from tfplan.apply.device_names import short_name
 from tfplan.apply.mode import execution_mode
 from tfplan.apply.offload import host_device
-from tfplan.apply.placement import tf_variable
+from tfplan.apply.placement import HOST_SCOPE, tf_variable
 from tfplan.core.errors import PlanMismatchError
 from tests.apply import helpers
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
@@ -121,8 +121,11 @@ def test_offloaded_state_trains_like_one_device_on_the_host(case, offload):
     assert len(math) >= 5 * owners, [op.type for op in math]
     assert {short_name(op.device) for op in math} == {HOST}, sorted(
         {(op.type, op.device) for op in math})
-    copies = [op for op in ops if op.type == "Identity" and short_name(op.device) == HOST
-              and short_name(op.inputs[0].op.device or HOST) != HOST]
+    # (the copy: an Identity on the weight's device under apply.placement.HOST_SCOPE, which
+    # the host's update reads: the audit counts what it sends as a host transfer)
+    copies = [op for op in ops if op.type == "Identity" and HOST_SCOPE in op.name
+              and short_name(op.device or HOST) != HOST
+              and {short_name(c.device) for t in op.outputs for c in t.consumers()} == {HOST}]
     assert len(copies) == (0 if weights_on_host else owners)
     weight_devices = {short_name(tf_variable(v).device) for v in trained}
     writes = [op for op in ops if op.type == "AssignSubVariableOp"]

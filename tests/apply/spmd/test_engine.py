@@ -42,7 +42,7 @@ STEPS, BATCH = 3, 16
 
 
 def _wrapped(name: str, case: str, *, compile_kwargs: dict | None = None, zero: int = 0,
-             optimizer=None, recompute: str = "none"):
+             optimizer=None, recompute: str = "none", offload: str = "none"):
     """(module, plan, wrapped, one-device reference with the wrapped model's weights);
     ``zero``: the plan's ZeRO stage; ``recompute``: its recomputation; ``optimizer``: a
     function making the optimizer (the model file's by default)."""
@@ -54,8 +54,8 @@ def _wrapped(name: str, case: str, *, compile_kwargs: dict | None = None, zero: 
     plan = helpers.tp_plan(model, [helpers.cpus(*devices)],
                            _named(SPLITS[name], model) if tp > 1 else (),
                            dp=dp, num_microbatches=m, global_batch=BATCH, zero=zero)
-    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
-                                                                  recompute=recompute))
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, recompute=recompute, offload=offload))
     wrapped = apply.wrap(module.build_model, plan)
     assert isinstance(wrapped, SpmdModel)
     reference = module.build_model()

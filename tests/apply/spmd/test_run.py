@@ -41,7 +41,7 @@ def test_one_device_group_launches_nothing():
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(zero_stage=3), "ZeRO-3"), (dict(offload="optimizer"), "offload"),
+    (dict(zero_stage=3), "ZeRO-3"), (dict(offload="optimizer+weights"), "offload of the weights"),
     (dict(sequence_parallel=True), "sequence parallelism"),
     (dict(cp=2), "cp > 1")])
 def test_refusal_names_the_dimension(change, reason):

@@ -1,0 +1,38 @@
+"""Offload of the optimizer (ZeRO-Offload) on the SPMD engine: every optimizer slot on the
+host CPU (each copy's, or under ZeRO each shard's), training equal to one device's, and
+the copies to and from the host counted apart (kind ``host``) from the plan's sends."""
+from __future__ import annotations
+
+import keras
+import pytest
+
+from tfplan.apply.audit import audit_step, compare
+from tfplan.planner.traffic import plan_sent_bytes
+from tfplan.profiler import profile_model
+from tests.apply import helpers
+from tests.apply.spmd.test_engine import BATCH, STEPS, _device, _wrapped
+
+HOST = ("CPU", 0)
+
+
+@pytest.mark.parametrize("case, zero", [("dp2-m2", 0), ("dp2xtp2", 1)])
+def test_the_optimizer_state_lives_on_the_host_and_training_is_one_devices(case, zero):
+    module, _, wrapped, reference = _wrapped("tiny_mlp", case, zero=zero, offload="optimizer")
+    opt = wrapped.optimizer
+    slots = opt._momentums + opt._velocities
+    assert slots and {_device(s.value.device) for s in slots} == {HOST}
+    batches = helpers.batches_of(module, STEPS, BATCH)
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                helpers.step_losses(reference, batches))
+
+
+def test_host_copies_are_counted_apart_from_the_plans_sends():
+    module, plan, wrapped, _ = _wrapped("tiny_mlp", "dp4", offload="optimizer")
+    x, y = module.sample_batch(BATCH)
+    audit = audit_step(wrapped, x, y, plan=plan)
+    keras.utils.set_random_seed(0)
+    priced = plan_sent_bytes(profile_model(module.build_model(), batch_size=BATCH), plan)
+    doc = compare(audit, priced, plan.devices)
+    assert doc["within_tolerance"], doc
+    by_device = audit.by_device()
+    assert all(by_device[d]["host"] > 0 for d in plan.devices[1:])  # gradients, updates
