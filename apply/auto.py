@@ -66,6 +66,10 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
          input_shapes: Any = None) -> Any:
     """Plan ``model`` for this process's devices and return it wrapped (see the module doc).
 
+    ``model``: the user's model, or the function that builds it (``build_model``): it is
+    then built once here to plan, and ``apply.wrap`` gets the function, so each device
+    builds its own copy (custom layers need no ``get_config``: the SPMD engine).
+
     ``global_batch``: samples per training step (every batch given to ``fit``
     must be a multiple of the plan's ``dp * num_microbatches``). ``optimizer``:
     a name or Keras optimizer for the optimizer-state memory (default: the
@@ -82,6 +86,12 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
     input), as ``plan analyze --input-shape``; the wrapped model refuses other shapes.
     """
     _check_global_batch_value(global_batch)
+    builder = None if _is_model(model) else model
+    if builder is not None:
+        if not callable(builder):
+            raise PlannerError(f"apply.auto received {type(model).__name__}; expected a "
+                               "keras.Model or the function that builds one (build_model).")
+        model = builder()
     plan_file = os.environ.get(PLAN_FILE_ENV)
     if plan_file:
         plan = load_plan(plan_file)
@@ -102,7 +112,13 @@ def auto(model: Any, global_batch: int, *, optimizer: Any = None, precision: str
         if len(workers) > 1:
             check_same_plan(plan)
     check_global_batch(plan, global_batch)
-    return wrap(model, plan, logdir=logdir)
+    return wrap(builder or model, plan, logdir=logdir)
+
+
+def _is_model(model: Any) -> bool:
+    import keras
+
+    return isinstance(model, keras.Model)
 
 
 def auto_devices(cpus: int | None = None) -> tuple[str, ...]:

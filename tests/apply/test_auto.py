@@ -28,8 +28,8 @@ from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import save_plan
 from tfplan.planner.search import SearchResult
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, STEPS, assert_losses_match, base_model,
-                                 batches_of, cpu_cluster, cpus, fresh_optimizer, make_plan,
-                                 reference_losses, step_losses)
+                                 batches_of, cpu_cluster, cpus, fresh_optimizer, load_model_file,
+                                 make_plan, reference_losses, step_losses)
 
 auto_module = importlib.import_module("tfplan.apply.auto")  # `apply.auto` is the function
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -257,3 +257,19 @@ def test_auto_plans_a_model_with_a_dynamic_sequence_for_the_shapes_given(capsys)
     wrapped.train_on_batch(rng.integers(0, 16, (8, 6)), rng.normal(size=(8, 6, 4)))
     with pytest.raises(PlanMismatchError, match="ids"):
         wrapped.train_on_batch(rng.integers(0, 16, (8, 5)), rng.normal(size=(8, 5, 4)))
+
+
+def test_auto_of_a_builder_plans_once_and_each_device_builds_its_copy(capsys):
+    from tfplan.apply.spmd import SpmdModel
+
+    module = load_model_file("tiny_vit")  # custom layers without get_config
+    keras.utils.set_random_seed(0)
+    wrapped = apply.auto(module.build_model, GLOBAL_BATCH, cluster=cpu_cluster(4))
+    assert isinstance(wrapped, SpmdModel) and wrapped.plan.strategy.dp > 1
+    reference = module.build_model()
+    reference.set_weights(wrapped.get_weights())
+    for target in (wrapped, reference):
+        target.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    x, y = module.sample_batch(GLOBAL_BATCH)
+    assert wrapped.train_on_batch(x, y) == pytest.approx(reference.train_on_batch(x, y),
+                                                         rel=1e-4)
