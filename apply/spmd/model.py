@@ -143,7 +143,7 @@ class SpmdModel(keras.Model):
     # ---------------------------------------------------------------- forward
     def _forward(self, data: Any, training: bool) -> list[list[dict[str, Any]]]:
         """Every device's forward on its replica's parts: ``out[q][t]``, a list of dicts
-        (one per micro-batch: y_pred, loss, aux, count, y, sample_weight)."""
+        (one per micro-batch: ``_loss_terms``')."""
         run = self._copies.run
         m = run.num_microbatches
         parts, flags = self._parts(data)
