@@ -166,7 +166,8 @@ def _add_report_parser(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
-    from tfplan.reports.report import html_report, load_analysis, summary_lines
+    from tfplan.reports.report import (TRAFFIC_HEADER, html_report, load_analysis,
+                                       summary_lines, traffic_rows)
     from tfplan.reports.tables import PROFILE_HEADER, profile_rows
 
     html_path = None
@@ -185,6 +186,10 @@ def cmd_report(args: argparse.Namespace, ui: "UI") -> int:
     for line in summary_lines(a):
         ui.note(line)
     candidate_tables(ui, "Candidates", a.candidates, a.chosen, wide=args.wide)
+    traffic = traffic_rows(a.chosen)
+    if traffic:
+        ui.table("Bytes each device sends per step, by kind (priced by planner.traffic; "
+                 "`plan audit` measures them)", TRAFFIC_HEADER, traffic)
     ui.table(f"{a.profile.model_name}: per-layer profile at batch size {a.profile.batch_size}",
              PROFILE_HEADER, profile_rows(a.profile))
     if html_path:

@@ -15,10 +15,11 @@ import base64
 import html
 import io
 import os
+from typing import Any
 
 from tfplan.reports.analysis_dir import Analysis, read_analysis_dir, save_candidates  # noqa: F401
 from tfplan.reports.images import plan_images
-from tfplan.reports.device_groups import stage_groups
+from tfplan.reports.device_groups import device_ranges, stage_groups
 from tfplan.reports.layer_table import layer_table
 from tfplan.reports.tables import (CANDIDATE_HEADER, PROFILE_HEADER, candidate_rows, fmt_bytes,
                             fmt_fraction, fmt_seconds, fmt_tflops, mfu, profile_rows)
@@ -52,6 +53,27 @@ def stage_rows(a: Analysis) -> list[tuple[str, ...]]:
     """One row per pipeline stage, its devices as ranges (``reports.device_groups``)."""
     return [(str(g.stage), f"{len(g.devices):,}", g.where, str(g.layers),
              fmt_bytes(g.peak_memory_bytes)) for g in stage_groups(a.chosen)]
+
+
+TRAFFIC_HEADER = ("devices", "count", "tp", "pp", "dp", "zero", "cp", "ep", "total / device")
+
+
+def traffic_rows(plan: Any) -> list[tuple[str, ...]]:
+    """The bytes each device sends per step by kind (``Prediction.sent_bytes_per_device``,
+    priced by ``planner.traffic``), one row per set of devices sending the same, busiest
+    first: readable at thousands of devices. [] for a plan that does not list them."""
+    from tfplan.planner.traffic import KINDS
+
+    same: dict[tuple[int, ...], list[str]] = {}
+    for device, kinds in plan.predicted.sent_bytes_per_device:
+        row = dict(kinds)
+        same.setdefault(tuple(int(row.get(k, 0)) for k in KINDS), []).append(device)
+    out = []
+    for sent, devices in sorted(same.items(), key=lambda kv: -sum(kv[0])):
+        cells = {k: (fmt_bytes(v) if v else "-") for k, v in zip(KINDS, sent)}
+        out.append((device_ranges(plan, devices), f"{len(devices):,}",
+                    *(cells[k] for k in TRAFFIC_HEADER[2:-1]), fmt_bytes(sum(sent))))
+    return out
 
 
 PLANNED_HEADER = ("layer", "type", "split", "time / micro-batch", "state", "activations",

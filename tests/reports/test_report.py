@@ -53,3 +53,16 @@ def test_an_analysis_without_its_candidates_is_refused(analysis_dir):
     with pytest.raises(IncompleteAnalysisError, match="candidates.json' is missing") as e:
         load_analysis(path)
     assert e.value.path == str(path / "candidates.json") and "Re-run plan analyze" in str(e.value)
+
+
+def test_the_traffic_table_lists_each_devices_bytes_by_kind(analysis_dir):
+    from tfplan.planner.traffic import KINDS
+    from tfplan.reports.report import TRAFFIC_HEADER, traffic_rows
+    _, result = analysis_dir
+    plan = result.chosen
+    rows = traffic_rows(plan)
+    sent = {d: dict(k) for d, k in plan.predicted.sent_bytes_per_device}
+    assert sum(int(r[1].replace(",", "")) for r in rows) == len(sent)
+    totals = sorted({sum(k.values()) for k in sent.values()}, reverse=True)
+    assert len(rows) >= len(totals)  # one row per distinct set of bytes, busiest first
+    assert TRAFFIC_HEADER[2:-1] == KINDS

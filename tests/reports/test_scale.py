@@ -232,3 +232,13 @@ def test_an_analysis_written_before_the_stage_groups_says_to_rerun(dashboard, tm
     dom = subprocess.run([chromium, *flags, "--dump-dom", dashboard + "?run=old"],
                          capture_output=True, text=True, timeout=180).stdout
     assert "Run old cannot be shown" in dom and "run plan analyze again" in dom, dom[-3000:]
+
+
+def test_the_traffic_table_groups_1536_devices_into_a_few_rows(big):
+    from tfplan.reports.report import TRAFFIC_HEADER, traffic_rows
+    _, result = big
+    plan = result.chosen
+    rows = traffic_rows(plan)
+    assert 1 <= len(rows) <= 4 * plan.strategy.pp  # devices that send the same share a row
+    assert sum(int(r[1].replace(",", "")) for r in rows) == len(plan.devices)
+    assert all(len(r) == len(TRAFFIC_HEADER) and "/job:" not in r[0] for r in rows)
