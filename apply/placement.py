@@ -105,16 +105,19 @@ StateDevice = Callable[[Any], str]  # a variable -> the device of its optimizer 
 
 
 def build_optimizer_on_devices(optimizer: Any, variables: list[Any],
-                               state_device: StateDevice | None = None) -> None:
+                               state_device: StateDevice | None = None
+                               ) -> list[tuple[Any, Any]]:
     """Build ``optimizer`` for ``variables`` now, each slot on its variable's device
-    (``state_device(variable)`` when given).
+    (``state_device(variable)`` when given). Returns (slot, the variable it is made for) of
+    every slot, in the order made ([] when the optimizer was built already).
 
     Runs eagerly (``tf.init_scope``) even when called while a tf.function traces.
     """
     import tensorflow as tf
 
+    made: list[tuple[Any, Any]] = []
     if optimizer is None or optimizer.built:
-        return
+        return made
     target = inner_optimizer(optimizer)
     original, original_add = target.add_variable_from_reference, target.add_variable
     where = state_device or _device
@@ -124,7 +127,9 @@ def build_optimizer_on_devices(optimizer: Any, variables: list[Any],
         device[0] = where(reference_variable)
         try:
             with tf.device(device[0]):
-                return original(reference_variable, *args, **kwargs)
+                slot = original(reference_variable, *args, **kwargs)
+            made.append((slot, reference_variable))
+            return slot
         finally:
             device[0] = None
 
@@ -145,6 +150,7 @@ def build_optimizer_on_devices(optimizer: Any, variables: list[Any],
         finally:
             del target.add_variable_from_reference  # back to the class's methods
             del target.add_variable
+    return made
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
 Weights read and write as the user's model's (``get_weights``, ``set_weights``; files
 through a template model of the user's structure on the host: ``save_weights``,
 ``load_weights``, ``save``), so weight files and saved models load in the plain model
-and in any plan of it.
+and in any plan of it; once compiled, with one device's optimizer state
+(``apply.spmd.optimizer_state``).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
 from tfplan.apply.spmd.copies import Copies
+from tfplan.apply.spmd.optimizer_state import OptimizerState
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
@@ -83,6 +85,7 @@ class SpmdModel(keras.Model):
         run = copies.run
         # a plain object too: its shards are scratch, read from the copies every step
         self._zero = ZeroShards(copies, run.zero_stage) if run.zero_stage else None
+        self._optimizer_state = OptimizerState(copies, self._zero)  # plain, like _copies
         self.built = True
 
     # ---------------------------------------------------------------- description
@@ -106,12 +109,14 @@ class SpmdModel(keras.Model):
         """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
         the devices' shards (``apply.spmd.zero``)."""
         if self._zero is None:
-            build_optimizer_on_devices(self.optimizer, self.trainable_variables,
-                                       self._state_device)
-            return
-        check_optimizer(self.optimizer, self.plan.name)
-        self._zero.exclude_like_weights(self.optimizer)
-        build_optimizer_on_devices(self.optimizer, self._zero.variables, self._state_device)
+            made = build_optimizer_on_devices(self.optimizer, self.trainable_variables,
+                                              self._state_device)
+        else:
+            check_optimizer(self.optimizer, self.plan.name)
+            self._zero.exclude_like_weights(self.optimizer)
+            made = build_optimizer_on_devices(self.optimizer, self._zero.variables,
+                                              self._state_device)
+        self._optimizer_state.built(self.optimizer, made)
 
     @property
     def _state_device(self) -> Any:
@@ -353,20 +358,26 @@ class SpmdModel(keras.Model):
         self._copies.set_weights(weights)
 
     def _template(self) -> Any:
-        """The model of the user's structure on the host, holding the unsplit weights."""
+        """The model of the user's structure on the host, holding the unsplit weights and,
+        once this model is compiled, one device's optimizer state
+        (``apply.spmd.optimizer_state``)."""
         self._template_model.set_weights(self.get_weights())
+        self._optimizer_state.to_template(self._template_model, self.loss)
         return self._template_model
 
     def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        """The user's model's weights (and optimizer state, as one device's)."""
         self._template().save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
         template = self._template()
         template.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
         self.set_weights(template.get_weights())
+        self._optimizer_state.from_template(template)
 
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
-        """The user's model with these weights (optimizer state is not saved)."""
+        """The user's model with these weights and, once compiled, its optimizer (one
+        device's state) and loss: ``keras.models.load_model`` gives the plain model."""
         self._template().save(filepath, overwrite=overwrite, **kwargs)
 
 

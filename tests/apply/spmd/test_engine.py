@@ -246,3 +246,29 @@ def test_mixed_precision_trains_like_one_device_at_the_same_policy(policy, case)
     # bits of mantissa, float16 11)
     helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
                                 helpers.step_losses(reference, batches), rtol=2e-2)
+
+
+@pytest.mark.parametrize("name, case, zero", [("tiny_transformer", "dp2xtp2", 0),
+                                              ("tiny_mlp", "dp4", 1)])
+def test_weight_files_hold_one_devices_optimizer_state(tmp_path, name, case, zero):
+    module, plan, wrapped, reference = _wrapped(name, case, zero=zero)
+    batches = helpers.batches_of(module, 3, BATCH)
+    for x, y in batches[:2]:
+        wrapped.train_on_batch(x, y)
+        reference.train_on_batch(x, y)
+    path = str(tmp_path / "trained.weights.h5")
+    wrapped.save_weights(path)
+    plain = module.build_model()
+    plain.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(path)  # weights and Adam's moments, as one device holds them
+    again = apply.wrap(module.build_model, plan)
+    again.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    again.load_weights(path)
+    x, y = batches[2]
+    want = reference.train_on_batch(x, y)
+    assert plain.train_on_batch(x, y) == pytest.approx(want, rel=1e-4)
+    assert again.train_on_batch(x, y) == pytest.approx(want, rel=1e-4)
+    for model in (plain, again):  # the third update moved both as it moved one device's
+        for got, expected in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=5e-4)
