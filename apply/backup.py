@@ -48,6 +48,31 @@ def release(callbacks: Sequence[Any] | None) -> None:
             c.release()
 
 
+def skip_first_batches(model: Any, n: int) -> None:
+    """The next ``n`` calls of ``model.fit``'s train function take their batch and do not
+    train on it (a backup made ``n`` batches into the epoch resumes after them): the
+    models' ``_skip_first_batches`` hook."""
+    import tensorflow as tf
+
+    function = model.train_function
+    per_call = max(1, int(model.steps_per_execution))
+    left = [int(n) // per_call]
+
+    def skipping(iterator: Any) -> Any:
+        if left[0] <= 0:
+            model.train_function = function
+            return function(iterator)
+        left[0] -= 1
+        for _ in range(per_call):
+            if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                iterator.get_next()
+            else:
+                next(iterator)
+        return {}
+
+    model.train_function = skipping
+
+
 def planned_callbacks(callbacks: Sequence[Any] | None) -> list[Any] | None:
     """``callbacks`` with each plain ``keras.callbacks.BackupAndRestore`` replaced by a
     ``PlannedBackupAndRestore`` of the same settings (subclasses are left alone)."""

@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.backup import planned_callbacks, release
+from tfplan.apply.backup import planned_callbacks, release, skip_first_batches
 from tfplan.apply.batch_stats import GLOBAL, install, stepping
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK,
                                   concat_batches, leading_dim, nearest_multiples,
@@ -202,24 +202,9 @@ class PlannedModel(compat.functional_class()):
         return bool(flag)
 
     def _skip_first_batches(self, n: int) -> None:
-        """The next ``n`` calls of ``fit``'s train function take their batch and do not
-        train on it (a backup made ``n`` batches into the epoch resumes after them)."""
-        function = self.train_function
-        left = [int(n) // max(1, int(self.steps_per_execution))]
-
-        def skipping(iterator: Any) -> Any:
-            if left[0] <= 0:
-                self.train_function = function
-                return function(iterator)
-            left[0] -= 1
-            for _ in range(max(1, int(self.steps_per_execution))):
-                if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-                    iterator.get_next()
-                else:
-                    next(iterator)
-            return {}
-
-        self.train_function = skipping
+        """The next ``n`` batches of ``fit`` are taken and not trained on
+        (``apply.backup.skip_first_batches``)."""
+        skip_first_batches(self, n)
 
     # --- batch checks -------------------------------------------------------------------
     @property

@@ -54,6 +54,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
+from tfplan.apply.backup import planned_callbacks, skip_first_batches
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
 from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
@@ -349,6 +350,24 @@ class SpmdModel(keras.Model):
             yield
         finally:
             opt.clipnorm, opt.global_clipnorm = saved
+
+    # ---------------------------------------------------------------- fit
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras' ``fit``; a ``BackupAndRestore`` among the callbacks becomes the planned
+        one (``apply.backup``: exact mid-epoch resumes, a backup checked against its
+        metadata), whose files hold one device's layout (any plan resumes them)."""
+        if "callbacks" in kwargs:
+            kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
+        return super().fit(*args, **kwargs)
+
+    def _sync_workers(self) -> None:
+        """Wait for every worker (one process: nothing to wait for; ``apply.backup``)."""
+
+    def _any_worker(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def _skip_first_batches(self, n: int) -> None:
+        skip_first_batches(self, n)
 
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:
