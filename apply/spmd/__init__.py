@@ -4,10 +4,11 @@ through TensorFlow's collective ops in the plan's groups.
 Pipeline position: under ``apply.wrap``, which hands it the plans ``run.refusal`` accepts.
 The parts, in the order they run: ``run`` (the run description, derived once from the
 plan), ``copies`` (each device's copy of the model, split layers swapped for their
-rank's twin from ``rank_layers``, which call ``megatron``'s operators) and ``model``
-(``SpmdModel``: the steps, the weights as the user's model's), whose gradients meet in
-``reduction`` (all-reduce) or ``zero`` (ZeRO-1/2: reduce-scatter, sharded update,
-all-gather).
+rank's twin from ``rank_layers``, which call ``megatron``'s operators, BatchNormalization
+for ``batch_norm``'s twin under dp) and ``model`` (``SpmdModel``: the steps, the weights
+as the user's model's), whose gradients meet in ``reduction`` (all-reduce) or ``zero``
+(ZeRO-1/2: reduce-scatter, sharded update, all-gather), and whose optimizer state reads
+and writes as one device's in ``optimizer_state``.
 """
 from __future__ import annotations
 
