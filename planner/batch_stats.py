@@ -35,27 +35,16 @@ import dataclasses
 
 from tfplan.core.cluster import ClusterSpec
 from tfplan.planner import collectives as coll
-from tfplan.planner.context import BATCH_NORM_TYPES
+from tfplan.planner.traffic import ALLREDUCES_PER_LAYER, BATCH_NORM_TYPES, STAT_BYTES, channels
 from tfplan.planner.plan import Plan
 from tfplan.planner.topology import dp_group_devices
 from tfplan.profiler.model_profile import LayerProfile, ModelProfile
 
-ALLREDUCES_PER_LAYER = 5  # forward: count, sum, squared deviations; backward: two sums
-STAT_BYTES = 4  # float32: Keras computes BatchNormalization's statistics in float32
 
 
 def batch_norm_layers(profile: ModelProfile) -> list[LayerProfile]:
     """The profile's BatchNormalization layers, in profile order."""
     return [l for l in profile.layers if l.kind in BATCH_NORM_TYPES]
-
-
-def channels(layer: LayerProfile) -> int:
-    """C: the values of one statistic (the output's last axis, Keras' default
-    ``axis=-1``; the parameters / 4 when the shape is unknown)."""
-    shape = layer.output_shape
-    if shape and shape[-1]:
-        return int(shape[-1])
-    return max(1, layer.params // 4)
 
 
 def has_barrier(plan: Plan, profile: ModelProfile) -> bool:

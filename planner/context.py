@@ -17,10 +17,9 @@ from tfplan.core.errors import PlannerError
 from tfplan.planner import cost_model as cm
 from tfplan.planner.graph import input_edges, layer_graph, pipeline_units, topological_layers
 from tfplan.planner.plan import BATCH_NORM, Breakdown, Plan, Prediction, Stage, Strategy
-from tfplan.planner.traffic import plan_sent_bytes
+from tfplan.planner.traffic import BATCH_NORM_TYPES, plan_sent_bytes
 from tfplan.profiler.model_profile import ModelProfile
 
-BATCH_NORM_TYPES = ("BatchNormalization",)  # layers whose statistics batch_norm governs
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
   and ``tf.distribute`` run, exact where a summed dense gradient would change Adam's
   second moment), under ZeRO-1/2 too (``apply.spmd.zero``: each replica keeps the rows
   of its shard), the updated weight then all-gathered (kind ``zero``, (R-1)/R P);
+* BatchNormalization statistics under ``global`` (``planner.batch_stats``): per layer and
+  step, ``ALLREDUCES_PER_LAYER`` all-reduces of its C float32 values over the replicas
+  (``channels``), kind ``dp``;
 * ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
   (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
   (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
@@ -53,6 +56,9 @@ from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 from tfplan.profiler.model_profile import ModelProfile
 
 KINDS = ("tp", "pp", "dp", "zero", "cp", "ep")  # Prediction.sent_bytes_per_device's keys
+BATCH_NORM_TYPES = ("BatchNormalization",)  # layers whose statistics batch_norm governs
+ALLREDUCES_PER_LAYER = 5  # forward: count, sum, squared deviations; backward: two sums
+STAT_BYTES = 4  # float32: Keras computes BatchNormalization's statistics in float32
 
 DeviceBytes = tuple[tuple[str, tuple[tuple[str, int], ...]], ...]  # (device, ((kind, bytes)))
 
@@ -98,6 +104,10 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 calls = experts.ALL_TO_ALLS_PER_LAYER + (2 if full else 0)
                 sent["ep"] += m * calls * ring_half_sent_bytes(
                     experts.dispatch_bytes(layer, mbs, b) / cp, ep)
+            if replicas > 1 and layer.kind in BATCH_NORM_TYPES and getattr(
+                    strategy, "batch_norm", "global") == "global":
+                sent["dp"] += ALLREDUCES_PER_LAYER * ring_allreduce_sent_bytes(
+                    channels(layer) * STAT_BYTES, replicas)
             rows = sparse_grad_bytes(layer, profile.precision) * f * m / cp
             if rows and replicas > 1 and zero < 3:
                 sparse += rows
@@ -136,6 +146,15 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
         _add(per_device, chunk_devices[k], sent)
     return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))
                  for d, v in per_device.items())
+
+
+def channels(layer: Any) -> int:
+    """C: the values of one statistic of a BatchNormalization layer (the output's last
+    axis, Keras' default ``axis=-1``; the parameters / 4 when the shape is unknown)."""
+    shape = layer.output_shape
+    if shape and shape[-1]:
+        return int(shape[-1])
+    return max(1, layer.params // 4)
 
 
 SPARSE_GRAD_TYPES = ("Embedding",)

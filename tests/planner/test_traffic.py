@@ -99,3 +99,15 @@ def test_zero_gathers_an_embeddings_rows_and_then_its_updated_weights():
         # ZeRO-1/2: d1's shards (priced at G = P here) and the Embedding's, all-gathered
         gathers = {0: 0, 1: 2 * (3 * 4000 // 4), 2: 2 * (3 * 4000 // 4)}
         assert sent["zero"] == gathers[stage]
+
+
+def test_batch_statistics_add_their_all_reduces_under_global():
+    # d0 a BatchNormalization of C = 8 channels: 5 all-reduces of 32 bytes, 2 (3/4) each
+    p = chain_profile(n_layers=2, params=1000)
+    norm = dataclasses.replace(p.layers[0], type="BatchNormalization", output_shape=(None, 8))
+    p = dataclasses.replace(p, layers=(norm, p.layers[1]))
+    base = dict(dp=4, tp=1, pp=1, microbatch_size=2, num_microbatches=1)
+    sent = {mode: dict(dict(sent_bytes_per_device(
+        p, Strategy(**base, batch_norm=mode), [(0, 2)], ("", ""), [DEV[:4]]))[DEV[0]])
+        for mode in ("global", "local")}
+    assert sent["global"]["dp"] - sent["local"]["dp"] == 5 * 2 * 3 * 32 // 4
