@@ -48,29 +48,40 @@ def release(callbacks: Sequence[Any] | None) -> None:
             c.release()
 
 
-def skip_first_batches(model: Any, n: int) -> None:
-    """The next ``n`` calls of ``model.fit``'s train function take their batch and do not
-    train on it (a backup made ``n`` batches into the epoch resumes after them): the
-    models' ``_skip_first_batches`` hook."""
-    import tensorflow as tf
+class OneProcessBackupHooks:
+    """The hooks ``PlannedBackupAndRestore`` calls on its model, for a model that runs in
+    one process (``apply.planned_model.PlannedModel``, ``apply.spmd.SpmdModel``); the
+    multi-worker models override the first two."""
 
-    function = model.train_function
-    per_call = max(1, int(model.steps_per_execution))
-    left = [int(n) // per_call]
+    def _sync_workers(self) -> None:
+        """Wait for every worker of the job (one process: nothing to wait for)."""
 
-    def skipping(iterator: Any) -> Any:
-        if left[0] <= 0:
-            model.train_function = function
-            return function(iterator)
-        left[0] -= 1
-        for _ in range(per_call):
-            if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-                iterator.get_next()
-            else:
-                next(iterator)
-        return {}
+    def _any_worker(self, flag: bool) -> bool:
+        """True on every worker when ``flag`` is True on any (one process: ``flag``)."""
+        return bool(flag)
 
-    model.train_function = skipping
+    def _skip_first_batches(self, n: int) -> None:
+        """The next ``n`` calls of ``fit``'s train function take their batch and do not
+        train on it (a backup made ``n`` batches into the epoch resumes after them)."""
+        import tensorflow as tf
+
+        function = self.train_function
+        per_call = max(1, int(self.steps_per_execution))
+        left = [int(n) // per_call]
+
+        def skipping(iterator: Any) -> Any:
+            if left[0] <= 0:
+                self.train_function = function
+                return function(iterator)
+            left[0] -= 1
+            for _ in range(per_call):
+                if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                    iterator.get_next()
+                else:
+                    next(iterator)
+            return {}
+
+        self.train_function = skipping
 
 
 def planned_callbacks(callbacks: Sequence[Any] | None) -> list[Any] | None:
@@ -86,7 +97,8 @@ class PlannedBackupAndRestore(keras.callbacks.BackupAndRestore):
     """Keras' BackupAndRestore for wrapped models (see the module docstring).
 
     The model provides ``is_chief`` (True when absent), ``_sync_workers()``,
-    ``_any_worker(flag)`` and ``_skip_first_batches(n)`` (``apply.planned_model``).
+    ``_any_worker(flag)`` and ``_skip_first_batches(n)`` (``OneProcessBackupHooks``, or a
+    multi-worker model's own).
     """
 
     @classmethod

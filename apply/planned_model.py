@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.apply.backup import planned_callbacks, release, skip_first_batches
+from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks, release
 from tfplan.apply.batch_stats import GLOBAL, install, stepping
 from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK,
                                   concat_batches, leading_dim, nearest_multiples,
@@ -61,7 +61,7 @@ from tfplan.apply.placement import on_variable_device
 from tfplan.core.errors import PlanMismatchError
 
 
-class PlannedModel(compat.functional_class()):
+class PlannedModel(OneProcessBackupHooks, compat.functional_class()):
     """A Functional model trained according to a plan (see the module docstring)."""
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
@@ -192,19 +192,6 @@ class PlannedModel(compat.functional_class()):
         with canonical_optimizer_io(getattr(self, "optimizer", None), self._checkpoint_layout,
                                     self._checkpoint_extra_slots):
             super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-
-    # --- BackupAndRestore's hooks (apply.backup); the multi-worker models override them --
-    def _sync_workers(self) -> None:
-        """Wait for every worker of the job (one process: nothing to wait for)."""
-
-    def _any_worker(self, flag: bool) -> bool:
-        """True on every worker when ``flag`` is True on any (one process: ``flag``)."""
-        return bool(flag)
-
-    def _skip_first_batches(self, n: int) -> None:
-        """The next ``n`` batches of ``fit`` are taken and not trained on
-        (``apply.backup.skip_first_batches``)."""
-        skip_first_batches(self, n)
 
     # --- batch checks -------------------------------------------------------------------
     @property

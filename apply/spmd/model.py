@@ -54,7 +54,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
-from tfplan.apply.backup import planned_callbacks, skip_first_batches
+from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
 from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
@@ -69,7 +69,7 @@ from tfplan.core.errors import PlannerError
 HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
 
 
-class SpmdModel(keras.Model):
+class SpmdModel(OneProcessBackupHooks, keras.Model):
     """The wrapped model of an SPMD plan (module docstring)."""
 
     def __init__(self, copies: Copies, template: Any, plan: Any,
@@ -359,15 +359,6 @@ class SpmdModel(keras.Model):
         if "callbacks" in kwargs:
             kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
         return super().fit(*args, **kwargs)
-
-    def _sync_workers(self) -> None:
-        """Wait for every worker (one process: nothing to wait for; ``apply.backup``)."""
-
-    def _any_worker(self, flag: bool) -> bool:
-        return bool(flag)
-
-    def _skip_first_batches(self, n: int) -> None:
-        skip_first_batches(self, n)
 
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:

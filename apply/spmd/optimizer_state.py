@@ -45,6 +45,10 @@ class OptimizerState:
 
     def __init__(self, copies: Any, zero: Any) -> None:
         self.copies, self.zero = copies, zero
+        copy = copies.models[0][0]
+        index = {id(w): i for i, w in enumerate(copy.weights)}
+        # the axis each trainable weight is cut along across tensor ranks (None: whole)
+        self.axes = [copies.axes[index[id(v)]] for v in copy.trainable_variables]
         self.engine: SlotTable | None = None
         self.template: SlotTable | None = None
 
@@ -103,11 +107,6 @@ class OptimizerState:
             return self.zero.shards[q][t][j]
         return self.copies.models[q][t].trainable_variables[j]
 
-    def _axis(self, j: int) -> int | None:
-        copy = self.copies.models[0][0]
-        index = {id(w): i for i, w in enumerate(copy.weights)}
-        return self.copies.axes[index[id(copy.trainable_variables[j])]]
-
     def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
         run = self.copies.run
         if self.zero is None:
@@ -119,12 +118,12 @@ class OptimizerState:
 
     def _joined(self, j: int, k: int) -> np.ndarray:
         pieces = [self._rank_piece(t, j, k) for t in range(self.copies.run.tp)]
-        axis = self._axis(j)
+        axis = self.axes[j]
         return pieces[0] if axis is None else np.concatenate(pieces, axis=axis)
 
     def _spread(self, j: int, k: int, full: np.ndarray) -> None:
         run = self.copies.run
-        axis = self._axis(j)
+        axis = self.axes[j]
         pieces = [full] * run.tp if axis is None else np.split(full, run.tp, axis=axis)
         for t, piece in enumerate(pieces):
             for q in range(run.dp):
