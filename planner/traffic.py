@@ -14,7 +14,10 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
 
 * ``tp``: m (1 + [full recomputation]) 2 (tp-1)/tp sum_L fwd_i f / cp
   + m 2 (tp-1)/tp sum_L bwd_i f / cp, the Megatron f/g all-reduces of each split layer
-  (sequence parallelism's all-gather + reduce-scatter pairs move the same bytes);
+  (sequence parallelism's all-gather + reduce-scatter pairs move the same bytes), and
+  m (1 + [full]) (tp-1)/tp out_i f / cp for a column split whose output no row split
+  reads next (its ranks all-gather it, as ``apply.spmd.rank_layers`` does: a model's
+  last projection, whose whole output the loss reads);
 * ``pp``: per chunk boundary and micro-batch, N = the boundary activation's bytes f / cp,
   both sides send N: the activation forward and its gradient back, each as tp slices of
   N / tp plus the receiving ranks' all-gather of the other (tp-1)/tp N (Narayanan et al.,
@@ -97,6 +100,9 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 fwd = s.fwd_allreduce_bytes * f / cp
                 sent["tp"] += m * (2 if full else 1) * ring_allreduce_sent_bytes(fwd, tp)
                 sent["tp"] += m * ring_allreduce_sent_bytes(s.bwd_allreduce_bytes * f / cp, tp)
+                if split == "column" and not _row_follows(splits, i):
+                    sent["tp"] += m * (2 if full else 1) * ring_half_sent_bytes(
+                        layer.activation_bytes * f / cp, tp)
             if cp > 1 and layer.kind in HEAD_SPLIT_TYPES:
                 kv = kv_bytes(layer) * f / share
                 sent["cp"] += m * (3 if full else 2) * ring_half_sent_bytes(kv, cp)
@@ -172,6 +178,13 @@ def sparse_grad_bytes(layer: Any, precision: str) -> float:
     width = (layer.output_shape or (None,))[-1]
     tokens = elements / width if width else 0.0
     return elements * (layer.grad_bytes / layer.trainable_params) + tokens * INDEX_BYTES
+
+
+def _row_follows(splits: Sequence[str], i: int) -> bool:
+    """Whether the next split layer after layer i is a row split (a column split's output
+    then stays cut: Megatron's pair; otherwise its ranks all-gather it)."""
+    after = next((x for x in splits[i + 1:] if x), "")
+    return after == "row"
 
 
 def _add(per_device: dict[str, dict[str, float]], devices: Sequence[str],

@@ -20,7 +20,8 @@ Per layer (JSON keys are the field names):
 * ``activation_bytes``: the layer's output tensors; ``activation_saved_bytes``:
   the forward tensors the layer produces that its own or later gradient ops
   read (kept alive until the backward pass); ``input_bytes``: the tensors its
-  calls receive. All in the dtype the layer computes in;
+  calls receive (a tensor passed twice to one call, as self-attention's query and
+  value, once). All in the dtype the layer computes in;
 * ``flops_fwd``/``flops_bwd`` from the ops the layer creates and the gradient
   ops of those (``profiler.op_flops``); ``not_counted`` names each op with no
   formula as "op name (OpType)"; of those, ``matmul_flops_fwd``/``_bwd`` are in
@@ -89,7 +90,7 @@ class LayerProfile:
     trainable_param_bytes: int = 0  # the trainable share of param_bytes
     compute_weight_bytes: int = 0  # low-precision weight copies made for compute
     activation_saved_bytes: int = 0  # forward tensors kept for the backward pass
-    input_bytes: int = 0  # tensors the layer's calls receive
+    input_bytes: int = 0  # tensors the layer's calls receive (each once per call)
     calls: int = 1  # times the model calls this layer (numbers are summed over calls)
     matmul_flops_fwd: int = 0  # the share of flops_fwd in contractions (MatMul, Einsum, Conv)
     matmul_flops_bwd: int = 0

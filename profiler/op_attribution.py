@@ -312,7 +312,9 @@ class Accounting:
         for call in self.rec.calls:
             acc = self.layers[call.key]
             acc.calls += 1
-            for what, tensors in (("output", call.outputs), ("input", call.inputs)):
+            # an input read twice (self-attention's query and value) is one tensor
+            inputs = list({t.name: t for t in call.inputs}.values())
+            for what, tensors in (("output", call.outputs), ("input", inputs)):
                 for t in tensors:
                     b = self.bytes_of(t)
                     if b is None:

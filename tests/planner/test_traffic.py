@@ -55,6 +55,17 @@ def test_tensor_parallel_sends_the_f_and_g_all_reduces():
     assert sent[DEV[0]] == {**dict.fromkeys(KINDS, 0), "tp": (4096 + 32768) // 2, "dp": 4000}
 
 
+def test_a_column_split_no_row_split_reads_all_gathers_its_output():
+    # "column" then unsplit layers: the 32768-byte output is all-gathered, (tp-1)/tp of it
+    # sent per device, beside its input gradient's backward all-reduce (4096 bytes)
+    s = Strategy(dp=1, tp=2, pp=1, microbatch_size=8, num_microbatches=1)
+    sent = _sent(s, [(0, 2)], splits=("column", ""), n_layers=2)
+    assert sent[DEV[0]]["tp"] == 4096 + 32768 // 2
+    full = dataclasses.replace(s, recompute="full")  # the forward's gather runs again
+    assert _sent(full, [(0, 2)], splits=("column", ""), n_layers=2)[DEV[0]]["tp"] == \
+        4096 + 32768
+
+
 def test_zero_stages_split_the_reduction_and_add_the_gathers():
     base = dict(dp=4, tp=1, pp=1, microbatch_size=1, num_microbatches=2)
     g = 16000  # gradient bytes; params 4 bytes each too

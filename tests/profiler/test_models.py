@@ -197,7 +197,7 @@ def test_bert_like_graph_multiple_inputs_and_outputs(bert):
     # embeddings: a lookup (index arithmetic on int32 only) and a sparse gradient: no FLOPs
     assert p.layer("tok_emb").flops_bwd == 0
     act = n * SEQ * HIDDEN * 4
-    assert p.layer("mha_0").input_bytes == 2 * act  # query and value: the same tensor twice
+    assert p.layer("mha_0").input_bytes == act  # query and value: one tensor, counted once
     # ff2 reads ff1's output through a Reshape (a view, no copy): that tensor is ff1's
     assert p.layer("ff2_0").activation_saved_bytes == 0
     assert p.layer("ff1_0").activation_saved_bytes >= n * SEQ * FF * 4 * 2  # pre- and post-gelu
