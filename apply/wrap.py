@@ -229,7 +229,8 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
 
     if mode.processes is not Processes.ONE_HOST:
         return "devices on several workers"
-    if mode.mode not in (Mode.SINGLE_DEVICE, Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL):
+    if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.DATA_PARALLEL,
+                         Mode.TENSOR_PARALLEL):
         return f"the {mode.mode.value} mode"
     s = plan.strategy
     norms = [(path, layer) for path, layer in profiled_layer_paths(view)

@@ -442,6 +442,40 @@ def node_call_arguments(node: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(arguments.args), dict(arguments.kwargs)
 
 
+def fill_in_arguments(node: Any, values: dict[int, Any]) -> tuple[tuple[Any, ...],
+                                                                   dict[str, Any]]:
+    """``Node.arguments.fill_in(values)``: a Functional graph node's call arguments with
+    each KerasTensor replaced by ``values[id(tensor)]``, as ``Function._run_through_graph``
+    calls the node's operation.
+
+    ``apply.spmd.stages`` runs a model's graph one pipeline stage at a time with it.
+    Checked on Keras 3.15.1. Without it a stage would have to rebuild every node's nested
+    arguments (lists, dicts, keyword arguments) by hand."""
+    arguments = getattr(node, "arguments", None)
+    fill_in = getattr(arguments, "fill_in", None)
+    if fill_in is None:
+        raise KerasInternalsError(_moved("Node.arguments.fill_in", AttributeError("fill_in")))
+    args, kwargs = fill_in(values)
+    return tuple(args), dict(kwargs)
+
+
+def functional_outputs(functional: Any, flat: list[Any]) -> Any:
+    """A Functional model's outputs from their flat values (in ``functional.outputs``
+    order), in the structure its ``call`` returns: ``Function._outputs_struct`` packed,
+    then ``unpack_singleton``, as ``Functional.call`` does.
+
+    ``apply.spmd.stages`` gives the loss the outputs of a model run stage by stage.
+    Checked on Keras 3.15.1. Without it a model with dict or nested outputs would reach
+    the loss as a flat list."""
+    import keras
+
+    struct = getattr(functional, "_outputs_struct", None)
+    if struct is None:
+        raise KerasInternalsError(_moved("Function._outputs_struct",
+                                         AttributeError("_outputs_struct")))
+    return unpack_singleton(keras.tree.pack_sequence_as(struct, list(flat)))
+
+
 def replay_symbolically(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``keras.src.backend.compute_output_spec(fn, *args, **kwargs)``: runs ``fn`` on
     backend placeholders standing for the KerasTensors in the arguments (TensorFlow: in

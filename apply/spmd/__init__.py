@@ -5,10 +5,12 @@ Pipeline position: under ``apply.wrap``, which hands it the plans ``run.refusal`
 The parts, in the order they run: ``run`` (the run description, derived once from the
 plan), ``copies`` (each device's copy of the model, split layers swapped for their
 rank's twin from ``rank_layers``, which call ``megatron``'s operators, BatchNormalization
-for ``batch_norm``'s twin under dp) and ``model`` (``SpmdModel``: the steps, the weights
+for ``batch_norm``'s twin under dp; under pipeline parallelism each column copy's graph
+cut by chunk in ``stages``, its weights on their chunks' devices) and ``model`` (``SpmdModel``: the steps, the weights
 as the user's model's), whose gradients meet in ``reduction`` (all-reduce) or ``zero``
 (ZeRO-1/2: reduce-scatter, sharded update, all-gather), and whose optimizer state reads
-and writes as one device's in ``optimizer_state``.
+and writes as one device's in ``optimizer_state``. A pipeline plan's step runs each
+column's slots in the schedule's order through ``pipeline``.
 """
 from __future__ import annotations
 

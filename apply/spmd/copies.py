@@ -37,18 +37,22 @@ from tfplan.apply.recompute import attention_layers, recompute_call
 from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.spmd.run import RunDescription
+from tfplan.apply.spmd.stages import StageProgram, stage_program
 from tfplan.core.errors import PlannerError
 from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
 
 
 @dataclass
 class Copies:
-    """``models[q][t]``: replica q's copy on its tensor rank t; ``axes[j]``: the axis weight
-    j of the user's model is cut along in the copies (None: whole in each)."""
+    """``models[q][t]``: replica q's copy on its tensor rank t (under pipeline parallelism
+    its column: each chunk's layers on that chunk's device, its graph cut by chunk in
+    ``programs[q][t]``); ``axes[j]``: the axis weight j of the user's model is cut along in
+    the copies (None: whole in each)."""
 
     models: list[list[Any]]
     axes: list[int | None]
     run: RunDescription
+    programs: list[list[StageProgram]] | None = None
 
     def get_weights(self) -> list[np.ndarray]:
         """The user's model's weights, unsplit, from replica 0."""
@@ -77,17 +81,22 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     reference = template.get_weights()
     paths = [path for path, _ in profiled_layer_paths(template)]
     models: list[list[Any]] = []
+    programs: list[list[StageProgram]] = []
     for q, replica in enumerate(run.replicas):
-        row = []
-        for device in replica:
+        row, cut = [], []
+        for t, device in enumerate(replica):
             with tf.device(device):
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
-            model = _swap_splits(model, layers, run, run.tp_group(q), device)
+            model = _swap_splits(model, layers, run, run.column(q, t))
             _recompute(model, layers, run)
+            if run.chunks > 1:
+                cut.append(_place_chunks(model, paths, run, run.column(q, t)))
             row.append(model)
         models.append(row)
-    copies = Copies(models, _axes(models[0][0], reference, run.tp), run)
+        programs.append(cut)
+    copies = Copies(models, _axes(models[0][0], reference, run.tp), run,
+                    programs if run.chunks > 1 else None)
     copies.set_weights(reference)
     return copies
 
@@ -127,11 +136,34 @@ def _recompute_on_tape(fn: Any) -> Any:
     return recompute_call(fn, tape_only=True)  # SpmdModel differentiates with a tape
 
 
+def _place_chunks(model: Any, paths: Sequence[str], run: RunDescription,
+                  column: Sequence[str]) -> StageProgram:
+    """The copy's graph cut by chunk (``apply.spmd.stages``), each layer's weights moved to
+    the device of the chunk that runs it (built on chunk 0's)."""
+    chunk_of_path = dict(run.stage_of_entry)
+    layers = _layers_by_template_path(model, paths, run)  # the twins in place by now
+    chunk_of_layer = {id(layer): chunk_of_path[path] for path, (_, layer) in layers.items()
+                      if path in chunk_of_path}
+    program = stage_program(model, chunk_of_layer, run.chunks, run.plan_name)
+    for step in program.steps:
+        if step.layer is not None and step.chunk > 0:
+            for w in getattr(step.layer, "weights", ()):
+                compat.move_variable(w, column[step.chunk])
+    return program
+
+
+def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:
+    """The device of the plan's layer ``name`` in a column (its chunk's)."""
+    return column[dict(run.stage_of_entry).get(name, 0)] if len(column) > 1 else column[0]
+
+
 def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
-                 group: Any, device: str) -> Any:
+                 column: Sequence[str]) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring);
-    ``layers``: ``_layers_by_template_path``'s."""
-    twins = _batch_norm_twins(layers, run, _bn_group(run, device), device)
+    ``layers``: ``_layers_by_template_path``'s; ``column``: the copy's device per chunk
+    (a twin talks in its chunk's tensor-parallel group)."""
+    device = column[0]
+    twins = _batch_norm_twins(layers, run, device)
     if not run.splits and not twins:
         return model
     entries = dict(layers.values())
@@ -149,13 +181,15 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
         if layer is None:
             raise PlannerError(f"Plan {run.plan_name!r} splits layer {name!r}, which the "
                                "model does not have. Re-plan for this model.")
-        why = split_problem(layer, split, group.size)
+        why = split_problem(layer, split, run.tp)
         if why:
             raise PlannerError(
                 f"Plan {run.plan_name!r} splits layer {name!r} ({type(layer).__name__}) by "
-                f"{split!r} over tp={group.size}, which the SPMD engine cannot run: {why}. "
+                f"{split!r} over tp={run.tp}, which the SPMD engine cannot run: {why}. "
                 "Leave that layer replicated (remove it from tp_splits) or re-plan.")
-        rank = Rank(split, group, device, gather_output=name not in run.row_fed)
+        own_device = _device_of(name, run, column)
+        rank = Rank(split, run.chunk_group("tp", own_device), own_device,
+                    gather_output=name not in run.row_fed)
         with tf.device(device):
             twin = rank_twin(layer, rank)
             with scopes_of(layer):
@@ -168,19 +202,14 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
     return _rewire(model, top, device) if top else model
 
 
-def _bn_group(run: RunDescription, device: str) -> Any:
-    """The data-parallel group whose statistics ``device``'s BatchNormalization layers sum:
-    its tensor rank's (every replica's rows)."""
-    t = next(r.index(device) for r in run.replicas if device in r)
-    return run.dp_group(t)
-
-
-def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription, group: Any,
+def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
                       device: str) -> list[tuple[str, Any, Any]]:
     """(this copy's path, layer, twin) of every BatchNormalization layer whose statistics
-    are summed over the data-parallel group (``apply.spmd.batch_norm``; dp > 1)."""
+    are summed over the data-parallel group of ``device`` (its tensor rank of every
+    replica: ``apply.spmd.batch_norm``; dp > 1; one chunk)."""
     if run.dp == 1:
         return []
+    group = run.chunk_group("dp", device)
     return [(own, layer, group_batch_norm(layer, group, device))
             for own, layer in layers.values() if is_batch_norm(layer)]
 

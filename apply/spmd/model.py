@@ -61,6 +61,7 @@ from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
 from tfplan.apply.spmd.copies import Copies
 from tfplan.apply.spmd.optimizer_state import OptimizerState
+from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
@@ -109,6 +110,12 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
     def _build_optimizer(self) -> None:
         """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
         the devices' shards (``apply.spmd.zero``)."""
+        opt = inner_optimizer(self.optimizer)
+        if self._copies.programs is not None and (opt.clipnorm or opt.global_clipnorm):
+            raise PlannerError(
+                f"Plan {self.plan.name!r} runs pipeline stages on the SPMD engine, which "
+                "does not clip gradient norms yet (clipnorm, global_clipnorm). Compile "
+                "without them, or use clipvalue.")
         if self._zero is None:
             made = build_optimizer_on_devices(self.optimizer, self.trainable_variables,
                                               self._state_device)
@@ -147,9 +154,10 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             return parts, flags
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, data: Any, training: bool) -> list[list[dict[str, Any]]]:
+    def _forward(self, data: Any, training: bool) -> list[list[list[dict[str, Any]]]]:
         """Every device's forward on its replica's parts: ``out[q][t]``, a list of dicts
-        (one per micro-batch: ``_loss_terms``')."""
+        (one per micro-batch: ``_loss_terms``'). Under pipeline parallelism each column
+        runs its chunks in turn (``apply.spmd.pipeline``)."""
         run = self._copies.run
         m = run.num_microbatches
         parts, flags = self._parts(data)
@@ -157,23 +165,35 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         for q, replica in enumerate(self._copies.models):
             row = []
             for t, model in enumerate(replica):
+                if self._copies.programs is not None:
+                    row.append(self._column(q, t, parts, flags, training).forward_all())
+                    continue
                 device = run.replicas[q][t]
                 results = []
                 with tf.device(device):
                     for k in range(m):
                         x, y, sw = keras.utils.unpack_x_y_sample_weight(parts[q * m + k])
                         y_pred = model(x, training=training)
-                        results.append(self._loss_terms(model, x, y, y_pred, sw,
-                                                        flags[q * m + k]))
+                        results.append(self._loss_terms(x, y, y_pred, sw, flags[q * m + k],
+                                                        model.losses))
                 row.append(results)
             out.append(row)
         return out
 
-    def _loss_terms(self, model: Any, x: Any, y: Any, y_pred: Any, sw: Any, valid: Any
+    def _column(self, q: int, t: int, parts: list[Any], flags: list[Any], training: bool
+                ) -> ColumnPass:
+        """Column (q, t)'s pass over its replica's parts (pipelines)."""
+        run, m = self._copies.run, self._copies.run.num_microbatches
+        return ColumnPass(run, self._copies.programs[q][t], run.column(q, t),
+                          parts[q * m:(q + 1) * m], flags[q * m:(q + 1) * m], training,
+                          self._loss_terms)
+
+    def _loss_terms(self, x: Any, y: Any, y_pred: Any, sw: Any, valid: Any, added: Any
                     ) -> dict[str, Any]:
         """One part's loss terms. ``counts``: what its loss divides by (its rows, or with
         a Keras mask its unmasked entries); ``reals``: the same over its real rows (less
-        where ``valid`` flags padding rows, which weigh 0 in the loss and the metrics)."""
+        where ``valid`` flags padding rows, which weigh 0 in the loss and the metrics);
+        ``added``: the part's ``add_loss`` values."""
         mask = compat.get_keras_mask(y_pred) if tf.is_tensor(y_pred) else None
         # Keras' compiled metrics take no weights (only weighted_metrics do): they see the
         # real rows alone
@@ -181,7 +201,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         if valid is not None:
             sw = _flagged(valid, sw, mask)
         loss = compat.compiled_loss(self, y, y_pred, sw) if y is not None else None
-        aux = [compat.added_loss(self, v) for v in model.losses]
+        aux = [compat.added_loss(self, v) for v in added]
         if aux and valid is not None:
             aux = [_without_padding(a, valid, self._copies.run) for a in aux]
         rows = ops.cast(_rows(x), "float32")
@@ -193,26 +213,35 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             real = count if valid is None else ops.sum(mask * _along_rows(valid, mask))
         return {"y_pred": y_pred, "loss": loss, "aux": ops.sum(aux) if aux else None,
                 "counts": ops.stack([count, rows]), "reals": ops.stack([real, real_rows]),
-                "metric_args": metric_args}
+                "metric_args": metric_args, "masked": mask is not None}
 
-    def _weights_of_parts(self, results: list[list[Any]]) -> list[list[list[Any]]]:
+    def _weights_of_parts(self, results: list[list[Any]], totals: Any = None
+                          ) -> list[list[list[Any]]]:
         """(c_i of the loss, c_i of the added losses) of every part, on each device (module
         docstring): each part's counts over the real counts summed over the replica's parts,
-        then over the data-parallel group (one all-reduce of two numbers)."""
+        then over the data-parallel group (one all-reduce of two numbers; ``totals[q][t]``
+        where already summed)."""
         run = self._copies.run
         out = []
         for q, row in enumerate(results):
             out_row = []
             for t, parts in enumerate(row):
-                device = run.replicas[q][t]
-                with tf.device(device):
-                    own = ops.sum(ops.stack([p["reals"] for p in parts]), axis=0)
-                    total = own if run.dp == 1 else member_all_reduce(
-                        own, run.dp_group(t), device, "dp")
+                with tf.device(run.loss_replicas[q][t]):
+                    total = self._totals(parts, q, t) if totals is None else totals[q][t]
                     out_row.append([ops.divide_no_nan(p["counts"] * run.parts, total)
                                     for p in parts])
             out.append(out_row)
         return out
+
+    def _totals(self, parts: list[Any], q: int, t: int) -> Any:
+        """The real counts (loss, added losses) of replica q's parts summed over the
+        data-parallel group of tensor rank t, on the device its loss is on."""
+        run = self._copies.run
+        device = run.loss_replicas[q][t]
+        with tf.device(device):
+            own = ops.sum(ops.stack([p["reals"] for p in parts]), axis=0)
+            return own if run.dp == 1 else member_all_reduce(
+                own, run.loss_dp_group(t), device, "dp")
 
     @staticmethod
     def _part_loss(p: dict[str, Any], c: Any) -> Any:
@@ -234,7 +263,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         run = self._copies.run
         share = ops.cast(_rows(data), "float32") / run.parts
         for q, row in enumerate(results):
-            with tf.device(run.replicas[q][0]):
+            with tf.device(run.loss_replicas[q][0]):
                 for p, c in zip(row[0], weights[q][0]):
                     compat.loss_tracker(self).update_state(self._part_loss(p, c),
                                                           sample_weight=share)
@@ -248,6 +277,8 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             return self._train_step(data)
 
     def _train_step(self, data: Any) -> Any:
+        if self._copies.programs is not None:
+            return self._pipeline_train_step(data)
         run, zero = self._copies.run, self._zero
         with tf.GradientTape(persistent=True) as tape:
             results = self._forward(data, training=True)
@@ -287,6 +318,96 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                         zero.gather(q, t)
         self._track(results, weights, data)
         return self.get_metrics_result()
+
+    def _pipeline_train_step(self, data: Any) -> Any:
+        """A pipeline plan's step: each column's slots in the schedule's order
+        (``apply.spmd.pipeline``), each device's gradients summed over its data-parallel
+        group, one update."""
+        run = self._copies.run
+        results, totals, by_device = self._pipeline_gradients(data)
+        grads, variables = [], []
+        for device, (gs, vs) in by_device.items():
+            if run.dp > 1:
+                with tf.device(device):
+                    gs = reduced(gs, vs, run.chunk_group("dp", device), device)
+            grads.append(gs)
+            variables.append(vs)
+        with updates_on_variable_devices(self.optimizer, self._state_device), \
+                compat.without_replica_sum(self.optimizer):
+            self.optimizer.apply_gradients(
+                [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
+        self._track(results, self._weights_of_parts(results, totals), data)
+        return self.get_metrics_result()
+
+    def _pipeline_gradients(self, data: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """(results, totals, {device: (gradients, weights)}) of a pipeline step. A part's
+        loss is weighted as one device's (``_weights_of_parts``) where every forward comes
+        before the first backward (GPipe); otherwise (1F1B) by its own count, and each
+        gradient divided by the counts' sum at the end."""
+        run = self._copies.run
+        parts, flags = self._parts(data)
+        order = slot_order(run)
+        results, totals = [], []
+        by_device: dict[str, tuple[list[Any], list[Any]]] = {}
+        with tf.GradientTape(persistent=True) as tape:
+            for q, replica in enumerate(self._copies.models):
+                row, row_totals = [], []
+                for t in range(len(replica)):
+                    column = self._column(q, t, parts, flags, True)
+                    total, deferred = None, None
+                    for slot in order:
+                        j, k = slot.microbatch, slot.stage
+                        if slot.kind == "F":
+                            column.forward(j, k, tape)
+                            continue
+                        if deferred is None:  # decided at the first backward
+                            deferred = any(r is None for r in column.results)
+                            if deferred:
+                                self._check_deferred(column)
+                            else:
+                                total = self._totals(column.results, q, t)
+                        with tf.device(column.column[k]):
+                            targets = self._slot_targets(column, j, k, total)
+                        column.backward(j, k, tape, targets)
+                    grads = column.weight_grads()
+                    if deferred:  # 1F1B: the counts' sum divides every gradient
+                        total = self._totals(column.results, q, t)
+                        grads = _divided(grads, total[0], run.loss_replicas[q][t])
+                    for device, (gs, vs) in grads.items():
+                        mine = by_device.setdefault(device, ([], []))
+                        mine[0].extend(gs)
+                        mine[1].extend(vs)
+                    row.append(column.results)
+                    row_totals.append(total)
+                results.append(row)
+                totals.append(row_totals)
+        del tape
+        return results, totals, by_device
+
+    def _slot_targets(self, column: ColumnPass, j: int, k: int, total: Any) -> list[Any]:
+        """Backward slot (j, k)'s losses, weighted (by one device's c_i / P where ``total``
+        is known, else by the part's own counts) and scaled (mixed_float16)."""
+        p = column.results[j]
+        out = []
+        counts = p["counts"] if total is None else ops.divide_no_nan(p["counts"], total)
+        if k == column.program.chunks - 1 and p["loss"] is not None:
+            out.append(self.optimizer.scale_loss(counts[0] * ops.cast(p["loss"], "float32")))
+        added = [compat.added_loss(self, v) for v in column.aux[j][k]]
+        if added:
+            out.append(self.optimizer.scale_loss(counts[1] * ops.cast(ops.sum(added),
+                                                                      "float32")))
+        return out
+
+    def _check_deferred(self, column: ColumnPass) -> None:
+        """A 1F1B part's loss and added losses divide by different sums where the output
+        has a Keras mask (its unmasked entries, its rows): refused, with the fix."""
+        if column.results[0]["masked"] and any(column.aux[0]):
+            raise PlannerError(
+                f"Plan {self.plan.name!r} runs a {self._copies.run.schedule} pipeline on a "
+                "model whose output has a Keras mask and which adds losses (add_loss): "
+                "one device's loss divides the two by different counts, known only after "
+                "every micro-batch's forward, which this schedule interleaves with the "
+                "backward. Re-plan with --schedule gpipe.")
 
     def test_step(self, data: Any) -> Any:
         with instance_scope():
@@ -389,6 +510,26 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         """The user's model with these weights and, once compiled, its optimizer (one
         device's state) and loss: ``keras.models.load_model`` gives the plain model."""
         self._template().save(filepath, overwrite=overwrite, **kwargs)
+
+
+def _divided(grads: dict[str, tuple[list[Any], list[Any]]], total: Any, at: str
+             ) -> dict[str, tuple[list[Any], list[Any]]]:
+    """Every device's gradients divided by ``total`` (a count on device ``at``)."""
+    with tf.device(at):
+        inverse = ops.divide_no_nan(1.0, total)
+    out = {}
+    for device, (gs, vs) in grads.items():
+        with tf.device(device):
+            out[device] = ([_times_sparse(g, inverse) for g in gs], vs)
+    return out
+
+
+def _times_sparse(g: Any, factor: Any) -> Any:
+    """A gradient times a scalar, a sparse one kept sparse (its rows scaled)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * ops.cast(factor, g.values.dtype), g.indices,
+                                g.dense_shape)
+    return g * ops.cast(factor, g.dtype)
 
 
 def _sum_of_squares(g: Any) -> Any:

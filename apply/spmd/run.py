@@ -9,7 +9,11 @@ older engines for it.
 
 The mesh: replica q (data-parallel rank) holds ``replicas[q]``, its tensor ranks in
 order (the plan's stage devices, tensor rank innermost: ``planner.plan``). Its groups
-come from ``apply.groups.groups_of`` (one table, keys from the devices).
+come from ``apply.groups.groups_of`` (one table, keys from the devices). Under pipeline
+parallelism ``stages[k]`` is that grid for model chunk k (``replicas`` is chunk 0's):
+column (q, t), replica q's tensor rank t of every chunk, holds one copy of the model,
+each layer's variables on the device of its chunk (``stage_of_entry``), and chunk k runs
+on pipeline device k % pp (``virtual_stages`` chunks each under "interleaved").
 """
 from __future__ import annotations
 
@@ -41,6 +45,44 @@ class RunDescription:
     recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
     batch_norm: str = "global"  # statistics over the dp group (apply.spmd.batch_norm)
     offload: str = "none"  # "optimizer": the optimizer state and update on the host
+    # pipelines (apply.spmd.pipeline): each model chunk's replicas (chunk 0's: replicas),
+    # the chunk of each of the plan's layers (template paths), the schedule
+    stages: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    stage_of_entry: tuple[tuple[str, int], ...] = ()
+    schedule: str = "none"  # "gpipe", "1f1b", "interleaved" where there are chunks
+    virtual_stages: int = 1
+
+    @property
+    def chunks(self) -> int:
+        """The model chunks (pipeline stages, x virtual stages under "interleaved")."""
+        return max(1, len(self.stages))
+
+    @property
+    def pp(self) -> int:
+        return self.chunks // self.virtual_stages
+
+    def column(self, q: int, t: int) -> tuple[str, ...]:
+        """Column (q, t)'s device of each chunk (one device where there is one chunk)."""
+        return tuple(grid[q][t] for grid in self.stages) or (self.replicas[q][t],)
+
+    @property
+    def loss_replicas(self) -> tuple[tuple[str, ...], ...]:
+        """Where each replica's outputs and loss are: the last chunk's grid."""
+        return self.stages[-1] if self.stages else self.replicas
+
+    def loss_dp_group(self, t: int) -> Group:
+        """Tensor rank t of every replica on the last chunk (their loss counts are summed)."""
+        return self._group("dp", tuple(replica[t] for replica in self.loss_replicas))
+
+    @property
+    def all_devices(self) -> tuple[str, ...]:
+        """Every device of the run, once (chunk by chunk)."""
+        grids = self.stages or (self.replicas,)
+        return tuple(dict.fromkeys(d for grid in grids for replica in grid for d in replica))
+
+    def chunk_group(self, kind: str, device: str) -> Group:
+        """``device``'s group of ``kind`` ("dp", "tp") on its chunk (one device: itself)."""
+        return self.groups.containing(device, kind) or Group(kind, (device,), 0)
 
     @property
     def dp(self) -> int:
@@ -77,7 +119,10 @@ class RunDescription:
                 "row_fed": sorted(self.row_fed), "num_microbatches": self.num_microbatches,
                 "global_batch": self.global_batch, "zero_stage": self.zero_stage,
                 "recompute": self.recompute, "recomputed": list(self.recomputed),
-                "batch_norm": self.batch_norm, "offload": self.offload}
+                "batch_norm": self.batch_norm, "offload": self.offload,
+                "stages": [[list(r) for r in grid] for grid in self.stages],
+                "stage_of_entry": [list(e) for e in self.stage_of_entry],
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages}
 
 
 def refusal(plan: Plan) -> str:
@@ -85,10 +130,10 @@ def refusal(plan: Plan) -> str:
     s = plan.strategy
     if plan.placement != "stages":
         return "a general placement"
-    if len(plan.stages) != 1:
-        return "pipeline stages"
-    if any("/job:" in d for d in plan.stages[0].devices):
+    if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
+    if len(plan.stages) > 1 and s.zero_stage > 0:
+        return "ZeRO with pipeline stages"
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"
@@ -102,12 +147,14 @@ def refusal(plan: Plan) -> str:
 
 
 def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
-    """The run description of a one-stage plan (``refusal(plan) == ""``); ``recomputed``:
-    the top-level layers it recomputes (``apply.recompute.recomputed_layers``)."""
+    """The run description of a plan (``refusal(plan) == ""``); ``recomputed``: the
+    top-level layers it recomputes (``apply.recompute.recomputed_layers``)."""
     s = plan.strategy
     tp = max(1, s.tp)
-    devices = plan.stages[0].devices
-    replicas = tuple(tuple(devices[q * tp:(q + 1) * tp]) for q in range(len(devices) // tp))
+    grids = tuple(tuple(tuple(stage.devices[q * tp:(q + 1) * tp])
+                        for q in range(len(stage.devices) // tp)) for stage in plan.stages)
+    replicas = grids[0]
+    pipeline = len(grids) > 1
     splits = tuple(plan.tp_splits) if tp > 1 else ()
     row_fed = frozenset(name for (name, split), (_, after) in zip(splits, splits[1:])
                         if split == "column" and after == "row")
@@ -117,4 +164,9 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           zero_stage=s.zero_stage if len(replicas) > 1 else 0,
                           recompute=s.recompute if recomputed else "none",
                           recomputed=tuple(recomputed), batch_norm=s.batch_norm,
-                          offload=s.offload)
+                          offload=s.offload, stages=grids if pipeline else (),
+                          stage_of_entry=tuple((name, k) for k, stage in enumerate(plan.stages)
+                                               for name in stage.layers) if pipeline else (),
+                          schedule=(s.schedule if s.schedule != "none" else "gpipe")
+                          if pipeline else "none",
+                          virtual_stages=max(1, s.virtual_stages) if pipeline else 1)

@@ -375,6 +375,26 @@ def test_node_call_arguments_are_the_symbolic_arguments_of_the_call():
     assert out.shape == (None, 3)
 
 
+def test_fill_in_arguments_puts_values_in_place_of_a_nodes_keras_tensors():
+    a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    add = keras.layers.Add(name="add")
+    add([a, b])
+    node = compat.inbound_nodes(add)[0]
+    args, kwargs = compat.fill_in_arguments(node, {id(a): "A", id(b): "B"})
+    assert args == (["A", "B"],) and kwargs == {}
+
+
+def test_functional_outputs_packs_flat_values_as_the_call_returns_them():
+    x = keras.Input((2,), name="x")
+    model = keras.Model(x, {"p": keras.layers.Dense(1)(x), "q": keras.layers.Dense(3)(x)})
+    flat = [object(), object()]
+    out = compat.functional_outputs(model, flat)
+    assert isinstance(out, dict) and sorted(out) == ["p", "q"]
+    assert {id(v) for v in out.values()} == {id(v) for v in flat}
+    single = keras.Model(x, keras.layers.Dense(1)(x))
+    assert compat.functional_outputs(single, ["only"]) == "only"
+
+
 def test_replay_symbolically_runs_a_call_on_placeholders_and_adds_no_node():
     inputs = keras.Input((4,), name="x")
     dense = keras.layers.Dense(3, name="a")

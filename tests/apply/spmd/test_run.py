@@ -51,6 +51,19 @@ def test_refusal_names_the_dimension(change, reason):
     assert refusal(helpers.make_plan(_mlp(), [helpers.cpus(0)], num_microbatches=1)) == ""
 
 
-def test_pipeline_stages_are_refused_for_now():
-    plan = helpers.make_plan(_mlp(), [helpers.cpus(0), helpers.cpus(1)], num_microbatches=2)
-    assert refusal(plan) == "pipeline stages"
+def test_a_pipeline_plans_chunks_columns_and_schedule():
+    plan = helpers.tp_plan(_mlp(), [helpers.cpus(0, 1, 2, 3), helpers.cpus(4, 5, 6, 7)],
+                           MLP_SPLITS, dp=2, num_microbatches=4)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                  schedule="1f1b"))
+    assert refusal(plan) == ""
+    run = describe(plan)
+    assert (run.chunks, run.pp, run.dp, run.tp, run.schedule) == (2, 2, 2, 2, "1f1b")
+    assert run.column(1, 0) == ("/device:CPU:2", "/device:CPU:6")  # replica 1, rank 0
+    assert run.loss_replicas[0] == tuple(helpers.cpus(4, 5))
+    assert run.loss_dp_group(1).devices == tuple(helpers.cpus(5, 7))
+    assert run.chunk_group("tp", "/device:CPU:6").devices == tuple(helpers.cpus(6, 7))
+    assert dict(run.stage_of_entry) == {"dense_in": 0, "hidden": 0, "narrow": 1, "head": 1}
+    assert len(run.all_devices) == 8
+    zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, zero_stage=1))
+    assert refusal(zero) == "ZeRO with pipeline stages"

@@ -1,0 +1,234 @@
+"""Pipeline parallelism on the SPMD engine: each column's chunks run slot by slot, in the
+schedule's order, each on its own device.
+
+Pipeline position: ``apply.spmd.model.SpmdModel`` runs its steps through ``ColumnPass``
+for plans with several chunks (``RunDescription.chunks > 1``); each column copy's graph is
+cut by ``apply.spmd.stages``.
+
+* **Order** (``slot_order``): the slots (forward or backward of micro-batch j on chunk k)
+  are traced in one order that keeps every pipeline device's own order
+  (``planner.pipeline_order``: GPipe, 1F1B, interleaved 1F1B) and the data flow (a forward
+  after the same micro-batch's forward on the chunk before; a backward after the forward
+  on its chunk and the backward on the chunk after). TensorFlow's collective ordering
+  token then runs each device's tensor-parallel collectives in its schedule's order.
+* **Memory bound**: under 1F1B and interleaved, a forward waits (control dependencies)
+  for the backward slots its device's order puts before it (``apply.schedule
+  .forward_waits``; a chain of markers per pipeline device), as Megatron's schedules bound
+  the micro-batches in flight.
+* **Hops**: a chunk reads each value an earlier chunk made through one ``tf.identity`` on
+  its own device (the activation's one transfer, kind pp, with its Keras mask); the
+  producer keeps its original, so a value read by two later chunks goes to each directly.
+  In training the copy is of the value's ``stop_gradient``, watched by the tape: the
+  backward of chunk k ends at the values it received (else the tape would go on into the
+  earlier chunks' operations from chunk k's device).
+* **Backward** of slot (j, k): one ``GradientTape.gradient`` on chunk k's device, of chunk
+  k's targets (the values it sent, weighted by the gradients its consumers returned; on
+  the last chunk the part's loss; its layers' added losses) with respect to its weights
+  and the values it received, whose gradients go back to their producers (the backward
+  hop). Gradients add up per weight across micro-batches on the weight's device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from tfplan import compat
+from tfplan.apply.schedule import forward_waits
+from tfplan.apply.spmd.run import RunDescription
+from tfplan.apply.spmd.stages import StageProgram
+from tfplan.core.errors import PlannerError
+from tfplan.planner.pipeline_order import Slot, device_order
+
+
+def device_orders(run: RunDescription) -> tuple[tuple[Slot, ...], ...]:
+    return tuple(device_order(run.schedule, d, run.pp, run.virtual_stages,
+                              run.num_microbatches) for d in range(run.pp))
+
+
+def slot_order(run: RunDescription) -> list[Slot]:
+    """Every slot once, in an order that keeps each pipeline device's order and the data
+    flow (module docstring): round robin over the devices, each taking its next slot
+    once what it needs is done."""
+    orders = [list(o) for o in device_orders(run)]
+    last = run.chunks - 1
+    done: set[tuple[str, int, int]] = set()
+    out: list[Slot] = []
+    position = [0] * len(orders)
+
+    def ready(s: Slot) -> bool:
+        if s.kind == "F":
+            return s.stage == 0 or ("F", s.microbatch, s.stage - 1) in done
+        after = ("F", s.microbatch, last) if s.stage == last else ("B", s.microbatch,
+                                                                   s.stage + 1)
+        return ("F", s.microbatch, s.stage) in done and after in done
+
+    while len(out) < sum(map(len, orders)):
+        moved = False
+        for d, order in enumerate(orders):
+            if position[d] < len(order) and ready(order[position[d]]):
+                slot = order[position[d]]
+                out.append(slot)
+                done.add((slot.kind, slot.microbatch, slot.stage))
+                position[d] += 1
+                moved = True
+        if not moved:
+            raise PlannerError(f"Plan {run.plan_name!r}: the {run.schedule} schedule's "
+                               "device orders wait for each other (a deadlock). Re-plan with "
+                               "--schedule 1f1b or gpipe.")
+    return out
+
+
+class ColumnPass:
+    """One column's micro-batches through its chunks, slot by slot (module docstring).
+
+    ``loss_terms(j, x, y, y_pred, sw, valid, aux)``: part j's loss terms on the last chunk
+    (``SpmdModel._loss_terms``' dict); ``aux``: the part's added losses of every chunk."""
+
+    def __init__(self, run: RunDescription, program: StageProgram, column: Sequence[str],
+                 parts: Sequence[Any], flags: Sequence[Any], training: bool,
+                 loss_terms: Callable[..., dict[str, Any]]) -> None:
+        self.run, self.program, self.column = run, program, tuple(column)
+        self.parts, self.flags, self.training = parts, flags, training
+        self.loss_terms = loss_terms
+        m, chunks = len(parts), program.chunks
+        self.values: list[dict[int, Any]] = [{} for _ in range(m)]  # producers' values
+        self.received: list[list[list[tuple[int, Any]]]] = [
+            [[] for _ in range(chunks)] for _ in range(m)]
+        self.returned: list[dict[int, list[Any]]] = [{} for _ in range(m)]  # backward hops
+        self.aux: list[list[list[Any]]] = [[[] for _ in range(chunks)] for _ in range(m)]
+        self.results: list[dict[str, Any] | None] = [None] * m
+        self.weights = [_chunk_weights(program, k) for k in range(chunks)]
+        self.grads: list[dict[int, Any]] = [{} for _ in range(chunks)]  # id(var) -> sum
+        self._chains: list[list[Any]] = [[] for _ in range(run.pp)]
+        self._finished: dict[tuple[int, int], list[Any]] = {}
+        scheduled = run.schedule in ("1f1b", "interleaved")
+        self._waits = forward_waits(device_orders(run), run.schedule) if scheduled else {}
+        self._backwards = [[s for s in o if s.kind == "B"] for o in device_orders(run)]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, j: int, k: int, tape: Any = None) -> None:
+        """Forward slot (j, k); ``tape``: the step's, which then starts chunk k's part of
+        the graph at the values it received (the backward slot stops there)."""
+        device = self.column[k]
+        x, y, sw = _unpack(self.parts[j])
+        with tf.device(device), tf.control_dependencies(self._wait(j, k)):
+            if k == 0:
+                self.program.feed(self.values[j], x)
+            view = dict(self.values[j])
+            for i in self.program.received(k):
+                value = view[i]
+                cut = tape is not None and value.dtype.is_floating
+                copy = tf.identity(tf.stop_gradient(value) if cut else value)
+                if cut:
+                    tape.watch(copy)
+                mask = compat.get_keras_mask(value)
+                if mask is not None:
+                    compat.set_keras_mask(copy, tf.identity(mask))
+                view[i] = copy
+                self.received[j][k].append((i, copy))
+            called = self.program.run_chunk(k, view, self.training)
+            for i, chunk in self.program.producer.items():
+                if chunk == k and i in view:
+                    self.values[j][i] = view[i]
+            self.aux[j][k] = [loss for layer in called for loss in getattr(layer, "losses", ())]
+            if k == self.program.chunks - 1:
+                y_pred = self.program.outputs(view)
+                aux = [a for chunk in self.aux[j] for a in chunk]
+                self.results[j] = self.loss_terms(x, y, y_pred, sw, self.flags[j], aux)
+
+    def forward_all(self) -> list[dict[str, Any]]:
+        """Every micro-batch through every chunk (evaluation, prediction: no backward)."""
+        for j in range(len(self.parts)):
+            for k in range(self.program.chunks):
+                self.forward(j, k)
+        return list(self.results)
+
+    def _wait(self, j: int, k: int) -> list[Any]:
+        """The marker forward (j, k) waits for: its pipeline device's first n backward
+        slots done (``forward_waits``), [] where it waits for none."""
+        n = self._waits.get((j, k), 0)
+        if n == 0:
+            return []
+        d = k % self.run.pp
+        chain = self._chains[d]
+        while len(chain) < n:
+            slot = self._backwards[d][len(chain)]
+            with tf.device(self.column[slot.stage]), tf.control_dependencies(
+                    chain[-1:] + self._finished.get((slot.microbatch, slot.stage), [])):
+                chain.append(tf.no_op(name=f"pipeline_backward_mb{slot.microbatch}"
+                                           f"_stage{slot.stage}_done"))
+        return [chain[n - 1]]
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, j: int, k: int, tape: Any, targets: Sequence[Any]) -> None:
+        """Slot (j, k)'s backward (module docstring); ``targets``: its loss terms already
+        weighted and scaled (the part's loss on the last chunk, its added losses)."""
+        device = self.column[k]
+        ys, seeds = list(targets), []
+        with tf.device(device):
+            seeds = [tf.ones_like(y) for y in ys]
+            for i in self.program.sent(k):
+                back = self.returned[j].get(i)
+                if back:
+                    ys.append(self.values[j][i])
+                    seeds.append(back[0] if len(back) == 1 else tf.add_n(back))
+        received = [(i, r) for i, r in self.received[j][k] if r.dtype.is_floating]
+        weights = self.weights[k]
+        with tf.device(device), tape.stop_recording():
+            if not ys:
+                self._finished[(j, k)] = []
+                return
+            grads = tape.gradient(ys, list(weights) + [r for _, r in received],
+                                  output_gradients=seeds)
+            done = []
+            for w, g in zip(weights, grads):
+                if g is None:
+                    continue
+                before = self.grads[k].get(id(w))
+                self.grads[k][id(w)] = g if before is None else _added(before, g)
+                done.append(g.op)
+            for (i, _), g in zip(received, grads[len(weights):]):
+                if g is not None:
+                    self.returned[j].setdefault(i, []).append(g)
+                    done.append(g.op)
+        self._finished[(j, k)] = done
+
+    def weight_grads(self) -> dict[str, tuple[list[Any], list[Any]]]:
+        """{device: (gradients, weights)} of this column: every chunk's trainable weights on
+        its device, in chunk order (zeros where no slot reached one)."""
+        out: dict[str, tuple[list[Any], list[Any]]] = {}
+        for k, weights in enumerate(self.weights):
+            device = self.column[k]
+            gs, vs = out.setdefault(device, ([], []))
+            with tf.device(device):
+                for w in weights:
+                    g = self.grads[k].get(id(w))
+                    gs.append(tf.zeros_like(w) if g is None else g)
+                    vs.append(w)
+        return out
+
+
+def _added(a: Any, b: Any) -> Any:
+    """Two gradients of one weight summed as the tape sums them: sparse ones (an
+    Embedding's) stay ``tf.IndexedSlices``, their rows concatenated (Keras' optimizers
+    update a sparse gradient's rows, which one device's step does too)."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _chunk_weights(program: StageProgram, k: int) -> list[Any]:
+    """Chunk k's trainable weights, each once, in the order its layers run."""
+    seen: dict[int, Any] = {}
+    for layer in program.layers_of(k):
+        for w in getattr(layer, "trainable_weights", ()):
+            seen.setdefault(id(w), w)
+    return list(seen.values())
+
+
+def _unpack(part: Any) -> tuple[Any, Any, Any]:
+    import keras
+
+    return keras.utils.unpack_x_y_sample_weight(part)
