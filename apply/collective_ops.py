@@ -122,7 +122,27 @@ def member_all_gather(value: Any, group: Group, device: str, kind: str | None = 
     concatenated along axis 0, in member order."""
     import tensorflow as tf
 
-    return _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device, kind)
+    if value.dtype != tf.bfloat16:
+        return _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device,
+                       kind)
+    # CollectiveGatherV2 has no bfloat16 kernel (TF 2.21): the same bytes gathered as int32
+    # pairs (exact), or as float32 where a row holds an odd number of values
+    with tf.device(device):
+        shape = tf.shape(value)
+        rows = tf.reshape(value, [shape[0], -1])
+        width = rows.shape[1]
+        if width is not None and width % 2 == 0:
+            packed = tf.bitcast(tf.reshape(rows, [shape[0], width // 2, 2]), tf.int32)
+            got = _member("all_gather", tf.raw_ops.CollectiveGatherV2, packed, group, device,
+                          kind)
+            with tf.device(device):
+                flat = tf.reshape(tf.bitcast(got, tf.bfloat16), [-1, width])
+        else:
+            got = _member("all_gather", tf.raw_ops.CollectiveGatherV2,
+                          tf.cast(rows, tf.float32), group, device, kind)
+            with tf.device(device):
+                flat = tf.cast(got, tf.bfloat16)
+        return tf.reshape(flat, tf.concat([[-1], shape[1:]], 0))
 
 
 def member_reduce_scatter(value: Any, group: Group, device: str, kind: str | None = None

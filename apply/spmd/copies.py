@@ -54,6 +54,19 @@ class Copies:
     run: RunDescription
     programs: list[list[StageProgram]] | None = None
 
+    def weight_devices(self, q: int, t: int) -> list[str]:
+        """The device of each trainable weight of copy (q, t) (its chunk's under pipeline
+        parallelism), in ``trainable_variables`` order."""
+        model = self.models[q][t]
+        if self.programs is None:
+            return [self.run.replicas[q][t]] * len(model.trainable_variables)
+        column = self.run.column(q, t)
+        chunk: dict[int, int] = {}
+        for step in self.programs[q][t].steps:
+            for w in getattr(step.layer, "weights", ()):
+                chunk.setdefault(id(w), step.chunk)
+        return [column[chunk.get(id(v), 0)] for v in model.trainable_variables]
+
     def get_weights(self) -> list[np.ndarray]:
         """The user's model's weights, unsplit, from replica 0."""
         ranks = [m.weights for m in self.models[0]]

@@ -110,12 +110,6 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
     def _build_optimizer(self) -> None:
         """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
         the devices' shards (``apply.spmd.zero``)."""
-        opt = inner_optimizer(self.optimizer)
-        if self._copies.programs is not None and (opt.clipnorm or opt.global_clipnorm):
-            raise PlannerError(
-                f"Plan {self.plan.name!r} runs pipeline stages on the SPMD engine, which "
-                "does not clip gradient norms yet (clipnorm, global_clipnorm). Compile "
-                "without them, or use clipvalue.")
         if self._zero is None:
             made = build_optimizer_on_devices(self.optimizer, self.trainable_variables,
                                               self._state_device)
@@ -213,7 +207,8 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             real = count if valid is None else ops.sum(mask * _along_rows(valid, mask))
         return {"y_pred": y_pred, "loss": loss, "aux": ops.sum(aux) if aux else None,
                 "counts": ops.stack([count, rows]), "reals": ops.stack([real, real_rows]),
-                "metric_args": metric_args, "masked": mask is not None}
+                "metric_args": metric_args, "masked": mask is not None,
+                "per_row": _per_row(mask)}
 
     def _weights_of_parts(self, results: list[list[Any]], totals: Any = None
                           ) -> list[list[list[Any]]]:
@@ -305,7 +300,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                 owners.append(vs)
                 variables.append(zero.shards[q][t] if zero is not None else vs)
         del tape
-        grads = self._clipped(grads, owners)
+        grads = self._clipped(list(run.devices), grads, owners)
         with self._own_clipping(), \
                 updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
@@ -322,36 +317,57 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
     def _pipeline_train_step(self, data: Any) -> Any:
         """A pipeline plan's step: each column's slots in the schedule's order
         (``apply.spmd.pipeline``), each device's gradients summed over its data-parallel
-        group, one update."""
-        run = self._copies.run
-        results, totals, by_device = self._pipeline_gradients(data)
-        grads, variables = [], []
-        for device, (gs, vs) in by_device.items():
-            if run.dp > 1:
-                with tf.device(device):
-                    gs = reduced(gs, vs, run.chunk_group("dp", device), device)
-            grads.append(gs)
-            variables.append(vs)
-        with updates_on_variable_devices(self.optimizer, self._state_device), \
+        group (ZeRO-1: reduce-scattered to its shards, which it updates and all-gathers),
+        one update."""
+        run, zero = self._copies.run, self._zero
+        results, totals, columns = self._pipeline_gradients(data)
+        entries = []  # (device, gradients, the weights they are of, what is updated)
+        for q, row in enumerate(columns):
+            for t, by_device in enumerate(row):
+                if zero is None:
+                    for device, (gs, vs) in by_device.items():
+                        if run.dp > 1:
+                            with tf.device(device):
+                                gs = reduced(gs, vs, run.chunk_group("dp", device), device)
+                        entries.append((device, gs, vs, vs))
+                    continue
+                of = {id(v): g for gs, vs in by_device.values() for g, v in zip(gs, vs)}
+                vs = zero.weights[q][t]
+                zero.load(q, t)
+                gs = zero.reduce([[of[id(v)] for v in vs]], q, t)
+                devices = zero.devices[q][t]
+                for device in dict.fromkeys(devices):
+                    mine = [i for i, d in enumerate(devices) if d == device]
+                    entries.append((device, [gs[i] for i in mine], [vs[i] for i in mine],
+                                    [zero.shards[q][t][i] for i in mine]))
+        devices, grads, owners, variables = (list(x) for x in zip(*entries))
+        grads = self._clipped(devices, grads, owners)
+        with self._own_clipping(), \
+                updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
+        if zero is not None:
+            for q in range(run.dp):
+                for t in range(run.tp):
+                    zero.gather(q, t)
         self._track(results, self._weights_of_parts(results, totals), data)
         return self.get_metrics_result()
 
-    def _pipeline_gradients(self, data: Any) -> tuple[Any, Any, dict[str, Any]]:
-        """(results, totals, {device: (gradients, weights)}) of a pipeline step. A part's
+    def _pipeline_gradients(self, data: Any) -> tuple[Any, Any, Any]:
+        """(results, totals, gradients) of a pipeline step, ``gradients[q][t]``: column
+        (q, t)'s {device: (gradients, weights)}, not yet reduced. A part's
         loss is weighted as one device's (``_weights_of_parts``) where every forward comes
         before the first backward (GPipe); otherwise (1F1B) by its own count, and each
         gradient divided by the counts' sum at the end."""
         run = self._copies.run
+        rows = ops.cast(_rows(data), "float32")  # the batch's real rows (before padding)
         parts, flags = self._parts(data)
         order = slot_order(run)
-        results, totals = [], []
-        by_device: dict[str, tuple[list[Any], list[Any]]] = {}
+        results, totals, columns = [], [], []
         with tf.GradientTape(persistent=True) as tape:
             for q, replica in enumerate(self._copies.models):
-                row, row_totals = [], []
+                row, row_totals, row_grads = [], [], []
                 for t in range(len(replica)):
                     column = self._column(q, t, parts, flags, True)
                     total, deferred = None, None
@@ -367,29 +383,36 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                             else:
                                 total = self._totals(column.results, q, t)
                         with tf.device(column.column[k]):
-                            targets = self._slot_targets(column, j, k, total)
+                            targets = self._slot_targets(column, j, k, total, rows)
                         column.backward(j, k, tape, targets)
                     grads = column.weight_grads()
-                    if deferred:  # 1F1B: the counts' sum divides every gradient
+                    if deferred:  # 1F1B: the sum of the parts' counts, known now
                         total = self._totals(column.results, q, t)
-                        grads = _divided(grads, total[0], run.loss_replicas[q][t])
-                    for device, (gs, vs) in grads.items():
-                        mine = by_device.setdefault(device, ([], []))
-                        mine[0].extend(gs)
-                        mine[1].extend(vs)
+                        if column.results[0]["masked"]:  # its estimate corrected
+                            estimate = rows * column.results[0]["per_row"]
+                            grads = _divided(grads, total[0] / estimate,
+                                             run.loss_replicas[q][t])
                     row.append(column.results)
                     row_totals.append(total)
+                    row_grads.append(grads)
                 results.append(row)
                 totals.append(row_totals)
+                columns.append(row_grads)
         del tape
-        return results, totals, by_device
+        return results, totals, columns
 
-    def _slot_targets(self, column: ColumnPass, j: int, k: int, total: Any) -> list[Any]:
-        """Backward slot (j, k)'s losses, weighted (by one device's c_i / P where ``total``
-        is known, else by the part's own counts) and scaled (mixed_float16)."""
+    def _slot_targets(self, column: ColumnPass, j: int, k: int, total: Any, rows: Any
+                      ) -> list[Any]:
+        """Backward slot (j, k)'s losses, weighted and scaled (mixed_float16): by one
+        device's c_i / P = counts_i / total where ``total`` is known; else (1F1B) by
+        counts_i over the batch's real ``rows`` (exact without a Keras mask; with one, over
+        rows x the mask's entries per row, corrected when the step's counts are known),
+        so a loss scale sees the gradients one device's step has."""
         p = column.results[j]
         out = []
-        counts = p["counts"] if total is None else ops.divide_no_nan(p["counts"], total)
+        if total is None:
+            total = ops.stack([rows * p["per_row"], rows])
+        counts = ops.divide_no_nan(p["counts"], total)
         if k == column.program.chunks - 1 and p["loss"] is not None:
             out.append(self.optimizer.scale_loss(counts[0] * ops.cast(p["loss"], "float32")))
         added = [compat.added_loss(self, v) for v in column.aux[j][k]]
@@ -429,33 +452,46 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0)[:n], *outs)
 
     # ---------------------------------------------------------------- clipping
-    def _clipped(self, grads: list[list[Any]], variables: list[list[Any]]) -> list[list[Any]]:
-        """``clipnorm`` / ``global_clipnorm`` on one device's norms (module docstring)."""
+    def _clipped(self, devices: list[str], grads: list[list[Any]],
+                 variables: list[list[Any]]) -> list[list[Any]]:
+        """``clipnorm`` / ``global_clipnorm`` on one device's norms (module docstring):
+        ``grads[i]`` on ``devices[i]``, of ``variables[i]`` (a pipeline column's chunks sum
+        their squares for the global norm)."""
         opt = inner_optimizer(self.optimizer)
         clipnorm, global_clipnorm = opt.clipnorm, opt.global_clipnorm
         if not clipnorm and not global_clipnorm:
             return grads
         run = self._copies.run
         scale = getattr(self.optimizer, "dynamic_scale", None)
-        out = []
-        for i, (device, gs, vs) in enumerate(zip(run.devices, grads, variables)):
-            q, t = divmod(i, run.tp)  # grads and variables are in run.devices' order
+        rank = {d: t for grid in (run.stages or (run.replicas,)) for replica in grid
+                for t, d in enumerate(replica)}
+        staged, sums = [], {}
+        for device, gs, vs in zip(devices, grads, variables):
             with tf.device(device):
                 squares = ops.stack([
-                    _sum_of_squares(g) if id(v) in self._split_vars or t == 0 else ops.zeros(())
-                    for g, v in zip(gs, vs)])
+                    _sum_of_squares(g) if id(v) in self._split_vars or rank[device] == 0
+                    else ops.zeros(()) for g, v in zip(gs, vs)])
                 if self._zero is not None:  # each replica holds a shard of each sum
-                    squares = member_all_reduce(squares, run.dp_group(t), device, "dp")
+                    squares = member_all_reduce(squares, run.chunk_group("dp", device),
+                                                device, "dp")
                 if run.tp > 1:
-                    squares = member_all_reduce(squares, run.tp_group(q), device, "tp")
+                    squares = member_all_reduce(squares, run.chunk_group("tp", device),
+                                                device, "tp")
                 if scale is not None:
                     squares = squares / ops.square(ops.cast(scale, "float32"))
-                norms = ops.sqrt(squares)
-                if global_clipnorm:
-                    total = ops.sqrt(ops.sum(squares))
+                staged.append(squares)
+                sums[device] = ops.sum(squares)
+        columns = {d: tuple(dict.fromkeys(run.column(q, t))) for q in range(run.dp)
+                   for t in range(run.tp) for d in run.column(q, t)}
+        out = []
+        for device, gs, squares in zip(devices, grads, staged):
+            with tf.device(device):
+                if global_clipnorm:  # over the column's chunks: a scalar from each
+                    total = ops.sqrt(ops.sum(ops.stack([sums[d] for d in columns[device]])))
                     factor = global_clipnorm / ops.maximum(total, global_clipnorm)
                     gs = [_times(g, factor) for g in gs]
                 else:
+                    norms = ops.sqrt(squares)
                     gs = [_times(g, clipnorm / ops.maximum(norms[j], clipnorm))
                           for j, g in enumerate(gs)]
             out.append(gs)
@@ -510,6 +546,13 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         """The user's model with these weights and, once compiled, its optimizer (one
         device's state) and loss: ``keras.models.load_model`` gives the plain model."""
         self._template().save(filepath, overwrite=overwrite, **kwargs)
+
+
+def _per_row(mask: Any) -> int:
+    """The entries per row of a Keras mask (1 without one, or where not static)."""
+    if mask is None or any(d is None for d in mask.shape[1:]):
+        return 1
+    return int(np.prod(mask.shape[1:]))
 
 
 def _divided(grads: dict[str, tuple[list[Any], list[Any]]], total: Any, at: str

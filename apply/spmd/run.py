@@ -132,8 +132,8 @@ def refusal(plan: Plan) -> str:
         return "a general placement"
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
-    if len(plan.stages) > 1 and s.zero_stage > 0:
-        return "ZeRO with pipeline stages"
+    if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses it too)
+        return "ZeRO-2 with pipeline stages"
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"

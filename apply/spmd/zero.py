@@ -139,15 +139,21 @@ class ZeroShards:
                         for row in copies.models]
         self.cuts = [[[Cut(tuple(int(d) for d in v.shape), run.dp) for v in vs] for vs in row]
                      for row in self.weights]
+        # each weight's device (its chunk's under pipeline parallelism): its shard's too
+        self.devices = [[copies.weight_devices(q, t) for t in range(len(row))]
+                        for q, row in enumerate(self.weights)]
         self.shards = []
         for q, row in enumerate(self.weights):
             shard_row = []
             for t, vs in enumerate(row):
-                with tf.init_scope(), tf.device(run.replicas[q][t]):
-                    shard_row.append([
-                        keras.Variable(np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,
-                                       name=f"zero{stage}_shard_q{q}_t{t}_{i}")
-                        for i, (v, cut) in enumerate(zip(vs, self.cuts[q][t]))])
+                shards = []
+                for i, (v, cut, device) in enumerate(zip(vs, self.cuts[q][t],
+                                                         self.devices[q][t])):
+                    with tf.init_scope(), tf.device(device):
+                        shards.append(keras.Variable(
+                            np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,
+                            name=f"zero{stage}_shard_q{q}_t{t}_{i}"))
+                shard_row.append(shards)
             self.shards.append(shard_row)
 
     @property
@@ -168,9 +174,11 @@ class ZeroShards:
 
     # ------------------------------------------------------------------ step
     def load(self, q: int, t: int) -> None:
-        """Device (q, t)'s shards read from its copy's weights (a local slice)."""
-        for v, s, cut in zip(self.weights[q][t], self.shards[q][t], self.cuts[q][t]):
-            s.assign(cut.shard_of(v.value, q))
+        """Copy (q, t)'s shards read from its weights (a local slice on each's device)."""
+        for v, s, cut, device in zip(self.weights[q][t], self.shards[q][t], self.cuts[q][t],
+                                     self.devices[q][t]):
+            with tf.device(device):
+                s.assign(cut.shard_of(v.value, q))
 
     def reduce(self, per_part: Sequence[Sequence[Any]], q: int, t: int) -> list[Any]:
         """Device (q, t)'s shard of the gradient summed over its data-parallel group:
@@ -182,42 +190,46 @@ class ZeroShards:
         return out
 
     def _reduced(self, grads: Sequence[Any], q: int, t: int) -> list[Any]:
-        run, device = self.run, self.run.replicas[q][t]
-        group = run.dp_group(t)
-        cuts = self.cuts[q][t]
+        run, cuts, devices = self.run, self.cuts[q][t], self.devices[q][t]
         out: list[Any] = [None] * len(grads)
-        by_dtype: dict[Any, list[int]] = {}
+        packs: dict[tuple[str, Any], list[int]] = {}  # (device, dtype): weights packed
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
-                out[i] = cuts[i].rows_of(gathered_slices(g, group, device), q)
+                device = devices[i]
+                with tf.device(device):
+                    out[i] = cuts[i].rows_of(gathered_slices(
+                        g, run.chunk_group("dp", device), device), q)
             else:
-                by_dtype.setdefault(g.dtype, []).append(i)
-        for indices in by_dtype.values():
-            packed = tf.concat([tf.reshape(cuts[i].padded(grads[i]), (run.dp, -1))
-                                for i in indices], axis=1)
-            mine = member_reduce_scatter(tf.reshape(packed, [-1]), group, device, "dp")
-            sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
-            for i, piece in zip(indices, tf.split(mine, sizes)):
-                out[i] = tf.reshape(piece, cuts[i].shard_shape)
+                packs.setdefault((devices[i], g.dtype), []).append(i)
+        for (device, _), indices in packs.items():
+            with tf.device(device):
+                packed = tf.concat([tf.reshape(cuts[i].padded(grads[i]), (run.dp, -1))
+                                    for i in indices], axis=1)
+                mine = member_reduce_scatter(tf.reshape(packed, [-1]),
+                                             run.chunk_group("dp", device), device, "dp")
+                sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
+                for i, piece in zip(indices, tf.split(mine, sizes)):
+                    out[i] = tf.reshape(piece, cuts[i].shard_shape)
         return out
 
     def gather(self, q: int, t: int) -> None:
         """Device (q, t)'s updated shards all-gathered over its data-parallel group into
         its copy's weights (kind ``zero``)."""
-        run, device = self.run, self.run.replicas[q][t]
+        run = self.run
         weights, shards, cuts = self.weights[q][t], self.shards[q][t], self.cuts[q][t]
-        by_dtype: dict[Any, list[int]] = {}
-        for i, s in enumerate(shards):
-            by_dtype.setdefault(s.dtype, []).append(i)
-        for indices in by_dtype.values():
-            packed = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], axis=0)
-            whole = tf.reshape(member_all_gather(packed, run.dp_group(t), device, "zero"),
-                               (run.dp, -1))
-            sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
-            for i, piece in zip(indices, tf.split(whole, sizes, axis=1)):
-                cut = cuts[i]
-                rows = tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape))
-                weights[i].assign(tf.reshape(rows[:cut.rows], cut.shape))
+        packs: dict[tuple[str, Any], list[int]] = {}  # (device, dtype): shards packed
+        for i, (s, device) in enumerate(zip(shards, self.devices[q][t])):
+            packs.setdefault((device, s.dtype), []).append(i)
+        for (device, _), indices in packs.items():
+            with tf.device(device):
+                packed = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], 0)
+                whole = tf.reshape(member_all_gather(packed, run.chunk_group("dp", device),
+                                                     device, "zero"), (run.dp, -1))
+                sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
+                for i, piece in zip(indices, tf.split(whole, sizes, axis=1)):
+                    cut = cuts[i]
+                    rows = tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape))
+                    weights[i].assign(tf.reshape(rows[:cut.rows], cut.shape))
 
 
 def _accumulated(total: list[Any], more: list[Any]) -> list[Any]:

@@ -30,12 +30,15 @@ from tests.apply.spmd.test_engine import SPLITS, _named
 STEPS, BATCH = 3, 16
 
 
-def _plan(model, name, *, pp=2, dp=1, tp=1, m=2, schedule="1f1b", v=1):
+def _plan(model, name, *, pp=2, dp=1, tp=1, m=2, schedule="1f1b", v=1, zero=0,
+          recompute="none", offload="none"):
     """A pipeline plan: chunk k on pipeline device k % pp, each a dp x tp grid of CPUs."""
     n = dp * tp
     grids = [helpers.cpus(*range(d * n, (d + 1) * n)) for d in range(pp)]
     plan = helpers.tp_plan(model, grids, _named(SPLITS[name], model) if tp > 1 else (),
-                           dp=dp, num_microbatches=m, global_batch=BATCH)
+                           dp=dp, num_microbatches=m, global_batch=BATCH, zero=zero)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, recompute=recompute, offload=offload))
     if v > 1:
         layers = [name for stage in plan.stages for name in stage.layers]
         bounds = np.linspace(0, len(layers), pp * v + 1).round().astype(int)
@@ -47,7 +50,9 @@ def _plan(model, name, *, pp=2, dp=1, tp=1, m=2, schedule="1f1b", v=1):
                                    plan.strategy, schedule=schedule, virtual_stages=v))
 
 
-def _wrapped(name, **shape):
+def _wrapped(name, optimizer=None, **shape):
+    """(module, plan, wrapped, one-device reference with its weights); ``optimizer``: a
+    function making the optimizer (the model file's by default)."""
     module = helpers.load_model_file(name)
     keras.utils.set_random_seed(0)
     plan = _plan(module.build_model(), name, **shape)
@@ -56,7 +61,8 @@ def _wrapped(name, **shape):
     reference = module.build_model()
     reference.set_weights(wrapped.get_weights())
     for target in (wrapped, reference):
-        target.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+        target.compile(optimizer=(optimizer or (lambda: helpers.fresh_optimizer(module)))(),
+                       loss=module.loss)
     return module, plan, wrapped, reference
 
 
@@ -109,8 +115,49 @@ def test_trains_like_one_device_with_each_weight_on_its_stage(name, shape):
     _assert_each_weight_on_its_chunk(wrapped, plan)
 
 
+@pytest.mark.parametrize("name, shape, clip", [
+    # ZeRO-1 under a pipeline: each chunk's shards on its devices; the global norm over
+    # every chunk of the column (an Embedding's sparse gradient made dense, as Keras does)
+    ("tiny_transformer", dict(dp=2, m=2, zero=1), dict(global_clipnorm=0.05)),
+    # recomputed split layers, the optimizer state on the host, per-weight norms
+    ("tiny_mlp", dict(tp=2, m=2, recompute="full", offload="optimizer"), dict(clipnorm=0.1)),
+])
+def test_zero_recompute_offload_and_clipping_under_a_pipeline(name, shape, clip):
+    module, plan, wrapped, reference = _wrapped(
+        name, optimizer=lambda: keras.optimizers.Adam(1e-2, **clip), **shape)
+    batches = _batches(module)
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                helpers.step_losses(reference, batches))
+    for got, want in zip(wrapped.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-4)
+    opt = wrapped.optimizer
+    if shape.get("zero"):  # the optimizer holds each device's shards, beside them
+        shards = wrapped._zero.variables
+        assert {_device(s.value.device) for s in shards} == {_device(d) for d in plan.devices}
+        for s in shards:
+            i = opt._get_variable_index(s)
+            assert _device(opt._momentums[i].value.device) == _device(s.value.device)
+    if shape.get("offload") == "optimizer":
+        assert all(_device(v.value.device) == ("CPU", 0) for v in opt._momentums)
+
+
+@pytest.fixture
+def policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"], indirect=True)
+def test_mixed_precision_under_a_pipeline_trains_like_one_device(policy):
+    module, _, wrapped, reference = _wrapped("tiny_transformer", tp=2, m=2)
+    batches = _batches(module)
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                helpers.step_losses(reference, batches), rtol=2e-2)
+
+
 @pytest.mark.parametrize("name, shape", [("tiny_transformer", dict(tp=2, m=2)),
-                                         ("tiny_mlp", dict(dp=2, tp=2, m=2))])
+                                         ("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1))])
 def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, shape):
     module, plan, wrapped, _ = _wrapped(name, **shape)
     x, y = module.sample_batch(BATCH)
@@ -122,7 +169,7 @@ def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, sha
     assert not audit.unsized
     for device in plan.devices:
         assert measured[device]["pp"] > 0, device  # activations or their gradients
-        for kind in ("tp", "pp", "dp"):
+        for kind in ("tp", "pp", "dp", "zero"):
             assert measured[device][kind] == pytest.approx(priced[device][kind], rel=0.10,
                                                            abs=64), (device, kind)
     for stage in plan.stages:  # the devices of one stage do the same work

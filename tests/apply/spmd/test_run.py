@@ -65,5 +65,5 @@ def test_a_pipeline_plans_chunks_columns_and_schedule():
     assert run.chunk_group("tp", "/device:CPU:6").devices == tuple(helpers.cpus(6, 7))
     assert dict(run.stage_of_entry) == {"dense_in": 0, "hidden": 0, "narrow": 1, "head": 1}
     assert len(run.all_devices) == 8
-    zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, zero_stage=1))
-    assert refusal(zero) == "ZeRO with pipeline stages"
+    zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, zero_stage=2))
+    assert refusal(zero) == "ZeRO-2 with pipeline stages"
