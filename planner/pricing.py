@@ -48,7 +48,11 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
 - ZeRO stages 1-3 and offloading (``planner.sharding``: which tensors each device
   keeps, which collectives each stage runs per micro-batch and what hides them): over the
   dp x cp ranks that hold the same weights; ZeRO-3 gathers and reduce-scatters layer by
-  layer, so each weighted layer after the first adds a collective's latency.
+  layer, so each weighted layer after the first adds a collective's latency, and it runs
+  each layer's forward again in the backward (with its forward collectives), as "full"
+  recomputation does: TensorFlow's gradient ops read the weights they were made with, so
+  ``apply`` re-gathers them by recomputing the layer (``apply.spmd.zero3``). Its memory is
+  still priced with the activations kept (an overestimate).
 - Sequence parallelism (``planner.sequence``): the per-token layers the tensor-parallel
   group replicates run on 1/tp of the sequence (time and saved bytes / tp); the f/g
   all-reduces become all-gather + reduce-scatter, the same time. Context parallelism:
@@ -460,9 +464,13 @@ class Pricer:
         comm = d["tpf"] + d["tpb"] + d["cpf"] + d["cpb"] + d["send"] + d["a2a"]
         # full recomputation runs each MoE layer's forward again: its dispatch and combine
         recompute = d["recompute"] + d["a2a"] / 2 if c.recompute == "full" else d["recompute"]
+        replicas, zero = c.replicas, c.zero_stage if c.replicas > 1 else 0
+        rerun = zero == 3 and c.recompute != "full"
+        if rerun:  # ZeRO-3 re-gathers and re-runs each layer's forward in its backward
+            # (apply.spmd.zero3: TensorFlow's gradient ops would keep the gathered weights)
+            recompute = recompute + d["fwd"] + d["tpf"] + d["cpf"] + d["a2a"] / 2
         stage_times = compute + comm + recompute
         k = self._in_flight(c.schedule, pp, m, v)
-        replicas, zero = c.replicas, c.zero_stage if c.replicas > 1 else 0
         held, (w, cw, g, o), shard = self._state(d, c, zero)
         memories = np.ceil(cm.with_margin_bytes(held + k * d["kept"] + d["working"]))
         if c.offload == "none":
@@ -497,7 +505,9 @@ class Pricer:
                 else np.tile(np.repeat(busy, c.tp), replicas)
             breakdown = cm.with_shared_cores(breakdown, in_order.tolist(), cluster)
         breakdown = cm.with_step_overhead(breakdown, ctx.profile.measured_step_overhead_s)
-        hw = (self.total_flops + self.recomputed_flops(c.recompute)) / self.b * ctx.global_batch
+        hw = (self.total_flops + self.recomputed_flops("full" if rerun else c.recompute)
+              + (self.recomputed_flops(c.recompute) if rerun else 0.0)) / self.b \
+            * ctx.global_batch
         bounds = d["bounds"]
         # memory per stage of the plan: each chunk reports its device's peak
         return Estimate(c, breakdown, bounds, tuple(int(memories[k % pp])

@@ -29,8 +29,10 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
   as one device's Keras optimizer receives it): its replicas all-gather their rows and
   ids instead, (R-1) x their bytes per device (``sparse_grad_bytes``; what ``apply.spmd``
   and ``tf.distribute`` run, exact where a summed dense gradient would change Adam's
-  second moment), under ZeRO-1/2 too (``apply.spmd.zero``: each replica keeps the rows
-  of its shard), the updated weight then all-gathered (kind ``zero``, (R-1)/R P);
+  second moment), under ZeRO too (``apply.spmd.zero``: each replica keeps the rows
+  of its shard), the updated weight then all-gathered (kind ``zero``, (R-1)/R P; under
+  ZeRO-3 the table is gathered once per micro-batch for the lookup instead, m (R-1)/R W:
+  its backward reads no weights, so the recomputed forward's gather is never run);
 * BatchNormalization statistics under ``global`` (``planner.batch_stats``): per layer and
   step, ``ALLREDUCES_PER_LAYER`` all-reduces of its C float32 values over the replicas
   (``channels``), kind ``dp``;
@@ -81,15 +83,17 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     tp, cp, ep = strategy.tp, strategy.cp, max(1, strategy.ep)
     m, mbs = strategy.num_microbatches, strategy.microbatch_size
     replicas = strategy.dp * cp
-    full = strategy.recompute == "full"
     zero = strategy.zero_stage if replicas > 1 else 0
+    # ZeRO-3 recomputes each layer's forward in its backward (``apply.spmd.zero3``): its
+    # forward collectives run twice, as under full recomputation
+    full = strategy.recompute == "full" or zero == 3
     f = mbs / b
     per_device: dict[str, dict[str, float]] = {}
     comms = profile_comm(profile)
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
-        sparse_weights = 0.0
+        sparse_weights = sparse_tables = 0.0
         for i in range(lo, hi):
             layer = layers[i]
             split = splits[i] if i < len(splits) else ""
@@ -115,9 +119,12 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 sent["dp"] += ALLREDUCES_PER_LAYER * ring_allreduce_sent_bytes(
                     channels(layer) * STAT_BYTES, replicas)
             rows = sparse_grad_bytes(layer, profile.precision) * f * m / cp
-            if rows and replicas > 1 and zero < 3:
+            if rows and replicas > 1:
                 sparse += rows
-                sparse_weights += layer.param_bytes / share  # ZeRO-1/2: gathered after
+                if zero == 3:  # its table gathered for each micro-batch's lookup only
+                    sparse_tables += (layer.compute_weight_bytes or layer.param_bytes) / share
+                else:
+                    sparse_weights += layer.param_bytes / share  # ZeRO-1/2: gathered after
                 continue  # no dense gradient to reduce
             g = layer.grad_bytes / share
             x = experts.expert_share(layer) if ep > 1 else 0.0
@@ -149,6 +156,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 sent["zero"] += ring_half_sent_bytes(weights, replicas)
             elif zero == 3:
                 sent["zero"] += 2 * m * ring_half_sent_bytes(gathered, replicas)
+                sent["zero"] += m * ring_half_sent_bytes(sparse_tables, replicas)
         _add(per_device, chunk_devices[k], sent)
     return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))
                  for d, v in per_device.items())

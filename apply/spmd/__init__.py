@@ -8,7 +8,8 @@ rank's twin from ``rank_layers``, which call ``megatron``'s operators, BatchNorm
 for ``batch_norm``'s twin under dp; under pipeline parallelism each column copy's graph
 cut by chunk in ``stages``, its weights on their chunks' devices) and ``model`` (``SpmdModel``: the steps, the weights
 as the user's model's), whose gradients meet in ``reduction`` (all-reduce) or ``zero``
-(ZeRO-1/2: reduce-scatter, sharded update, all-gather), and whose optimizer state reads
+(ZeRO-1/2: reduce-scatter, sharded update, all-gather; ZeRO-3's layers gather their
+weights from the shards in ``zero3``), and whose optimizer state reads
 and writes as one device's in ``optimizer_state``. A pipeline plan's step runs each
 column's slots in the schedule's order through ``pipeline``.
 """

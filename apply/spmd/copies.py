@@ -135,6 +135,8 @@ def _recompute(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescripti
     on this instance; under "selective" the attention cores inside them. A split layer's
     twin is recomputed with its collectives (the forward's all-reduce runs again in the
     backward, as ``planner.traffic`` prices full recomputation)."""
+    if run.zero_stage == 3 and run.recompute == "full":
+        return  # ZeRO-3 recomputes every layer with weights already (apply.spmd.zero3)
     for name in run.recomputed:  # top-level layers: a split one is its twin by now
         layer = model.get_layer(layers[name][0])
         if run.recompute == "selective":

@@ -65,6 +65,7 @@ from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
+from tfplan.apply.spmd.zero3 import install as install_zero3
 from tfplan.core.errors import PlannerError
 
 HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
@@ -87,6 +88,9 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         run = copies.run
         # a plain object too: its shards are scratch, read from the copies every step
         self._zero = ZeroShards(copies, run.zero_stage) if run.zero_stage else None
+        if run.zero_stage == 3:  # the shards are the weights trained (apply.spmd.zero3)
+            self._zero.load_all()
+            install_zero3(copies, self._zero)
         self._optimizer_state = OptimizerState(copies, self._zero)  # plain, like _copies
         self.built = True
 
@@ -288,7 +292,9 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                 device = run.replicas[q][t]
                 vs = model.trainable_variables
                 with tf.device(device):
-                    if zero is not None:
+                    if zero is not None and zero.stage == 3:  # reduce-scattered already
+                        gs = _gradients(tape, totals[q][t], zero.shards[q][t])
+                    elif zero is not None:
                         zero.load(q, t)
                         # ZeRO-2: each micro-batch's gradient reduced as soon as it exists
                         per_part = losses[q][t] if zero.stage == 2 else [totals[q][t]]
@@ -306,7 +312,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
-        if zero is not None:
+        if zero is not None and zero.stage < 3:
             for q, replica in enumerate(run.replicas):
                 for t, device in enumerate(replica):
                     with tf.device(device):
@@ -519,10 +525,14 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
 
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:
+        if self._zero is not None and self._zero.stage == 3:
+            self._zero.to_copies()  # ZeRO-3 trains the shards
         return self._copies.get_weights()
 
     def set_weights(self, weights: Any) -> None:
         self._copies.set_weights(weights)
+        if self._zero is not None and self._zero.stage == 3:
+            self._zero.load_all()
 
     def _template(self) -> Any:
         """The model of the user's structure on the host, holding the unsplit weights and,

@@ -40,7 +40,7 @@ class RunDescription:
     row_fed: frozenset[str]
     num_microbatches: int
     global_batch: int
-    zero_stage: int = 0  # 1, 2: apply.spmd.zero (0 where dp = 1: nothing to shard over)
+    zero_stage: int = 0  # 1, 2: apply.spmd.zero; 3: apply.spmd.zero3 (0 where dp = 1)
     recompute: str = "none"  # "full": whole layers; "selective": their attention cores
     recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
     batch_norm: str = "global"  # statistics over the dp group (apply.spmd.batch_norm)
@@ -132,13 +132,11 @@ def refusal(plan: Plan) -> str:
         return "a general placement"
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
-    if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses it too)
-        return "ZeRO-2 with pipeline stages"
+    if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
+        return f"ZeRO-{s.zero_stage} with pipeline stages"
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"
-    if s.zero_stage > 2:
-        return "ZeRO-3"
     if s.offload not in ("none", "optimizer"):
         return "offload of the weights"
     if s.sequence_parallel:

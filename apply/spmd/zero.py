@@ -173,6 +173,25 @@ class ZeroShards:
             opt.exclude_from_weight_decay(var_list=excluded)
 
     # ------------------------------------------------------------------ step
+    def load_all(self) -> None:
+        """Every shard read from its copy (eagerly: ZeRO-3's start, and after
+        ``set_weights``)."""
+        for q, row in enumerate(self.weights):
+            for t in range(len(row)):
+                self.load(q, t)
+
+    def to_copies(self) -> None:
+        """Every copy's weights written from the shards (eagerly: ZeRO-3 trains the shards;
+        before the weights are read)."""
+        dp = self.run.dp
+        for t in range(len(self.weights[0])):
+            for j, cut in enumerate(self.cuts[0][t]):
+                rows = np.concatenate([np.asarray(self.shards[q][t][j].numpy())
+                                       for q in range(dp)], axis=0)[:cut.rows]
+                whole = rows.reshape(cut.shape)
+                for q in range(dp):
+                    self.weights[q][t][j].assign(whole)
+
     def load(self, q: int, t: int) -> None:
         """Copy (q, t)'s shards read from its weights (a local slice on each's device)."""
         for v, s, cut, device in zip(self.weights[q][t], self.shards[q][t], self.cuts[q][t],

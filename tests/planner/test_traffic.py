@@ -62,6 +62,10 @@ def test_a_column_split_no_row_split_reads_all_gathers_its_output():
     sent = _sent(s, [(0, 2)], splits=("column", ""), n_layers=2)
     assert sent[DEV[0]]["tp"] == 4096 + 32768 // 2
     full = dataclasses.replace(s, recompute="full")  # the forward's gather runs again
+    # ZeRO-3 re-runs each layer's forward (apply.spmd.zero3): its collectives too
+    zero3 = Strategy(dp=2, tp=2, pp=1, microbatch_size=4, num_microbatches=1, zero_stage=3)
+    assert _sent(zero3, [(0, 2)], splits=("column", "row"), n_layers=2)[DEV[0]]["tp"] == \
+        (4096 + 2 * 32768) // 2
     assert _sent(full, [(0, 2)], splits=("column", ""), n_layers=2)[DEV[0]]["tp"] == \
         4096 + 32768
 

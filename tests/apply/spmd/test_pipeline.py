@@ -156,8 +156,7 @@ def test_mixed_precision_under_a_pipeline_trains_like_one_device(policy):
                                 helpers.step_losses(reference, batches), rtol=2e-2)
 
 
-@pytest.mark.parametrize("name, shape", [("tiny_transformer", dict(tp=2, m=2)),
-                                         ("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1))])
+@pytest.mark.parametrize("name, shape", [("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1))])
 def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, shape):
     module, plan, wrapped, _ = _wrapped(name, **shape)
     x, y = module.sample_batch(BATCH)

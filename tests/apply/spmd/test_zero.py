@@ -1,6 +1,8 @@
-"""ZeRO-1 and ZeRO-2 on the SPMD engine (apply.spmd.zero): each data-parallel rank keeps
-1/dp of every weight's optimizer state, receives its shard of the summed gradients by a
-reduce-scatter, and all-gathers the updated shards; training equals one device's.
+"""ZeRO-1, 2 and 3 on the SPMD engine (apply.spmd.zero, apply.spmd.zero3): each
+data-parallel rank keeps 1/dp of every weight's optimizer state, receives its shard of the
+summed gradients by a reduce-scatter, and all-gathers the updated shards (ZeRO-3: trains the
+shards, gathering each layer's weights for its forward and its backward); training equals
+one device's.
 
 Cases as in test_engine (seed 0, per-step losses within 1e-4 of one device's, float32),
 with the transformer's Embedding (sparse gradients, repeated ids: Adam's rows) among them.
@@ -41,7 +43,8 @@ def _assert_state_on_the_shards_devices(wrapped) -> None:
 
 @pytest.mark.parametrize("name, case, zero", [
     ("tiny_mlp", "dp4", 1), ("tiny_mlp", "dp2-m2", 2),
-    ("tiny_transformer", "dp2xtp2", 1), ("tiny_transformer", "dp2-m2", 2)])
+    ("tiny_transformer", "dp2xtp2", 1), ("tiny_transformer", "dp2-m2", 2),
+    ("tiny_transformer", "dp2xtp2", 3), ("tiny_mlp", "dp2-m2", 3)])
 def test_zero_trains_like_one_device_with_the_state_sharded(name, case, zero):
     module, _, wrapped, reference = _wrapped(name, case, zero=zero)
     assert wrapped.run_description.zero_stage == zero
@@ -53,8 +56,9 @@ def test_zero_trains_like_one_device_with_the_state_sharded(name, case, zero):
     _assert_state_on_the_shards_devices(wrapped)
 
 
-@pytest.mark.parametrize("name, case, zero", [("tiny_mlp", "dp2-m2", 2),
-                                              ("tiny_transformer", "dp2-m2", 1)])
+@pytest.mark.parametrize("name, case, zero", [("tiny_mlp", "dp4", 1), ("tiny_mlp", "dp2-m2", 2),
+                                              # an Embedding's rows and table too
+                                              ("tiny_transformer", "dp2-m2", 3)])
 def test_zero_sends_what_the_plan_prices(name, case, zero):
     module, plan, wrapped, _ = _wrapped(name, case, zero=zero)
     x, y = module.sample_batch(BATCH)
@@ -69,6 +73,25 @@ def test_zero_sends_what_the_plan_prices(name, case, zero):
                                                            rel=0.10), (device, kind)
     totals = [audit.total(d) - measured[d]["input"] for d in plan.devices]
     assert max(totals) <= 1.25 * sum(totals) / len(totals)
+
+
+def test_zero3_gathers_each_layers_weights_from_the_shards_and_refuses_layer_state():
+    module, _, wrapped, reference = _wrapped("tiny_mlp", "dp4", zero=3)
+    x, y = module.sample_batch(BATCH)
+    wrapped.train_on_batch(x, y)
+    reference.train_on_batch(x, y)
+    # the shards are the weights trained: the copies' own variables are stale until read
+    copy = wrapped._copies.models[1][0]
+    stale = [np.asarray(v.numpy()) for v in copy.trainable_variables]
+    got = wrapped.get_weights()  # written from the shards
+    assert any(not np.array_equal(a, b) for a, b in zip(stale, got))
+    for a, b in zip(got, reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    wrapped.set_weights(reference.get_weights())  # written into the shards
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), reference.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(PlannerError, match="non-trainable state.*zero=2"):
+        _wrapped("tiny_resnet_bn", "dp4", zero=3)
 
 
 def test_clipping_weight_decay_exclusions_and_loss_scaling_are_one_devices():
