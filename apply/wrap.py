@@ -225,6 +225,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     from tfplan.apply.mode import Processes
     from tfplan.apply.spmd import refusal
     from tfplan.apply.spmd.batch_norm import is_batch_norm
+    from tfplan.apply.spmd.rank_layers import split_problem
     from tfplan.profiler.signature import profiled_layer_paths
 
     if mode.processes is not Processes.ONE_HOST:
@@ -247,6 +248,12 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
         entries = dict(profiled_layer_paths(view))
         if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
             return "BatchNormalization inside a nested model"
+    if s.tp > 1:
+        entries = dict(profiled_layer_paths(view))
+        for name, split in plan.tp_splits:
+            problem = split_problem(entries[name], split, s.tp) if name in entries else ""
+            if problem:
+                return f"a split it does not run ({name!r}: {problem})"
     return refusal(plan)
 
 

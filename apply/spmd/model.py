@@ -46,6 +46,7 @@ and in any plan of it; once compiled, with one device's optimizer state
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import keras
@@ -80,7 +81,9 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         self.plan = plan  # the plan, matched to the model (``Plan.for_model``)
         self._copies = copies  # a plain object: Keras tracks the models below, once
         self.device_models = [m for row in copies.models for m in row]
-        self._template_model = template  # the user's structure, on the host
+        # the user's structure, on the host: held in a plain object, so Keras does not
+        # track it (its weights are not the wrapped model's, nor trained)
+        self._host = _Host(template)
         self._split_vars = {id(v) for m in self.device_models
                             for layer in compat.flatten_layers(m)
                             if is_twin(layer)
@@ -538,9 +541,10 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         """The model of the user's structure on the host, holding the unsplit weights and,
         once this model is compiled, one device's optimizer state
         (``apply.spmd.optimizer_state``)."""
-        self._template_model.set_weights(self.get_weights())
-        self._optimizer_state.to_template(self._template_model, self.loss)
-        return self._template_model
+        template = self._host.model
+        template.set_weights(self.get_weights())
+        self._optimizer_state.to_template(template, self.loss)
+        return template
 
     def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """The user's model's weights (and optimizer state, as one device's)."""
@@ -563,6 +567,13 @@ def _per_row(mask: Any) -> int:
     if mask is None or any(d is None for d in mask.shape[1:]):
         return 1
     return int(np.prod(mask.shape[1:]))
+
+
+@dataclass(frozen=True)
+class _Host:
+    """The user's model on the host, out of Keras' tracking (``SpmdModel._template``)."""
+
+    model: Any
 
 
 def _divided(grads: dict[str, tuple[list[Any], list[Any]]], total: Any, at: str

@@ -89,6 +89,10 @@ def _assert_state_on_its_devices(wrapped) -> None:
     """Every variable of the copy of device d on d; each optimizer slot beside its variable."""
     run = wrapped.run_description
     opt = wrapped.optimizer
+    # the model trains the copies' weights only (not the host's template of weight files)
+    assert {id(v) for v in wrapped.trainable_variables} == {
+        id(v) for m in wrapped.device_models for v in m.trainable_variables}
+    assert len(opt._momentums) == len(wrapped.trainable_variables)
     for model, device in zip(wrapped.device_models, run.devices):
         for v in model.variables:
             assert _device(v.value.device) == _device(device), (v.path, device)
@@ -129,6 +133,23 @@ def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, cas
         assert measured[device] == pytest.approx(priced[device], rel=0.10), device
     mean = sum(measured[d] for d in plan.devices) / len(plan.devices)
     assert max(measured[d] for d in plan.devices) <= 1.25 * mean
+
+
+def test_a_split_the_spmd_engine_does_not_run_goes_to_the_older_engine():
+    # the CNN's convolutions split by column/row: apply.tensor_parallel runs them
+    module = helpers.load_model_file("tiny_cnn")
+    keras.utils.set_random_seed(0)
+    model = module.build_model()
+    plan = helpers.tp_plan(model, [helpers.cpus(0, 1)], SPLITS["tiny_cnn"])
+    wrapped = apply.wrap(module.build_model, plan)
+    assert not isinstance(wrapped, SpmdModel)
+    reference = module.build_model()
+    reference.set_weights(wrapped.get_weights())
+    for target in (wrapped, reference):
+        target.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    batches = helpers.batches_of(module, 2, BATCH)
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                helpers.step_losses(reference, batches))
 
 
 def test_custom_layers_without_get_config_train_from_the_builder_and_a_built_one_is_refused():
