@@ -11,7 +11,7 @@ per mode: each device's measured bytes (tp/pp/dp/other; the input batch's feedin
 out), the priced bytes (ZeRO's gathers as kind zero), and the busiest device's share against its group's mean (the
 issue's bar: at most 1.25x, measured within 10% of priced).
 
-    .venv/bin/python benchmarks/comm_audit.py [--json]
+    .venv/bin/python benchmarks/comm_audit.py [--json] [--built] [--modes MODE ...]
 """
 from __future__ import annotations
 
@@ -24,15 +24,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage)
+MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "dp4": ([[0, 1, 2, 3]], 4, 1, 0),
     "pp2-m2": ([[0], [1]], 1, 2, 0),
+    "tp2xpp2-m2-1f1b": ([[0, 1], [2, 3]], 1, 2, 0, "1f1b"),
+    "dp2xtp2xpp2-m2-1f1b": ([[0, 1, 2, 3], [4, 5, 6, 7]], 2, 2, 0, "1f1b"),
     "tp2": ([[0, 1]], 1, 1, 0),
     "tp4": ([[0, 1, 2, 3]], 1, 1, 0),
     "dp2xtp2": ([[0, 1, 2, 3]], 2, 1, 0),
     "dp4-zero1": ([[0, 1, 2, 3]], 4, 1, 1),
     "dp4-m2-zero2": ([[0, 1, 2, 3]], 4, 2, 2),
     "dp2xtp2-zero1": ([[0, 1, 2, 3]], 2, 1, 1),
+    "dp4-zero3": ([[0, 1, 2, 3]], 4, 1, 3),
+    "dp2xtp2-zero3": ([[0, 1, 2, 3]], 2, 1, 3),
 }
 
 
@@ -41,6 +45,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--built", action="store_true",
                         help="wrap the built model (the older engines) instead of its builder")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES),
+                        help="the modes to measure (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
@@ -61,7 +67,7 @@ def main() -> int:
     rows = []
     for model_name in ("tiny_mlp", "tiny_transformer"):
         module = load_model_file(model_name)
-        for mode, (stages, dp, m, zero) in MODES.items():
+        for mode, (stages, dp, m, zero, *schedule) in ((k, MODES[k]) for k in args.modes):
             keras.utils.set_random_seed(0)
             model = module.build_model()
             plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
@@ -70,7 +76,8 @@ def main() -> int:
             plan = dataclasses.replace(
                 plan, tp_splits=SPLITS[model_name] if tp > 1 else (),
                 strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=zero,
-                                             microbatch_size=16 // (dp * m)))
+                                             microbatch_size=16 // (dp * m),
+                                             schedule=(schedule or [plan.strategy.schedule])[0]))
             keras.utils.set_random_seed(0)
             wrapped = apply.wrap(model if args.built else module.build_model, plan)
             wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)

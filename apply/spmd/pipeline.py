@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import keras
 import tensorflow as tf
 
 from tfplan import compat
@@ -128,8 +129,8 @@ class ColumnPass:
                 view[i] = copy
                 self.received[j][k].append((i, copy))
             called = self.program.run_chunk(k, view, self.training)
-            for i, chunk in self.program.producer.items():
-                if chunk == k and i in view:
+            for i in self.program.made(k):
+                if i in view:
                     self.values[j][i] = view[i]
             self.aux[j][k] = [loss for layer in called for loss in getattr(layer, "losses", ())]
             if k == self.program.chunks - 1:
@@ -229,6 +230,4 @@ def _chunk_weights(program: StageProgram, k: int) -> list[Any]:
 
 
 def _unpack(part: Any) -> tuple[Any, Any, Any]:
-    import keras
-
     return keras.utils.unpack_x_y_sample_weight(part)

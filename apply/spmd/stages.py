@@ -53,6 +53,8 @@ class StageProgram:
     chunks: int
     steps: list[Step] = field(default_factory=list)
     producer: dict[int, int] = field(default_factory=dict)  # tensor id -> chunk making it
+    _received: dict[int, list[int]] = field(default_factory=dict)  # cached per chunk
+    _made: dict[int, list[int]] = field(default_factory=dict)
 
     def feed(self, values: dict[int, Any], x: Any) -> None:
         """The model's inputs ``x`` bound to its graph's input tensors."""
@@ -77,16 +79,24 @@ class StageProgram:
     def received(self, k: int) -> list[int]:
         """Ids of the values chunk k reads that earlier chunks make (in first-read order);
         on the last chunk, the model's outputs made earlier too."""
-        reads = [i for step in self.steps if step.chunk == k for i in step.inputs]
-        if k == self.chunks - 1:
-            reads += [id(t) for t in self.graph.outputs]
-        return list(dict.fromkeys(i for i in reads if self.producer.get(i, 0) < k
-                                  and i in self.producer))
+        if k not in self._received:
+            reads = [i for step in self.steps if step.chunk == k for i in step.inputs]
+            if k == self.chunks - 1:
+                reads += [id(t) for t in self.graph.outputs]
+            self._received[k] = list(dict.fromkeys(
+                i for i in reads if i in self.producer and self.producer[i] < k))
+        return self._received[k]
 
     def sent(self, k: int) -> list[int]:
         """Ids of the values chunk k makes that later chunks read."""
         return list(dict.fromkeys(i for j in range(k + 1, self.chunks)
                                   for i in self.received(j) if self.producer[i] == k))
+
+    def made(self, k: int) -> list[int]:
+        """Ids of the values chunk k's steps make."""
+        if k not in self._made:
+            self._made[k] = [i for i, chunk in self.producer.items() if chunk == k]
+        return self._made[k]
 
     def layers_of(self, k: int) -> list[Any]:
         return [s.layer for s in self.steps if s.chunk == k and s.layer is not None]

@@ -106,13 +106,16 @@ def test_zero_gathers_an_embeddings_rows_and_then_its_updated_weights():
     emb = dataclasses.replace(p.layers[0], type="Embedding", output_shape=(None, 4, 8))
     p = dataclasses.replace(p, layers=(emb, p.layers[1]))
     rows = 4 * 8192 + 4 * 1024
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         s = Strategy(dp=4, tp=1, pp=1, microbatch_size=2, num_microbatches=1, zero_stage=stage)
         sent = dict(dict(sent_bytes_per_device(p, s, [(0, 2)], ("", ""), [DEV[:4]]))[DEV[0]])
-        dense = {0: 2 * 3 * 4000 // 4, 1: 3 * 4000 // 4, 2: 3 * 4000 // 4}[stage]
+        dense = {0: 2 * 3 * 4000 // 4, 1: 3 * 4000 // 4, 2: 3 * 4000 // 4,
+                 3: 3 * 4000 // 4}[stage]
         assert sent["dp"] == round(3 * rows / 4) + dense  # (R-1) x each replica's rows
-        # ZeRO-1/2: d1's shards (priced at G = P here) and the Embedding's, all-gathered
-        gathers = {0: 0, 1: 2 * (3 * 4000 // 4), 2: 2 * (3 * 4000 // 4)}
+        # ZeRO-1/2: d1's shards (priced at G = P here) and the Embedding's, all-gathered;
+        # ZeRO-3: d1 gathered for its forward and backward, the table for the lookup only
+        gathers = {0: 0, 1: 2 * (3 * 4000 // 4), 2: 2 * (3 * 4000 // 4),
+                   3: 2 * (3 * 4000 // 4) + 3 * 4000 // 4}
         assert sent["zero"] == gathers[stage]
 
 
