@@ -28,12 +28,15 @@ each):
 
 Layers holding non-trainable variables (BatchNormalization's moving statistics, a dropout's
 seed state) would update them in a stateless call not at all, and twice in the
-recomputation: ``install`` refuses them, naming the layer. The copies' own variables keep
-their storage and are written from the shards when the weights are read
-(``ZeroShards.to_copies``).
+recomputation: ``install`` refuses them, naming the layer.
+
+Not yet: the copies' own variables keep their storage (written from the shards when the
+weights are read, ``ZeroShards.to_copies``), so a device's weight memory is still a whole
+copy's; ``install`` warns so.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import keras
@@ -49,6 +52,11 @@ from tfplan.core.errors import PlannerError
 def install(copies: Any, zero: Any) -> None:
     """Every unit layer of every copy gathered from the shards (module docstring)."""
     run = copies.run
+    warnings.warn(
+        f"Plan {run.plan_name!r}: ZeRO-3 on the SPMD engine trains the shards and gathers "
+        "each layer's weights from them, but each device still holds its copy's whole "
+        "weights too (not freed yet): its weight memory is ZeRO-2's, not the plan's "
+        "ZeRO-3 figure. The step's communication and results are ZeRO-3's.", stacklevel=3)
     for q, row in enumerate(copies.models):
         for t, model in enumerate(row):
             index = {id(v): i for i, v in enumerate(zero.weights[q][t])}

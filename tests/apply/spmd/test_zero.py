@@ -77,7 +77,8 @@ def test_zero_sends_what_the_plan_prices(name, case, zero):
 
 
 def test_zero3_gathers_each_layers_weights_from_the_shards_and_refuses_layer_state():
-    module, _, wrapped, reference = _wrapped("tiny_mlp", "dp4", zero=3)
+    with pytest.warns(UserWarning, match="whole weights too"):  # not freed yet: said
+        module, _, wrapped, reference = _wrapped("tiny_mlp", "dp4", zero=3)
     x, y = module.sample_batch(BATCH)
     wrapped.train_on_batch(x, y)
     reference.train_on_batch(x, y)
