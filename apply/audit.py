@@ -359,7 +359,8 @@ def _restored(model: Any) -> Iterator[None]:
         yield
     finally:
         for v, value in zip(unique, saved):
-            v.assign(value)
+            if value.shape == tuple(v.shape):  # (a ZeRO-3 copy's freed weight holds none)
+                v.assign(value)
 
 
 @contextlib.contextmanager

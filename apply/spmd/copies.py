@@ -67,24 +67,28 @@ class Copies:
                 chunk.setdefault(id(w), step.chunk)
         return [column[chunk.get(id(v), 0)] for v in model.trainable_variables]
 
-    def get_weights(self) -> list[np.ndarray]:
-        """The user's model's weights, unsplit, from replica 0."""
+    def get_weights(self, read: Any = None) -> list[np.ndarray]:
+        """The user's model's weights, unsplit, from replica 0; ``read(q, t, variable)``:
+        a copy's weight's value where the variable does not hold it (ZeRO-3's shards)."""
+        read = read or (lambda q, t, v: np.asarray(v.numpy()))
         ranks = [m.weights for m in self.models[0]]
-        return [np.asarray(ranks[0][j].numpy()) if axis is None else
-                np.concatenate([np.asarray(w[j].numpy()) for w in ranks], axis=axis)
+        return [read(0, 0, ranks[0][j]) if axis is None else
+                np.concatenate([read(0, t, w[j]) for t, w in enumerate(ranks)], axis=axis)
                 for j, axis in enumerate(self.axes)]
 
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        """Write the user's model's (unsplit) ``weights`` into every copy."""
+    def set_weights(self, weights: Sequence[Any], write: Any = None) -> None:
+        """Write the user's model's (unsplit) ``weights`` into every copy;
+        ``write(q, t, variable, value)`` where the variable does not hold its value."""
         if len(weights) != len(self.axes):
             raise ValueError(f"set_weights received {len(weights)} arrays; the model has "
                              f"{len(self.axes)} weights.")
-        for replica in self.models:
+        write = write or (lambda q, t, v, value: v.assign(value))
+        for q, replica in enumerate(self.models):
             for t, model in enumerate(replica):
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
                     full = np.asarray(weights[j])
-                    var.assign(full if axis is None else
-                               np.split(full, len(replica), axis=axis)[t])
+                    write(q, t, var, full if axis is None else
+                          np.split(full, len(replica), axis=axis)[t])
 
 
 def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:

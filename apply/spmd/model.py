@@ -528,14 +528,15 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
 
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:
-        if self._zero is not None and self._zero.stage == 3:
-            self._zero.to_copies()  # ZeRO-3 trains the shards
+        if self._zero is not None and self._zero.stage == 3:  # ZeRO-3 trains the shards
+            return self._copies.get_weights(read=self._zero.read)
         return self._copies.get_weights()
 
     def set_weights(self, weights: Any) -> None:
-        self._copies.set_weights(weights)
         if self._zero is not None and self._zero.stage == 3:
-            self._zero.load_all()
+            self._copies.set_weights(weights, write=self._zero.write)
+            return
+        self._copies.set_weights(weights)
 
     def _template(self) -> Any:
         """The model of the user's structure on the host, holding the unsplit weights and,

@@ -139,6 +139,8 @@ class ZeroShards:
                         for row in copies.models]
         self.cuts = [[[Cut(tuple(int(d) for d in v.shape), run.dp) for v in vs] for vs in row]
                      for row in self.weights]
+        self._index = [[{id(v): i for i, v in enumerate(vs)} for vs in row]
+                       for row in self.weights]
         # each weight's device (its chunk's under pipeline parallelism): its shard's too
         self.devices = [[copies.weight_devices(q, t) for t in range(len(row))]
                         for q, row in enumerate(self.weights)]
@@ -180,17 +182,25 @@ class ZeroShards:
             for t in range(len(row)):
                 self.load(q, t)
 
-    def to_copies(self) -> None:
-        """Every copy's weights written from the shards (eagerly: ZeRO-3 trains the shards;
-        before the weights are read)."""
-        dp = self.run.dp
-        for t in range(len(self.weights[0])):
-            for j, cut in enumerate(self.cuts[0][t]):
-                rows = np.concatenate([np.asarray(self.shards[q][t][j].numpy())
-                                       for q in range(dp)], axis=0)[:cut.rows]
-                whole = rows.reshape(cut.shape)
-                for q in range(dp):
-                    self.weights[q][t][j].assign(whole)
+    def read(self, q: int, t: int, variable: Any) -> np.ndarray:
+        """Copy (q, t)'s ``variable``'s value: joined from every rank's shards where ZeRO-3
+        trains it (its own storage is freed), else its own."""
+        j = self._index[q][t].get(id(variable))
+        if j is None:
+            return np.asarray(variable.numpy())
+        cut = self.cuts[q][t][j]
+        rows = np.concatenate([np.asarray(self.shards[r][t][j].numpy())
+                               for r in range(self.run.dp)], axis=0)[:cut.rows]
+        return rows.reshape(cut.shape)
+
+    def write(self, q: int, t: int, variable: Any, value: Any) -> None:
+        """Copy (q, t)'s ``variable`` set to ``value``: its shard where ZeRO-3 trains it."""
+        j = self._index[q][t].get(id(variable))
+        if j is None:
+            variable.assign(value)
+            return
+        cut = self.cuts[q][t][j]
+        self.shards[q][t][j].assign(np.asarray(cut.shard_of(np.asarray(value), q)))
 
     def load(self, q: int, t: int) -> None:
         """Copy (q, t)'s shards read from its weights (a local slice on each's device)."""

@@ -30,13 +30,14 @@ Layers holding non-trainable variables (BatchNormalization's moving statistics, 
 seed state) would update them in a stateless call not at all, and twice in the
 recomputation: ``install`` refuses them, naming the layer.
 
-Not yet: the copies' own variables keep their storage (written from the shards when the
-weights are read, ``ZeroShards.to_copies``), so a device's weight memory is still a whole
-copy's; ``install`` warns so.
+The copies' own variables of the gathered weights give up their storage
+(``compat.free_storage``): every read of them in a step goes through the gather, and the
+weights read and write as the user's model's through the shards (``ZeroShards.read`` /
+``write``), so a device holds 1/dp of its copy's weights (and a layer's gathered ones
+while it runs).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Sequence
 
 import keras
@@ -52,11 +53,6 @@ from tfplan.core.errors import PlannerError
 def install(copies: Any, zero: Any) -> None:
     """Every unit layer of every copy gathered from the shards (module docstring)."""
     run = copies.run
-    warnings.warn(
-        f"Plan {run.plan_name!r}: ZeRO-3 on the SPMD engine trains the shards and gathers "
-        "each layer's weights from them, but each device still holds its copy's whole "
-        "weights too (not freed yet): its weight memory is ZeRO-2's, not the plan's "
-        "ZeRO-3 figure. The step's communication and results are ZeRO-3's.", stacklevel=3)
     for q, row in enumerate(copies.models):
         for t, model in enumerate(row):
             index = {id(v): i for i, v in enumerate(zero.weights[q][t])}
@@ -75,6 +71,8 @@ def install(copies: Any, zero: Any) -> None:
                         "--fix zero=2 (or 1), or pass apply.wrap the built model.")
                 layer.call = recompute_call(
                     _gathered(layer, layer.call, mine, zero, q, t, sparse), tape_only=True)
+                for i in mine:  # read only through the gathers from now on
+                    compat.free_storage(zero.weights[q][t][i])
 
 
 def _units(model: Any) -> list[Any]:

@@ -375,6 +375,18 @@ def test_node_call_arguments_are_the_symbolic_arguments_of_the_call():
     assert out.shape == (None, 3)
 
 
+def test_free_storage_empties_a_variable_and_keeps_its_keras_shape():
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    compat.free_storage(layer.kernel)
+    assert tuple(layer.kernel.shape) == (4, 3) and layer.kernel.dtype == "float32"
+    assert tuple(layer.kernel.value.shape) == (0,)
+    full = np.ones((4, 3), "float32")
+    with keras.StatelessScope(state_mapping=[(layer.kernel, full)]):
+        out = layer(np.ones((1, 4), "float32"))  # reads the mapped value
+    np.testing.assert_allclose(np.asarray(out), [[4.0, 4.0, 4.0]])
+
+
 def test_fill_in_arguments_puts_values_in_place_of_a_nodes_keras_tensors():
     a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
     add = keras.layers.Add(name="add")
