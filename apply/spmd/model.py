@@ -24,7 +24,9 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
   rank t of every replica) in one packed ``CollectiveReduceV2`` per dtype
   (``apply.spmd.reduction``), so every replica applies the same update to its copy. Under
   ZeRO-1/2 (``apply.spmd.zero``) each device receives only its shard of the sum (a
-  reduce-scatter), updates its shards, and all-gathers them into its copy. A
+  reduce-scatter), updates its shards, and all-gathers them into its copy; under ZeRO-3
+  (``apply.spmd.zero3``) the shards are the weights, the gathers inside each layer's call
+  and the reduce-scatters their gradients, so the tape's gradients are the shards'. A
   ``global_clipnorm`` / ``clipnorm`` is applied to the one-device norms (each split
   weight's squares summed over its tensor ranks by one small all-reduce, and over the
   data-parallel group where ZeRO holds shards), not the norm over the copies the optimizer
@@ -33,6 +35,10 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
   copy's, or under ZeRO each shard's) lives on the device's host CPU; each reduced gradient
   is copied there, the update runs there, and the new value is written back to the
   device.
+* **Pipelines** (``_pipeline_train_step``, ``apply.spmd.pipeline``): each column runs its
+  slots in the schedule's order, each backward slot one gradient on its stage's device;
+  under 1F1B a part's loss is weighted by the batch's rows before every count is known
+  (``_slot_targets``), then each device's gradients meet over its stage's dp group.
 * **Metrics and the logged loss** are updated per part, on the part's tensor rank 0, in
   the model's own metric variables: Keras' metric states are sums (totals and counts), so
   adding the parts' updates gives one device's values.
