@@ -83,7 +83,7 @@ def slot_order(run: RunDescription) -> list[Slot]:
 class ColumnPass:
     """One column's micro-batches through its chunks, slot by slot (module docstring).
 
-    ``loss_terms(j, x, y, y_pred, sw, valid, aux)``: part j's loss terms on the last chunk
+    ``loss_terms(x, y, y_pred, sw, valid, aux)``: a part's loss terms on the last chunk
     (``SpmdModel._loss_terms``' dict); ``aux``: the part's added losses of every chunk."""
 
     def __init__(self, run: RunDescription, program: StageProgram, column: Sequence[str],
