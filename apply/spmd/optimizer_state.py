@@ -111,10 +111,9 @@ class OptimizerState:
         run = self.copies.run
         if self.zero is None:
             return np.asarray(self.engine.slots(self._holders(0, t, j))[k].numpy())
-        cut = self.zero.cuts[0][t][j]
-        rows = np.concatenate([np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
-                               for q in range(run.dp)], axis=0)
-        return rows[:cut.rows].reshape(cut.shape)
+        return self.zero.cuts[0][t][j].unpadded(np.concatenate(
+            [np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
+             for q in range(run.dp)], axis=0))
 
     def _joined(self, j: int, k: int) -> np.ndarray:
         pieces = [self._rank_piece(t, j, k) for t in range(self.copies.run.tp)]

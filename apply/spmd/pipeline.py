@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.schedule import forward_waits
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.apply.spmd.stages import StageProgram
@@ -187,7 +188,7 @@ class ColumnPass:
                 if g is None:
                     continue
                 before = self.grads[k].get(id(w))
-                self.grads[k][id(w)] = g if before is None else _added(before, g)
+                self.grads[k][id(w)] = g if before is None else sum_gradients([before, g])
                 done.append(g.op)
             for (i, _), g in zip(received, grads[len(weights):]):
                 if g is not None:
@@ -208,16 +209,6 @@ class ColumnPass:
                     gs.append(tf.zeros_like(w) if g is None else g)
                     vs.append(w)
         return out
-
-
-def _added(a: Any, b: Any) -> Any:
-    """Two gradients of one weight summed as the tape sums them: sparse ones (an
-    Embedding's) stay ``tf.IndexedSlices``, their rows concatenated (Keras' optimizers
-    update a sparse gradient's rows, which one device's step does too)."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
-                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def _chunk_weights(program: StageProgram, k: int) -> list[Any]:

@@ -42,7 +42,7 @@ the fix. ``AdamW``'s exclusions from weight decay follow each weight to its shar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -50,6 +50,7 @@ import tensorflow as tf
 
 from tfplan import compat
 from tfplan.apply.collective_ops import member_all_gather, member_reduce_scatter
+from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.placement import inner_optimizer
 from tfplan.apply.spmd.reduction import gathered_slices
 from tfplan.core.errors import PlannerError
@@ -92,6 +93,12 @@ class Cut:
         value = tf.reshape(value, (self.rows, *self.row_shape))
         extra = self.dp * self.per_shard - self.rows
         return value if extra == 0 else tf.pad(value, [[0, extra]] + [[0, 0]] * len(self.row_shape))
+
+    def unpadded(self, rows: Any) -> Any:
+        """The weight from its dp r padded rows ([dp r, ...], every shard's in order; a
+        NumPy array or a tensor): the padding cut, the weight's shape."""
+        reshape = np.reshape if isinstance(rows, np.ndarray) else tf.reshape
+        return reshape(rows[:self.rows], self.shape)
 
     def shard_of(self, value: Any, q: int) -> Any:
         """Replica q's rows of ``value`` (a local slice, padded)."""
@@ -188,10 +195,8 @@ class ZeroShards:
         j = self._index[q][t].get(id(variable))
         if j is None:
             return np.asarray(variable.numpy())
-        cut = self.cuts[q][t][j]
-        rows = np.concatenate([np.asarray(self.shards[r][t][j].numpy())
-                               for r in range(self.run.dp)], axis=0)[:cut.rows]
-        return rows.reshape(cut.shape)
+        return self.cuts[q][t][j].unpadded(np.concatenate(
+            [np.asarray(self.shards[r][t][j].numpy()) for r in range(self.run.dp)], axis=0))
 
     def write(self, q: int, t: int, variable: Any, value: Any) -> None:
         """Copy (q, t)'s ``variable`` set to ``value``: its shard where ZeRO-3 trains it."""
@@ -244,32 +249,38 @@ class ZeroShards:
     def gather(self, q: int, t: int) -> None:
         """Device (q, t)'s updated shards all-gathered over its data-parallel group into
         its copy's weights (kind ``zero``)."""
+        indices = list(range(len(self.weights[q][t])))
+        for i, whole in zip(indices, self.wholes(q, t, indices)):
+            with tf.device(self.devices[q][t][i]):
+                self.weights[q][t][i].assign(whole)
+
+    def wholes(self, q: int, t: int, indices: Sequence[int],
+               gather: Callable[[Any, Any, str], Any] | None = None) -> list[Any]:
+        """Copy (q, t)'s weights ``indices``, whole, from every rank's shards: one packed
+        all-gather per device and dtype over the device's data-parallel group,
+        ``gather(packed, group, device)`` (``member_all_gather``, kind ``zero``, by
+        default; ZeRO-3's carries its gradient's reduce-scatter)."""
         run = self.run
-        weights, shards, cuts = self.weights[q][t], self.shards[q][t], self.cuts[q][t]
+        gather = gather or (lambda x, group, device: member_all_gather(x, group, device,
+                                                                       "zero"))
+        out: list[Any] = [None] * len(indices)
         packs: dict[tuple[str, Any], list[int]] = {}  # (device, dtype): shards packed
-        for i, (s, device) in enumerate(zip(shards, self.devices[q][t])):
-            packs.setdefault((device, s.dtype), []).append(i)
-        for (device, _), indices in packs.items():
+        for n, i in enumerate(indices):
+            packs.setdefault((self.devices[q][t][i], self.shards[q][t][i].dtype), []).append(n)
+        for (device, _), ns in packs.items():
+            cuts = [self.cuts[q][t][indices[n]] for n in ns]
             with tf.device(device):
-                packed = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], 0)
-                whole = tf.reshape(member_all_gather(packed, run.chunk_group("dp", device),
-                                                     device, "zero"), (run.dp, -1))
-                sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
-                for i, piece in zip(indices, tf.split(whole, sizes, axis=1)):
-                    cut = cuts[i]
-                    rows = tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape))
-                    weights[i].assign(tf.reshape(rows[:cut.rows], cut.shape))
+                packed = tf.concat([tf.reshape(self.shards[q][t][indices[n]].value, [-1])
+                                    for n in ns], 0)
+                whole = tf.reshape(gather(packed, run.chunk_group("dp", device), device),
+                                   (run.dp, -1))
+                sizes = [cut.per_shard * cut.width for cut in cuts]
+                for n, piece, cut in zip(ns, tf.split(whole, sizes, axis=1), cuts):
+                    out[n] = cut.unpadded(
+                        tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape)))
+        return out
 
 
 def _accumulated(total: list[Any], more: list[Any]) -> list[Any]:
     """Shard gradients summed; sparse ones joined (their rows, as one device's would be)."""
-    if not total:
-        return list(more)
-    out = []
-    for a, b in zip(total, more):
-        if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-            out.append(tf.IndexedSlices(tf.concat([a.values, b.values], 0),
-                                        tf.concat([a.indices, b.indices], 0), a.dense_shape))
-        else:
-            out.append(tf.convert_to_tensor(a) + tf.convert_to_tensor(b))
-    return out
+    return list(more) if not total else [sum_gradients([a, b]) for a, b in zip(total, more)]

@@ -102,33 +102,25 @@ def _gathered(layer: Any, call: Callable[..., Any], mine: Sequence[int], zero: A
 def gather_weights(zero: Any, q: int, t: int, indices: Sequence[int], sparse: set[int]
                    ) -> list[Any]:
     """Copy (q, t)'s weights ``indices``, whole, from every rank's shards: one all-gather per
-    device and dtype (an Embedding's table, id in ``sparse``, on its own), each the
-    gradient's reduce-scatter."""
+    device and dtype (``ZeroShards.wholes``; an Embedding's table, id in ``sparse``, on its
+    own), each the gradient's reduce-scatter."""
     run = zero.run
     out: list[Any] = [None] * len(indices)
-    packs: dict[tuple[str, Any, int], list[int]] = {}
+    dense = [n for n, i in enumerate(indices) if id(zero.weights[q][t][i]) not in sparse]
+    for n, whole in zip(dense, zero.wholes(q, t, [indices[n] for n in dense],
+                                           _gather_dense_grad)):
+        out[n] = whole
     for n, i in enumerate(indices):
-        alone = id(zero.weights[q][t][i]) in sparse
-        key = (zero.devices[q][t][i], zero.shards[q][t][i].dtype, i if alone else -1)
-        packs.setdefault(key, []).append(n)
-    for (device, _, own), ns in packs.items():
-        group = run.chunk_group("dp", device)
-        with tf.device(device):
-            cuts = [zero.cuts[q][t][indices[n]] for n in ns]
-            shards = [zero.shards[q][t][indices[n]].value for n in ns]
-            if own >= 0:  # an Embedding's table: read as gathered, its gradient stays sparse
-                whole = _gather_sparse_grad(shards[0], cuts[0], group, device, q)
-                whole.set_shape((run.dp * cuts[0].per_shard, *cuts[0].row_shape))
-                if cuts[0].rows != run.dp * cuts[0].per_shard:  # padding rows cut (dense)
-                    whole = whole[:cuts[0].rows]
-                out[ns[0]] = whole
-                continue
-            sizes = [c.per_shard * c.width for c in cuts]
-            packed = tf.concat([tf.reshape(s, [-1]) for s in shards], 0)
-            whole = tf.reshape(_gather_dense_grad(packed, group, device), (run.dp, -1))
-            for n, piece, cut in zip(ns, tf.split(whole, sizes, axis=1), cuts):
-                rows = tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape))
-                out[n] = tf.reshape(rows[:cut.rows], cut.shape)
+        if out[n] is not None:
+            continue
+        cut, device = zero.cuts[q][t][i], zero.devices[q][t][i]
+        with tf.device(device):  # an Embedding's table: its gradient stays sparse
+            whole = _gather_sparse_grad(zero.shards[q][t][i].value, cut,
+                                        run.chunk_group("dp", device), device, q)
+            whole.set_shape((run.dp * cut.per_shard, *cut.row_shape))
+            if cut.rows != run.dp * cut.per_shard:  # padding rows cut (dense)
+                whole = whole[:cut.rows]
+        out[n] = whole
     return out
 
 

@@ -56,15 +56,21 @@ def _wrapped(name: str, case: str, *, compile_kwargs: dict | None = None, zero: 
                            dp=dp, num_microbatches=m, global_batch=BATCH, zero=zero)
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(
         plan.strategy, recompute=recompute, offload=offload))
+    return (module, plan, *wrapped_and_reference(module, plan, optimizer, compile_kwargs))
+
+
+def wrapped_and_reference(module, plan, optimizer=None, compile_kwargs=None):
+    """(the SPMD model of ``plan`` built from the module's builder, a one-device model with
+    its starting weights), both compiled alike; ``optimizer``: a function making the
+    optimizer (the model file's by default)."""
     wrapped = apply.wrap(module.build_model, plan)
     assert isinstance(wrapped, SpmdModel)
     reference = module.build_model()
     reference.set_weights(wrapped.get_weights())
     for target in (wrapped, reference):
         target.compile(optimizer=(optimizer or (lambda: helpers.fresh_optimizer(module)))(),
-                       loss=module.loss,
-                       **(compile_kwargs or {}))
-    return module, plan, wrapped, reference
+                       loss=module.loss, **(compile_kwargs or {}))
+    return wrapped, reference
 
 
 def _named(splits, model):

@@ -17,7 +17,6 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.audit import audit_step
-from tfplan.apply.spmd import SpmdModel
 from tfplan.apply.spmd.pipeline import device_orders, slot_order
 from tfplan.apply.spmd.run import describe
 from tfplan.core.errors import PlannerError
@@ -25,7 +24,7 @@ from tfplan.planner.plan import Stage
 from tfplan.planner.traffic import plan_sent_bytes
 from tfplan.profiler import profile_model
 from tests.apply import helpers
-from tests.apply.spmd.test_engine import SPLITS, _named
+from tests.apply.spmd.test_engine import SPLITS, _named, wrapped_and_reference
 
 STEPS, BATCH = 3, 16
 
@@ -56,14 +55,7 @@ def _wrapped(name, optimizer=None, **shape):
     module = helpers.load_model_file(name)
     keras.utils.set_random_seed(0)
     plan = _plan(module.build_model(), name, **shape)
-    wrapped = apply.wrap(module.build_model, plan)
-    assert isinstance(wrapped, SpmdModel)
-    reference = module.build_model()
-    reference.set_weights(wrapped.get_weights())
-    for target in (wrapped, reference):
-        target.compile(optimizer=(optimizer or (lambda: helpers.fresh_optimizer(module)))(),
-                       loss=module.loss)
-    return module, plan, wrapped, reference
+    return (module, plan, *wrapped_and_reference(module, plan, optimizer))
 
 
 def _batches(module, steps=STEPS):
