@@ -1,7 +1,8 @@
 """Training batches against the input shapes a plan was made for.
 
-Pipeline position: inside ``apply.planned_model``: every ``train_step``, ``test_step``
-and ``predict_step`` of a wrapped model (so ``fit``, ``train_on_batch``, ``evaluate`` and
+Pipeline position: inside the wrapped models (``apply.planned_model``, ``apply.spmd``,
+through ``InputShapeChecks``): every ``train_step``, ``test_step`` and ``predict_step``
+of a wrapped model (so ``fit``, ``train_on_batch``, ``evaluate`` and
 ``predict`` in every mode) checks its batch here, once per trace. A plan records the
 per-sample shape of each model input it was profiled for (``Plan.model_input_shapes``:
 the model's own shape, dynamic dimensions filled by ``--input-shape`` or the model
@@ -18,8 +19,9 @@ before they were recorded) checks nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -128,3 +130,41 @@ def runtime_error(plan_name: str, message: str) -> PlanMismatchError:
     received = tuple(int(d) for d in shape.split())[1:]
     return mismatch_error(plan_name, ModelInput(name, _dims_from(own), ""), _dims_from(planned),
                           received, "A batch (its shape known only at run time)")
+
+
+class InputShapeChecks:
+    """What a wrapped keras.Model (with ``plan``) mixes in to check its batches here:
+    ``_check_input_shapes`` before data reaches a step, ``_shape_checked`` around a step,
+    ``_runtime_shape_errors`` around a call that runs steps. ``_shape_model()``: the model
+    whose inputs the plan's shapes are matched to (the wrapped model itself by default)."""
+
+    def _shape_model(self) -> Any:
+        return self
+
+    def _check_input_shapes(self, x: Any, what: str) -> list[Any]:
+        """PlanMismatchError if inputs ``x`` (arrays, tensors, a dataset) differ from the
+        plan's input shapes where the model leaves a dimension dynamic; the run-time
+        assertions for dimensions not known yet (traced steps only)."""
+        if isinstance(x, tf.data.Dataset):
+            x = keras.utils.unpack_x_y_sample_weight(x.element_spec)[0]
+        return check_input_shapes(self._shape_model(), getattr(self, "plan", None), x, what)
+
+    @contextlib.contextmanager
+    def _shape_checked(self, data: Any, what: str) -> Iterator[None]:
+        """Around a step: its batch checked first (``_check_input_shapes``)."""
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        checks = self._check_input_shapes(x, what)
+        with tf.control_dependencies(checks) if checks else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def _runtime_shape_errors(self) -> Iterator[None]:
+        """A failed run-time input-shape assertion as the PlanMismatchError it stands for."""
+        try:
+            yield
+        except tf.errors.InvalidArgumentError as e:
+            if RUNTIME_SHAPE_CHECK not in str(e):
+                raise
+            name = getattr(self, "plan_name", "") or getattr(getattr(self, "plan", None),
+                                                             "name", "")
+            raise runtime_error(name, str(e)) from None

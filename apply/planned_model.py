@@ -54,14 +54,14 @@ from tfplan.apply.batches import (KERAS_DEFAULT_BATCH_SIZE, RUNTIME_BATCH_CHECK,
                                   split_microbatches)
 from tfplan.apply.checkpoint import (CanonicalWeight, canonical_optimizer_io, plain_layout,
                                      save_atomically)
-from tfplan.apply.input_shapes import RUNTIME_SHAPE_CHECK, check_input_shapes, runtime_error
+from tfplan.apply.input_shapes import RUNTIME_SHAPE_CHECK, InputShapeChecks, runtime_error
 from tfplan.apply.joint_forward import joint_forward
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.placement import on_variable_device
 from tfplan.core.errors import PlanMismatchError
 
 
-class PlannedModel(OneProcessBackupHooks, compat.functional_class()):
+class PlannedModel(InputShapeChecks, OneProcessBackupHooks, compat.functional_class()):
     """A Functional model trained according to a plan (see the module docstring)."""
 
     def __init__(self, inputs: Any, outputs: Any, name: str | None = None, *,
@@ -212,33 +212,6 @@ class PlannedModel(OneProcessBackupHooks, compat.functional_class()):
     def _check_batch(self, size: int | None, what: str) -> None:
         if size is not None and size % self.batch_multiple:
             raise self._batch_error(size, what)
-
-    # --- input shapes against the plan's (apply.input_shapes) ---------------------------
-    def _check_input_shapes(self, x: Any, what: str) -> list[Any]:
-        """PlanMismatchError if inputs ``x`` (arrays, tensors, a dataset) differ from the
-        plan's input shapes where the model leaves a dimension dynamic; the run-time
-        assertions for dimensions not known yet (traced steps only)."""
-        if isinstance(x, tf.data.Dataset):
-            x = keras.utils.unpack_x_y_sample_weight(x.element_spec)[0]
-        return check_input_shapes(self, getattr(self, "plan", None), x, what)
-
-    @contextlib.contextmanager
-    def _shape_checked(self, data: Any, what: str) -> Any:
-        """Around a step: its batch checked first (``_check_input_shapes``)."""
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        checks = self._check_input_shapes(x, what)
-        with tf.control_dependencies(checks) if checks else contextlib.nullcontext():
-            yield
-
-    @contextlib.contextmanager
-    def _runtime_shape_errors(self) -> Any:
-        """A failed run-time input-shape assertion as the PlanMismatchError it stands for."""
-        try:
-            yield
-        except tf.errors.InvalidArgumentError as e:
-            if RUNTIME_SHAPE_CHECK not in str(e):
-                raise
-            raise runtime_error(self.plan_name, str(e)) from None
 
     def test_step(self, data: Any) -> Any:
         with self._shape_checked(data, "A batch given to evaluate"):

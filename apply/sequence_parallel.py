@@ -65,7 +65,8 @@ ELEMENTWISE = frozenset((
     "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu", "swish", "tanh",
     "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "softplus", "softsign",
     "exponential", "mish", "celu", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh",
-    "soft_shrink", "hard_shrink", "threshold", "log_sigmoid"))
+    "soft_shrink", "hard_shrink", "threshold", "log_sigmoid",
+    "gelu_approximate"))  # keras_hub.src.utils.keras_utils (GPT-2's): gelu(x, approximate=True)
 
 # Keras layers that act on each position alone: "elementwise" on each element too (they
 # may also run on hidden pieces), "token" over the last (hidden) axis

@@ -120,8 +120,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     check_applicable(plan, mode)  # every strategy dimension has an engine here
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
     ensure_devices(plan, mode=mode)
-    # the builder form runs on the SPMD engine where it can (apply.spmd); a built model
-    # still runs on the engines below (they move to apply.spmd mode by mode: issue 25)
+    # every plan the SPMD engine runs goes there (apply.spmd), a built model's copies
+    # re-created from its layers' configs; the engines below run the rest (they move to
+    # apply.spmd mode by mode: issue 25)
     recompute, stateful = recomputed_layers(plan, view)
     if stateful:
         warnings.warn(
@@ -129,9 +130,13 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             f"{list(stateful)}, which hold state a second forward pass would change "
             "(moving statistics, random seeds, as attention dropout draws); they keep their "
             "activations instead (apply.recompute).", stacklevel=2)
-    why_not = spmd_refusal(plan, mode, view) if builder is not None else "a built model"
+    why_not = spmd_refusal(plan, mode, view)
     if not why_not:
-        wrapped = _wrap_spmd(builder, model, plan, recompute)
+        if builder is None:  # a built model: each device's copy re-created from its config
+            builder, template = _cloner(view)
+        else:
+            template = model
+        wrapped = _wrap_spmd(builder, template, plan, recompute, logdir)
         if getattr(model, "compiled", False):
             _compile_like(model, wrapped)
         if logdir is not None:
@@ -218,6 +223,22 @@ def _built(builder: Any) -> Any:
     return model
 
 
+def _cloner(view: Any) -> tuple[Any, Any]:
+    """For a built model (``view``, Functional): the function that builds a copy of it from
+    its layers' configs (``apply.cloning.clone_graph``), and the host's copy holding its
+    current weights (the template every device's copy starts from; the user's model is
+    left as it is). A layer that cannot be re-created raises here, before anything runs,
+    with the builder form to use instead (``apply.cloning.clone_layer``)."""
+    from tfplan.apply.cloning import clone_graph, copy_weights
+
+    def builder() -> Any:
+        return clone_graph(view)
+
+    template = _built(builder)
+    copy_weights(view, template)
+    return builder, template
+
+
 def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
     import keras
@@ -257,13 +278,15 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     return refusal(plan)
 
 
-def _wrap_spmd(builder: Any, model: Any, plan: Plan, recomputed: Sequence[str]) -> Any:
+def _wrap_spmd(builder: Any, model: Any, plan: Plan, recomputed: Sequence[str],
+               logdir: str | os.PathLike | None) -> Any:
     """The SPMD model (``apply.spmd``): ``builder`` builds each device's copy, starting
     from the weights of ``model`` (its first build, on the host), which also serves weight
     files; ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``)."""
     from tfplan.apply.spmd import wrap_spmd
 
-    return wrap_spmd(builder, plan, model, recomputed=tuple(recomputed), name=model.name)
+    return wrap_spmd(builder, plan, model, recomputed=tuple(recomputed), name=model.name,
+                     logdir=None if logdir is None else os.fspath(logdir))
 
 
 def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:

@@ -24,14 +24,17 @@ from tfplan.planner.plan import Plan
 
 
 def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
-              recomputed: tuple[str, ...] = (), name: str | None = None) -> SpmdModel:
+              recomputed: tuple[str, ...] = (), name: str | None = None,
+              logdir: str | None = None) -> SpmdModel:
     """The SPMD model of ``plan`` (``refusal(plan) == ""``): ``builder`` (the user's
     ``build_model``) builds each device's copy, every copy starting from the weights of
     ``template`` (the model built first, on the host), which also serves weight files.
-    ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``)."""
+    ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``);
+    ``logdir``: where ``fit`` writes predicted against measured step times
+    (``apply.monitor``)."""
     run = describe(plan, recomputed)
     return SpmdModel(build_copies(builder, run, template), template, plan,
-                     name=name)
+                     name=name, logdir=logdir)
 
 
 __all__ = ["RunDescription", "SpmdModel", "describe", "refusal", "wrap_spmd"]

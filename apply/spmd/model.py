@@ -63,6 +63,8 @@ from keras import ops
 from tfplan import compat
 from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.apply.input_shapes import InputShapeChecks
+from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
@@ -78,13 +80,14 @@ from tfplan.core.errors import PlannerError
 HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
 
 
-class SpmdModel(OneProcessBackupHooks, keras.Model):
+class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
     """The wrapped model of an SPMD plan (module docstring)."""
 
     def __init__(self, copies: Copies, template: Any, plan: Any,
-                 name: str | None = None) -> None:
+                 name: str | None = None, logdir: str | None = None) -> None:
         super().__init__(name=name)
         self.plan = plan  # the plan, matched to the model (``Plan.for_model``)
+        self._logdir = logdir  # fit() writes predicted vs measured step times there
         self._copies = copies  # a plain object: Keras tracks the models below, once
         self.device_models = [m for row in copies.models for m in row]
         # the user's structure, on the host: held in a plain object, so Keras does not
@@ -117,8 +120,9 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
         self._build_optimizer()
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
-        super().compile_from_config(config)
-        self._build_optimizer()
+        """``compile`` from a compile config (Keras' own skips a model that overrides
+        ``compile``, with a warning)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
 
     def _build_optimizer(self) -> None:
         """The optimizer's state beside what it updates: each copy's weights, or under ZeRO
@@ -281,7 +285,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
 
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> Any:
-        with instance_scope():
+        with self._shape_checked(data, "A training batch"), instance_scope():
             return self._train_step(data)
 
     def _train_step(self, data: Any) -> Any:
@@ -448,7 +452,7 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
                 "backward. Re-plan with --schedule gpipe.")
 
     def test_step(self, data: Any) -> Any:
-        with instance_scope():
+        with self._shape_checked(data, "A batch given to evaluate"), instance_scope():
             results = self._forward(data, training=False)
             weights = self._weights_of_parts(results)
             self._track(results, weights, data)
@@ -456,7 +460,8 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self(x, training=False)
+        with self._shape_checked(data, "A batch given to predict"):
+            return self(x, training=False)
 
     def call(self, inputs: Any, training: Any = None) -> Any:
         with instance_scope():
@@ -524,13 +529,48 @@ class SpmdModel(OneProcessBackupHooks, keras.Model):
             opt.clipnorm, opt.global_clipnorm = saved
 
     # ---------------------------------------------------------------- fit
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Keras' ``fit``; a ``BackupAndRestore`` among the callbacks becomes the planned
-        one (``apply.backup``: exact mid-epoch resumes, a backup checked against its
-        metadata), whose files hold one device's layout (any plan resumes them)."""
+    def fit(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Keras' ``fit``, its inputs checked against the plan's shapes first
+        (``apply.input_shapes``); a ``BackupAndRestore`` among the callbacks becomes the
+        planned one (``apply.backup``: exact mid-epoch resumes, a backup checked against its
+        metadata), whose files hold one device's layout (any plan resumes them); with a
+        ``logdir`` at ``apply.wrap``, ``apply.monitor.PlanMonitor`` is one of them."""
+        self._check_input_shapes(x, "The data given to fit")
+        if self._logdir is not None:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []),
+                                   PlanMonitor(self.plan, self._logdir)]
         if "callbacks" in kwargs:
             kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
-        return super().fit(*args, **kwargs)
+        with self._runtime_shape_errors():
+            return super().fit(x, *args, **kwargs)
+
+    def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The data given to evaluate")
+        with self._runtime_shape_errors():
+            return super().evaluate(x, *args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The data given to predict")
+        with self._runtime_shape_errors():
+            return super().predict(x, *args, **kwargs)
+
+    def train_on_batch(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The batch given to train_on_batch")
+        with self._runtime_shape_errors():
+            return super().train_on_batch(x, *args, **kwargs)
+
+    def test_on_batch(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_input_shapes(x, "The batch given to test_on_batch")
+        with self._runtime_shape_errors():
+            return super().test_on_batch(x, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        self._check_input_shapes(x, "The batch given to predict_on_batch")
+        with self._runtime_shape_errors():
+            return super().predict_on_batch(x)
+
+    def _shape_model(self) -> Any:
+        return self._host.model  # the user's inputs (the plan's shapes are matched to them)
 
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:

@@ -140,3 +140,73 @@ def assert_losses_match(losses: Sequence[float], reference: Sequence[float],
                         rtol: float = 1e-4) -> None:
     assert len(losses) == len(reference)
     np.testing.assert_allclose(losses, reference, rtol=rtol)
+
+
+def spmd_planned_devices(wrapped: Any, plan: Plan) -> dict[int, str]:
+    """``{id(variable): the device plan names}`` for every variable of every device's copy
+    of an SpmdModel (apply.spmd): copy i is tensor rank t of replica q (i = q tp + t), and
+    each layer's variables sit on its stage's device q tp + t (a nested Functional model's
+    layers on their own stages where the plan lists them)."""
+    from tfplan.apply.cloning import is_graph_model
+
+    stage_of = {name: stage for stage in plan.stages for name in stage.layers}
+    tp = plan.strategy.tp
+    out: dict[int, str] = {}
+
+    def visit(layers: Any, prefix: str, column: int) -> None:
+        for layer in layers:
+            path = prefix + layer.name
+            if path in stage_of:
+                for v in layer.weights:
+                    out[id(v)] = stage_of[path].devices[column]
+            elif is_graph_model(layer):
+                visit(layer.layers, path + "/", column)
+
+    for i, copy in enumerate(wrapped.device_models):
+        q, t = divmod(i, tp)
+        visit(copy.layers, "", q * tp + t)
+    return out
+
+
+def optimizer_slots(optimizer: Any, variable: Any) -> list[Any]:
+    """The optimizer's slots of ``variable``, through its own index (``_get_variable_index``,
+    the one ``update_step`` uses): every list of slots indexed like its variables."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = list(inner._trainable_variables)
+    own = {id(v) for v in variables}
+    lists = [value for key, value in vars(inner).items()
+             if key != "_trainable_variables" and isinstance(value, list)
+             and len(value) == len(variables) and value
+             and all(hasattr(x, "assign") and id(x) not in own for x in value)]
+    i = inner._get_variable_index(variable)
+    return [slots[i] for slots in lists]
+
+
+def assert_state_where_planned(wrapped: Any, plan: Plan) -> None:
+    """Every variable of an SpmdModel's copies on the device plan names for it
+    (``spmd_planned_devices``), each optimizer slot beside its variable (the host's CPU
+    under ``offload="optimizer"``), and every device of the plan holding state."""
+    import tensorflow as tf
+
+    def short(device: str) -> tuple[str, int]:
+        spec = tf.DeviceSpec.from_string(device)
+        return spec.device_type, spec.device_index
+
+    def where(v: Any) -> tuple[str, int]:
+        return short(getattr(v, "value", v).device)
+
+    planned = spmd_planned_devices(wrapped, plan)
+    for copy in wrapped.device_models:
+        for v in copy.weights:
+            assert id(v) in planned, v.path
+            assert where(v) == short(planned[id(v)]), (v.path, planned[id(v)])
+    assert set(planned.values()) == set(plan.devices)
+    if getattr(wrapped, "optimizer", None) is None or not wrapped.optimizer.built:
+        return
+    host = plan.strategy.offload == "optimizer"
+    for v in wrapped.trainable_variables:
+        slots = optimizer_slots(wrapped.optimizer, v)
+        assert slots, f"no optimizer slot for {v.path}"
+        for slot in slots:
+            assert tuple(slot.shape) == tuple(v.shape), (slot.path, v.path)
+            assert where(slot) == (("CPU", 0) if host else where(v)), (slot.path, v.path)

@@ -5,18 +5,22 @@ Models (tests/apply): the MLP (tiny_mlp.py), the residual CNN (tiny_cnn.py: Conv
 and Add, no BatchNorm) and the small transformer (tiny_transformer.py). Modes, on the
 8 logical CPU devices of tests/conftest.py, with hand-made plans:
 
-* data parallel, dp = 4 (MirroredStrategy: apply.data_parallel);
-* pipeline, pp = 2 with 2 micro-batches (apply.pipeline);
-* tensor parallel, tp = 2 (apply.tensor_parallel; Megatron splits of ``SPLITS``: the
-  CNN's convolutions too, apply.sharded_layers);
+* data parallel, dp = 4;
+* pipeline, pp = 2 with 2 micro-batches;
+* tensor parallel, tp = 2 (Megatron splits of ``SPLITS``);
 * hybrids dp = 2 x pp = 2 (2 micro-batches) and dp = 2 x tp = 2.
+
+All run on the SPMD engine (apply.spmd: one copy of the model per device column, each
+layer's variables on its stage's device), except the CNN's split convolutions, which
+the older tensor-parallel engine runs (apply.tensor_parallel, apply.sharded_layers).
 
 Each case wraps the user's (untrained, seed 0) model with ``apply.wrap(model, plan)``,
 compiles it and runs ``STEPS`` ``train_on_batch`` steps on the same global batches as
 the single-device reference; the per-step losses must agree within 1e-4 relative.
 Placement is checked against the plan, not against where things happen to be: a split
 layer's shard t on its stage's tp rank t (a row split's bias, added after the sum, on
-rank 0), every other layer of replica r on its stage's device r x tp; under
+rank 0), every other layer of replica r on its stage's device r x tp (SPMD: every
+variable of copy (r, t) on its layer's stage's device r x tp + t); under
 MirroredStrategy each variable is a MirroredVariable with one component per plan
 device. Each optimizer slot is mapped to its variable through the optimizer's own index
 (``_get_variable_index``, the one its ``update_step`` uses) and must sit where that
@@ -37,6 +41,8 @@ import tensorflow as tf
 from tfplan import apply
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.sharded_layers import _Sharded
+from tfplan.apply.spmd import SpmdModel
+from tfplan.apply.spmd.rank_layers import is_twin
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, make_plan, step_losses)
@@ -108,6 +114,15 @@ def planned_devices(model: Any, plan) -> dict[int, list[str]]:
         for layer in model.layers:
             for v in layer.weights:
                 out[id(v)] = list(stage_of[layer.name].devices)
+        return out
+    if isinstance(model, SpmdModel):  # copy (q, t): tensor rank t of replica q, each
+        for i, copy in enumerate(model.device_models):  # layer on its stage's device
+            q, t = divmod(i, s.tp)
+            for layer in copy.layers:
+                if layer.weights:
+                    assert is_twin(layer) == (layer.name in dict(plan.tp_splits)), layer.name
+                    for v in layer.weights:
+                        out[id(v)] = [stage_of[layer.name].devices[q * s.tp + t]]
         return out
     replicas = (model, *getattr(getattr(model, "_others", None), "models", ()))
     assert len(replicas) == s.dp, "expected one model per data-parallel replica"

@@ -1,5 +1,5 @@
-"""apply.wrap with tensor-parallel plans (apply.tensor_parallel) trains exactly like one
-device, with every shard and its optimizer slots on the device the plan names.
+"""apply.wrap with tensor-parallel plans (the SPMD engine, apply.spmd: every rank runs its
+shards, partial sums in all-reduces) trains exactly like one device, with every shard and its optimizer slots on the device the plan names.
 
 Runs on the 8 logical CPU devices of tests/conftest.py: the tiny MLP
 (tests/apply/tiny_mlp.py) and a tiny transformer (tests/apply/tiny_transformer.py:
@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.sharded_layers import _Sharded, shard_sizes
-from tfplan.apply.tensor_parallel import TensorParallelModel
+from tfplan.apply.spmd import SpmdModel
+from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
@@ -72,8 +73,15 @@ def expected_device(plan: Plan, layer, variable, offset: int = 0) -> str:
 
 def assert_placement(model, plan: Plan) -> None:
     """Every variable of every replica where the plan says, each Adam slot with its
-    variable (slots follow the trainable variables' order: Keras' optimizer lists)."""
+    variable (slots follow the trainable variables' order: Keras' optimizer lists); on the
+    SPMD engine, every device's copy, its split layers the rank twins."""
     splits = dict(plan.tp_splits)
+    if isinstance(model, SpmdModel):
+        for copy in model.device_models:
+            for layer in copy.layers:
+                assert is_twin(layer) == (layer.name in splits), layer.name
+        helpers.assert_state_where_planned(model, plan)
+        return
     used = set()
     tp = plan.strategy.tp
     for r, replica in enumerate((model, *model._others.models)):
@@ -101,18 +109,17 @@ def test_losses_placement_and_predict(case):
     module, model = base_model(name)
     plan = tp_plan(model, devices, SPLITS[name], num_microbatches=m, dp=dp)
     wrapped = apply.wrap(model, plan)
-    assert isinstance(wrapped, TensorParallelModel) and wrapped.plan is plan
+    assert isinstance(wrapped, SpmdModel)
     batches = batches_of(module, STEPS_TP, GLOBAL_BATCH)
     x, _ = batches[0]
     # before training: the sharded model computes the user's model's function
     np.testing.assert_allclose(wrapped.predict(x, batch_size=GLOBAL_BATCH, verbose=0),
                                model.predict_on_batch(x), rtol=1e-5, atol=1e-5)
-    for layer in model.layers:  # weights read back unsplit
-        for got, want in zip(wrapped.get_layer(layer.name).get_weights(), layer.get_weights()):
-            np.testing.assert_array_equal(got, want)
+    for got, want in zip(wrapped.get_weights(), model.get_weights()):  # read back unsplit
+        np.testing.assert_array_equal(got, want)
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches), reference_losses(name))
-    assert_placement(wrapped, plan)
+    assert_placement(wrapped, wrapped.plan)
     assert_replicas_equal(wrapped)  # every copy of a weight stayed equal to replica 0's
     # the wrapped model's weights are the user's model's arrays, in its order and shapes
     assert [w.shape for w in wrapped.get_weights()] == [w.shape for w in model.get_weights()]
@@ -123,8 +130,11 @@ def test_losses_placement_and_predict(case):
 
 
 def assert_replicas_equal(wrapped) -> None:
-    for replica in wrapped._others.models:
-        for mine, theirs in zip(wrapped.weights, replica.weights):
+    """Tensor rank t's copy in every replica holds replica 0's arrays."""
+    tp = wrapped.run_description.tp
+    first = wrapped.device_models[:tp]
+    for i, copy in enumerate(wrapped.device_models[tp:]):
+        for mine, theirs in zip(first[i % tp].weights, copy.weights):
             np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
 
 
@@ -141,7 +151,10 @@ def test_shards_compute_on_their_devices_and_row_reads_column_shards():
     down = _forward_ops(wrapped, x, "mlp_down")
     matmuls = sorted(_short(op.device) for op in down if op.type == "MatMul")
     assert matmuls == cpus(2, 3)  # one partial product per rank
-    assert [_short(op.device) for op in down if op.type == "AddN"] == cpus(2)
+    # the partial sums meet in one all-reduce per rank: no device sums for the other
+    assert not [op for op in down if op.type == "AddN"]
+    assert sorted(_short(op.device) for op in down
+                  if op.type == "CollectiveReduceV2") == cpus(2, 3)
     # the column -> row pair moves no activation: no slicing of the gathered output
     assert not [op for op in down if op.type == "StridedSlice"]
     heads = [op for op in _forward_ops(wrapped, x, "attention") if op.type == "Einsum"]
@@ -195,7 +208,7 @@ def test_a_planner_made_plan_trains(tmp_path):
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS_TP, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer")[:3])
-    assert_placement(wrapped, loaded)
+    assert_placement(wrapped, wrapped.plan)
 
 
 # --- plan field and its checks ------------------------------------------------------------
@@ -297,7 +310,7 @@ def test_einsum_dense_column_and_row():
                                model.predict_on_batch(batches[0][0]), rtol=1e-5, atol=1e-6)
     wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     assert_losses_match(step_losses(wrapped, batches), want)
-    assert_placement(wrapped, plan)
+    assert_placement(wrapped, wrapped.plan)
 
 
 def test_einsum_dense_that_cannot_be_cut_is_a_clear_error():
@@ -317,7 +330,7 @@ def test_recomputed_sharded_layers_train_the_same():
                                                                   recompute="selective"))
     wrapped = apply.wrap(model, plan)
     # selective: the split attention's core alone is recomputed (apply.recompute)
-    assert wrapped.recompute_layers == frozenset() and wrapped.recompute_cores == {"attention"}
+    assert wrapped.run_description.recompute == "selective"
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS_TP, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer")[:3])

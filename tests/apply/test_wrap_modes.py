@@ -13,11 +13,10 @@ import pytest
 import tensorflow as tf
 
 from tfplan import apply
-from tfplan.apply.data_parallel import DataParallelModel
-from tfplan.apply.pipeline import PlacedModel
-from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
-                                 batches_of, cpus, fresh_optimizer, make_plan,
-                                 reference_losses, step_losses)
+from tfplan.apply.spmd import SpmdModel
+from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match,
+                                 assert_state_where_planned, base_model, batches_of, cpus,
+                                 fresh_optimizer, make_plan, reference_losses, step_losses)
 
 CASES = {
     "mlp-single": ("tiny_mlp", [cpus(5)], 1),
@@ -35,57 +34,18 @@ def _short(device: str) -> str:
     return f"/device:{spec.device_type}:{spec.device_index}"
 
 
-def _components(variable) -> list[str]:
-    value = variable.value
-    if isinstance(value, tf.distribute.DistributedValues):
-        return [_short(v.device) for v in value.values]
-    return [_short(value.device)]
-
-
-def _slots_by_variable(model) -> dict[str, list]:
-    """Optimizer slot variables grouped by the trainable variable they belong to."""
-    variables = sorted(model.trainable_variables, key=lambda v: -len(v.path))
-    out: dict[str, list] = {v.path: [] for v in variables}
-    for slot in model.optimizer.variables:
-        for v in variables:  # longest path first: 'dense_in' before 'dense'
-            if slot.name.startswith(v.path.replace("/", "_") + "_"):
-                out[v.path].append(slot)
-                break
-    return out
-
-
-def _assert_placement(model, plan) -> None:
-    layer_device = plan.device_of_layer()
-    if plan.strategy.dp > 1:
-        want = list(plan.stages[0].devices)
-        for v in model.variables:
-            assert _components(v) == want, v.path
-        for v in model.optimizer.variables:
-            assert _components(v) == want, v.path
-        return
-    for layer in model.layers:
-        for v in layer.weights:
-            assert _components(v) == [layer_device[layer.name]], (layer.name, v.path)
-    slots = _slots_by_variable(model)
-    for v in model.trainable_variables:
-        assert slots[v.path], f"no optimizer slot found for {v.path}"
-        for slot in slots[v.path]:
-            assert _components(slot) == _components(v), (slot.path, v.path)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_losses_placement_and_keras_api(case, tmp_path):
     name, devices, m = CASES[case]
     module, model = base_model(name)
     plan = make_plan(model, devices, num_microbatches=m, global_batch=GLOBAL_BATCH)
     wrapped = apply.wrap(model, plan)
-    assert isinstance(wrapped, DataParallelModel if len(devices[0]) > 1 else PlacedModel)
-    assert wrapped.plan is plan
+    assert isinstance(wrapped, SpmdModel)  # every mode here runs SPMD (apply.spmd)
     # compile AFTER wrap, with an optimizer object made outside any strategy scope
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     assert_losses_match(step_losses(wrapped, batches), reference_losses(name))
-    _assert_placement(wrapped, plan)
+    assert_state_where_planned(wrapped, wrapped.plan)
 
     # evaluate / predict / save_weights -> load_weights, against a plain model
     x, y = batches[0]
@@ -158,7 +118,8 @@ def test_sequential_model_is_converted():
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)[:2])
     assert_losses_match(losses, reference_losses("tiny_mlp")[:2])
-    assert [layer.name for layer in wrapped.layers[1:]] == [layer.name for layer in seq.layers]
+    assert [layer.name for layer in wrapped.device_models[0].layers[1:]] == [
+        layer.name for layer in seq.layers]
 
 
 @pytest.mark.parametrize("name", ["tiny_mlp", "tiny_cnn"])
@@ -178,11 +139,11 @@ def test_pipeline_ops_forward_backward_and_updates_run_on_stage_devices(name):
                   if any(re.fullmatch(re.escape(n) + r"(_\d+)?", s) for s in segments)]
         if layers and op.type not in ("ReadVariableOp", "Placeholder", "NoOp"):
             assert _short(op.device) == layer_device[layers[-1]], (op.name, op.device)
-            seen.add(("grad" if segments[0].startswith("gradients") else "fwd", layers[-1]))
+            seen.add(("grad" if segments[0].startswith("gradient") else "fwd", layers[-1]))
         if op.type in ("MatMul", "Conv2D", "Conv2DBackpropFilter", "BiasAddGrad",
                        "AssignSubVariableOp", "AssignAddVariableOp"):
             assert op.device, f"{op.type} {op.name} has no device"
-    weighted = {layer.name for layer in wrapped.layers if layer.weights}
+    weighted = {layer.name for layer in wrapped.device_models[0].layers if layer.weights}
     assert {("fwd", n) for n in weighted} <= seen and {("grad", n) for n in weighted} <= seen
 
 
