@@ -231,14 +231,14 @@ def devices_of(variable: Any) -> list[str]:
 
 
 def variable_devices(model: Any) -> dict[str, list[str]]:
-    """``{variable path: [device, ...]}`` for the model's variables and its optimizer's."""
+    """``{variable path: [device, ...]}`` for the model's variables and its optimizer's; a
+    path held by several variables (each device's copy of the model, ``apply.spmd``)
+    lists every device holding it, in order."""
     out: dict[str, list[str]] = {}
-    for v in model.variables:
-        out[v.path] = devices_of(v)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        for v in optimizer.variables:
-            out[v.path] = devices_of(v)
+    for v in (*model.variables, *(optimizer.variables if optimizer is not None else ())):
+        where = out.setdefault(v.path, [])
+        where.extend(d for d in devices_of(v) if d not in where)
     return out
 
 

@@ -119,6 +119,7 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
     mode = execution_mode(plan)  # how it runs, decided once (apply.mode)
     check_applicable(plan, mode)  # every strategy dimension has an engine here
     validate_plan(plan, signature)  # stages cover the layers once, in order; devices once
+    top_level_devices(plan)  # a block is placed whole: a stage boundary inside it is refused
     ensure_devices(plan, mode=mode)
     # every plan the SPMD engine runs goes there (apply.spmd), a built model's copies
     # re-created from its layers' configs; the engines below run the rest (they move to

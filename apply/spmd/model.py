@@ -61,7 +61,8 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
-from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks
+from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks, release
+from tfplan.apply.checkpoint import save_atomically
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
 from tfplan.apply.input_shapes import InputShapeChecks
 from tfplan.apply.monitor import PlanMonitor
@@ -541,8 +542,12 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                                    PlanMonitor(self.plan, self._logdir)]
         if "callbacks" in kwargs:
             kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
-        with self._runtime_shape_errors():
-            return super().fit(x, *args, **kwargs)
+        self._initial_epoch = None  # Keras keeps a restored epoch after fit; this fit's own
+        try:
+            with self._runtime_shape_errors():
+                return super().fit(x, *args, **kwargs)
+        finally:
+            release(kwargs.get("callbacks"))  # SIGTERM handed back (apply.backup)
 
     def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._check_input_shapes(x, "The data given to evaluate")
@@ -594,8 +599,12 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         return template
 
     def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
-        """The user's model's weights (and optimizer state, as one device's)."""
-        self._template().save_weights(filepath, overwrite=overwrite, **kwargs)
+        """The user's model's weights (and optimizer state, as one device's), written to a
+        temporary file renamed over ``filepath`` (``apply.checkpoint.save_atomically``: a
+        save that fails or is killed leaves the previous file whole)."""
+        template = self._template()
+        save_atomically(lambda path: template.save_weights(path, overwrite=overwrite, **kwargs),
+                        filepath)
 
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
         template = self._template()

@@ -62,13 +62,28 @@ def plan_for(model, shape: str, batch_norm: str = "global", schedule: str | None
     return dataclasses.replace(plan, strategy=strategy)
 
 
+def _statistics(wrapped):
+    """How the wrapped model computes batch statistics: "global" / "local", or None where
+    nothing is installed (no BatchNormalization); on the SPMD engine, "global" where its
+    copies' BatchNormalization layers sum their statistics over the dp group."""
+    from tfplan.apply.spmd import SpmdModel
+    from tfplan.apply.spmd.batch_norm import GroupBatchNormalization
+
+    if not isinstance(wrapped, SpmdModel):
+        return wrapped.batch_norm
+    grouped = any(isinstance(layer, GroupBatchNormalization)
+                  for copy in wrapped.device_models for layer in copy.layers)
+    return wrapped.run_description.batch_norm if grouped else None
+
+
 def moving_statistics(wrapped):
     """Every copy of every moving statistic: each MirroredStrategy replica's component,
     each data-parallel copy's variable."""
     import tensorflow as tf
 
     out = {}
-    for model in wrapped.replica_models():
+    copies = getattr(wrapped, "device_models", None)  # the SPMD engine's (apply.spmd)
+    for model in copies if copies is not None else wrapped.replica_models():
         for layer in model.layers:
             for v in getattr(layer, "non_trainable_variables", []):
                 value = v.value
@@ -87,7 +102,7 @@ def test_global_statistics_train_like_one_device(shape, reference, tmp_path):
     ref_losses, ref_weights, one = reference
     module, model = base_model("tiny_resnet_bn")
     wrapped = apply.wrap(fresh_copy(module, model), plan_for(model, shape))
-    assert wrapped.batch_norm == "global"
+    assert _statistics(wrapped) == "global"
     losses = train(wrapped, module)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     for got, want in zip(wrapped.get_weights(), ref_weights):  # moving statistics included
@@ -166,7 +181,7 @@ def test_a_model_without_batch_norm_is_untouched():
 
     module, model = base_model("tiny_cnn")
     wrapped = apply.wrap(fresh_copy(module, model), make_plan(model, [cpus(0, 1)]))
-    assert wrapped.batch_norm is None
+    assert _statistics(wrapped) is None
 
 
 def test_what_cannot_be_applied_is_refused_by_name():

@@ -46,8 +46,13 @@ def _rewrite_config(src: str, dst: str, old: str, new: str) -> None:
 
 
 def test_a_file_saved_under_the_0_1_names_fails_with_the_fix_and_the_fix_works(tmp_path):
+    import dataclasses
+
     module, model = base_model("tiny_mlp")
-    wrapped = apply.wrap(model, make_plan(model, [cpus(1), cpus(2)]))
+    # a general placement: the older placed engine (apply.pipeline) runs it and saves its
+    # registered class; the SPMD engine's files are the user's plain model (apply.spmd)
+    plan = dataclasses.replace(make_plan(model, [cpus(1), cpus(2)]), placement="general")
+    wrapped = apply.wrap(model, plan)
     wrapped.compile(optimizer="adam", loss=module.loss)
     saved = str(tmp_path / "wrapped.keras")
     wrapped.save(saved)

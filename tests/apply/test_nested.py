@@ -53,7 +53,7 @@ def test_a_stage_boundary_inside_a_nested_model_places_its_layers_on_their_stage
             "float32")
         np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y),
                                    rtol=1e-5)
-    trunk = wrapped.get_layer("trunk")
+    trunk = wrapped.device_models[0].get_layer("trunk")  # the one copy (apply.spmd)
     for name, device in (("proj", "CPU:0"), ("hidden", "CPU:1")):
         for v in trunk.get_layer(name).weights:
             assert v.value.device.endswith(device), (v.path, v.value.device)
