@@ -133,6 +133,15 @@ def _layers_by_template_path(model: Any, paths: Sequence[str], run: RunDescripti
     return {path: entry for path, entry in zip(paths, own)}
 
 
+def _own_top_level(layers: dict[str, tuple[str, Any]], name: str) -> str:
+    """The copy's name of the template's top-level layer ``name`` (a nested model is listed
+    by its layers' paths, ``name/...``)."""
+    if name in layers:
+        return layers[name][0]
+    inner = next(own for path, (own, _) in layers.items() if path.startswith(name + "/"))
+    return inner.split("/", 1)[0]
+
+
 def _recompute(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription) -> None:
     """The run's recomputed layers under ``tf.recompute_grad`` in the copy ``model``
     (``apply.recompute.recompute_call``): under "full" each such top-level layer's call,
@@ -142,7 +151,7 @@ def _recompute(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescripti
     if run.zero_stage == 3 and run.recompute == "full":
         return  # ZeRO-3 recomputes every layer with weights already (apply.spmd.zero3)
     for name in run.recomputed:  # top-level layers: a split one is its twin by now
-        layer = model.get_layer(layers[name][0])
+        layer = model.get_layer(_own_top_level(layers, name))
         if run.recompute == "selective":
             for attention in attention_layers(layer):
                 if not compat.attention_core_is_wrapped(attention):

@@ -116,6 +116,23 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         return self._copies.models[0][0].compute_output_spec(*args, **kwargs)
 
     # ---------------------------------------------------------------- compile
+    @property
+    def run_eagerly(self) -> bool:
+        return False
+
+    @run_eagerly.setter
+    def run_eagerly(self, value: bool) -> None:
+        """Every step runs traced: one program whose collectives TensorFlow orders per
+        device (eager collectives wait on each other and hang), so ``run_eagerly=True`` is
+        refused."""
+        if value:
+            raise PlannerError(
+                f"Plan {self.plan.name!r} runs on the SPMD engine (apply.spmd), whose step is "
+                "one traced program: every device's collectives must be in one graph, in one "
+                "order, so it cannot run eagerly (received run_eagerly=True). Compile with "
+                "run_eagerly=False; to look inside a step, use tf.print in the model's "
+                "layers, or train the plain model eagerly on one device.")
+
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
         super().compile(optimizer, *args, **kwargs)
         self._build_optimizer()
@@ -677,7 +694,8 @@ def _rows(structure: Any) -> Any:
     """The batch size of a (possibly nested) batch: its first tensor's leading dimension, an
     int where the traced shape knows it, else a scalar tensor."""
     first = next(t for t in tf.nest.flatten(structure) if t is not None)
-    static = first.shape[0] if first.shape.rank else None
+    shape = tf.TensorShape(first.shape)  # a NumPy array's too (eager steps)
+    static = shape[0] if shape.rank else None
     return tf.shape(first)[0] if static is None else static
 
 

@@ -1,19 +1,21 @@
-"""Activation recomputation (apply.recompute) in single-device and pipeline plans.
+"""Activation recomputation (apply.recompute) through ``apply.wrap`` of a built model, on the
+SPMD engine (apply.spmd): the plan's recomputed layers (whole under "full", their attention
+cores under "selective") run under ``tf.recompute_grad`` in every device's copy.
 
-What is asserted: the recomputed layers' forward ops really are in the gradient
-graph (one extra forward MatMul per recomputed Dense layer, created by the
-gradient function, on the layer's own device), the losses equal those without
-recomputation (1e-6 relative), "selective" recomputes the attention core only (the
-two Einsums and the Softmax of each attention layer, once per tensor rank or replica on
-its device, no projection; one device, tp = 2 with heads split, dp = 2; 10 steps equal
-to one device within 1e-4; GroupQueryAttention in a nested model too), layers that hold
-state are kept (with a warning; attention with dropout under "selective"), and no "not
-applied" warning remains for the placed modes.
+What is asserted: the recomputed layers' forward ops really are in the gradient graph
+(each device's traced train step runs one more forward MatMul per recomputed Dense layer
+and micro-batch than without recomputation, on the layer's own device), the losses equal
+those without recomputation (1e-6 relative), "selective" recomputes the attention core
+only (the two Einsums and the Softmax of each attention layer, once per tensor rank or
+replica on its device, no projection; one device, tp = 2 with heads split, dp = 2; 10
+steps equal to one device within 1e-4; GroupQueryAttention in a nested model too), layers
+that hold state are kept (with a warning; attention with dropout under "selective"), and
+no "not applied" warning is given.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import re
 import warnings
 
 import keras
@@ -23,11 +25,14 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.recompute import recomputed_layers
+from tfplan.apply.spmd import SpmdModel
 from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses, tp_plan)
 
 TINY_MLP_DENSE = ("dense_in", "hidden", "narrow", "head")
+CORE_TYPES = ("Einsum", "Softmax", "MatMul", "BatchMatMulV2")
+SELECTIVE_STEPS = 10
 
 
 def with_recompute(plan, recompute):
@@ -39,6 +44,7 @@ def wrapped(model, plan, module=None, loss="mse"):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "recompute ... not applied" warning
         w = apply.wrap(model, plan)
+    assert isinstance(w, SpmdModel)
     w.compile(optimizer=fresh_optimizer(module) if module else keras.optimizers.Adam(1e-2),
               loss=module.loss if module else loss)
     return w
@@ -51,15 +57,23 @@ def train_step_ops(model, x, y):
     return graph.get_operations()
 
 
-RECOMPUTED = re.compile(r"^gradients(_\d+)?/.*IdentityN(_\d+)?_grad/")
+def _counts(model, x, y, types):
+    """{(device index, op type): ops} of ``types`` in the model's traced train step."""
+    return collections.Counter((tf.DeviceSpec.from_string(op.device).device_index, op.type)
+                               for op in train_step_ops(model, x, y) if op.type in types)
 
 
-def recomputed_ops(ops, types=("MatMul",)):
-    """Forward ops re-run by a recompute gradient function: made inside the gradient of the
-    recompute_grad's IdentityN, not by the tape that differentiates them
-    (``gradients/.../IdentityN_3_grad/head_1/MatMul``)."""
-    return [op for op in ops if op.type in types and RECOMPUTED.match(op.name)
-            and "gradient_tape" not in op.name]
+def extra_ops(recomputed, plain, x, y, types=("MatMul",)):
+    """{(device index, op type): ops} the recomputing model's step runs more than the plain
+    one's (the forward ops ``tf.recompute_grad`` runs again in the backward pass); an op
+    type a device runs fewer of is an error."""
+    more, fewer = _counts(recomputed, x, y, types), _counts(plain, x, y, types)
+    assert not fewer - more, fewer - more
+    return dict(more - fewer)
+
+
+def _index(device: str) -> int:
+    return tf.DeviceSpec.from_string(device).device_index
 
 
 @pytest.mark.parametrize("stages,m", [([cpus(0)], 1), ([cpus(1), cpus(3)], 2)],
@@ -70,25 +84,13 @@ def test_full_recompute_reruns_each_layer_forward_with_the_same_losses(stages, m
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     plain = wrapped(model, plan, module)
     full = wrapped(model, with_recompute(plan, "full"), module)
-    assert plain.recompute_layers == frozenset()
-    assert full.recompute_layers == frozenset(TINY_MLP_DENSE)
-
-    x, y = batches[0]
-    plain_ops, full_ops = train_step_ops(plain, x, y), train_step_ops(full, x, y)
-    n_plain = sum(op.type == "MatMul" for op in plain_ops)
-    n_full = sum(op.type == "MatMul" for op in full_ops)
-    # one forward MatMul per Dense layer per micro-batch is run again in the backward pass
-    assert n_full - n_plain == len(TINY_MLP_DENSE) * m
-    assert recomputed_ops(plain_ops) == []
-    recomputed = recomputed_ops(full_ops)
-    assert len(recomputed) == len(TINY_MLP_DENSE) * m
-    device_of = plan.device_of_layer()
+    assert plain.run_description.recomputed == ()
+    assert set(full.run_description.recomputed) == set(TINY_MLP_DENSE)
+    # one forward MatMul per Dense layer per micro-batch is run again, on the layer's device
+    want = collections.Counter()
     for layer in TINY_MLP_DENSE:
-        mine = [op for op in recomputed if f"/{layer}_" in op.name or f"/{layer}/" in op.name]
-        assert len(mine) == m, (layer, [op.name for op in recomputed])
-        assert {tf.DeviceSpec.from_string(op.device).device_index for op in mine} == {
-            tf.DeviceSpec.from_string(device_of[layer]).device_index}
-
+        want[(_index(plan.device_of_layer()[layer]), "MatMul")] += m
+    assert extra_ops(full, plain, *batches[0]) == dict(want)
     np.testing.assert_allclose(step_losses(full, batches), step_losses(plain, batches),
                                rtol=1e-6)
 
@@ -112,15 +114,11 @@ def test_selective_recompute_reruns_attention_only():
     selective = with_recompute(plan, "selective")
     assert recomputed_layers(selective, model) == (("attention",), ())
     plain, sel = wrapped(model, plan), wrapped(model, selective)
-    x, y = batches[0]
-    sel_ops = train_step_ops(sel, x, y)
-    attention = [op for op in recomputed_ops(sel_ops, ("Einsum", "MatMul", "BatchMatMulV2"))
-                 if "/attention" in op.name]
-    assert attention, "no recomputed attention op in the gradient graph"
-    assert recomputed_ops(train_step_ops(plain, x, y), ("Einsum", "MatMul")) == []
-    # the Dense layers are not recomputed
-    assert [op for op in recomputed_ops(sel_ops) if "/embed" in op.name or "/head" in op.name
-            ] == []
+    # the attention core (QK^T, softmax, scores x V) again per micro-batch on its stage's
+    # device; no projection, no Dense layer
+    attention = _index(plan.device_of_layer()["attention"])
+    assert extra_ops(sel, plain, *batches[0], CORE_TYPES) == {
+        (attention, "Einsum"): 4, (attention, "Softmax"): 2}
     np.testing.assert_allclose(step_losses(sel, batches), step_losses(plain, batches),
                                rtol=1e-6)
 
@@ -136,49 +134,44 @@ def test_layers_with_state_keep_their_activations_and_say_so():
     assert recomputed_layers(plan, model) == (("d1", "d2"), ("bn", "drop"))
     with pytest.warns(UserWarning, match=r"\['bn', 'drop'\].*keep their activations"):
         w = apply.wrap(model, plan)
-    assert w.recompute_layers == frozenset({"d1", "d2"})
+    assert w.run_description.recomputed == ("d1", "d2")
 
 
 def test_data_parallel_plans_recompute_through_apply_wrap(recwarn):
-    """dp = 2 with recompute="full": apply.wrap hands every layer to the data-parallel
-    model's recomputation (tests/apply/test_data_parallel.py counts the recomputed ops),
-    says nothing is left unapplied, and the losses equal no recomputation."""
+    """dp = 2 with recompute="full": every replica's copy re-runs its layers' forward on its
+    own device, nothing is said to be left unapplied, and the losses equal no
+    recomputation."""
     module, model = base_model("tiny_mlp")
     plan = make_plan(model, [cpus(0, 1)])
     recomputed = apply.wrap(model, with_recompute(plan, "full"))
     assert not [w for w in recwarn if "does not apply" in str(w.message)]
-    assert type(recomputed).__name__ == "DataParallelModel"
-    assert recomputed.recompute_layers == {"dense_in", "hidden", "narrow", "head"}
+    assert isinstance(recomputed, SpmdModel)
+    assert set(recomputed.run_description.recomputed) == set(TINY_MLP_DENSE)
     recomputed.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     plain = wrapped(model, plan, module)
     batches = batches_of(module, 3, GLOBAL_BATCH)
+    assert extra_ops(recomputed, plain, *batches[0]) == {
+        (d, "MatMul"): len(TINY_MLP_DENSE) for d in (0, 1)}
     np.testing.assert_allclose(step_losses(recomputed, batches), step_losses(plain, batches),
                                rtol=1e-6)
 
 
-def test_recompute_in_an_eager_train_step_gives_the_same_losses():
-    """run_eagerly=True: the placed model's tape path (apply.pipeline) recomputes too."""
+def test_an_eager_train_step_is_refused_with_the_fix():
+    """run_eagerly=True: the SPMD engine's step is one traced program (its collectives in
+    one order per device), so it says so before any step runs."""
+    from tfplan.core.errors import PlannerError
+
     module, model = base_model("tiny_mlp")
     plan = with_recompute(make_plan(model, [cpus(1), cpus(3)], num_microbatches=2), "full")
-    batches = batches_of(module, 2, GLOBAL_BATCH)
-    graph, eager = wrapped(model, plan, module), apply.wrap(model, plan)
-    eager.compile(optimizer=fresh_optimizer(module), loss=module.loss, run_eagerly=True)
-    np.testing.assert_allclose(step_losses(eager, batches), step_losses(graph, batches),
-                               rtol=1e-6)
+    eager = apply.wrap(model, plan)
+    with pytest.raises(PlannerError, match=r"run_eagerly=True.*run_eagerly=False"):
+        eager.compile(optimizer=fresh_optimizer(module), loss=module.loss, run_eagerly=True)
+    with pytest.raises(PlannerError, match="cannot run eagerly"):
+        eager.run_eagerly = True
+    assert eager.run_eagerly is False
 
 
 # --- "selective": the attention core alone (Korthikanti et al., 2022, Sec. 5) -------------
-
-CORE_RECOMPUTED = re.compile(r"(^|/)gradients(_\d+)?/.*IdentityN(_\d+)?_grad/")
-CORE_TYPES = ("Einsum", "Softmax", "MatMul", "BatchMatMulV2")
-SELECTIVE_STEPS = 10
-
-
-def rerun_ops(ops):
-    """Ops of ``CORE_TYPES`` a recompute gradient function runs again (any replica)."""
-    return [op for op in ops if op.type in CORE_TYPES and CORE_RECOMPUTED.search(op.name)
-            and "gradient_tape" not in op.name]
-
 
 def selective_plan(model, case):
     if case == "single_device":
@@ -195,34 +188,17 @@ def test_selective_recompute_reruns_only_the_attention_core(case):
     """The two Einsums (QK^T, scores x V) and the Softmax of the attention core are re-run
     in the backward pass, once per tensor rank or replica, on that rank's device; no
     projection (Q/K/V/output), no other layer; 10 steps give one device's losses."""
-    from tests.apply.test_data_parallel import forward_ops_after_gradients, train_step_graph
-
-    def rerun_in(model):
-        if case == "dp2":  # MirroredStrategy's step differentiates with the tape, whose
-            # recomputation has no layer scope: found by depending on the backward pass
-            return forward_ops_after_gradients(train_step_graph(model, x, y), CORE_TYPES)
-        return rerun_ops(train_step_ops(model, x, y))
-
     module, model = base_model("tiny_transformer")
     plan = selective_plan(model, case)
     assert recomputed_layers(plan, model) == (("attention",), ())
     w = wrapped(model, plan, module)
-    assert w.recompute_layers == frozenset()  # no layer is recomputed whole
-    assert w.recompute_cores == frozenset({"attention"})
+    assert w.run_description.recompute == "selective"
+    assert w.run_description.recomputed == ("attention",)
     x, y = batches_of(module, 1, GLOBAL_BATCH)[0]
-    rerun = rerun_in(w)
-    devices = ["/device:CPU:1"] if case == "single_device" else ["/device:CPU:1",
-                                                                  "/device:CPU:2"]
-    by_device = {d: sorted(op.type for op in rerun
-                           if tf.DeviceSpec.from_string(op.device).device_index
-                           == tf.DeviceSpec.from_string(d).device_index) for d in devices}
-    assert by_device == {d: ["Einsum", "Einsum", "Softmax"] for d in devices}, [
-        (op.type, op.name, op.device) for op in rerun]
-    assert len(rerun) == 3 * len(devices)
-    if case != "dp2":
-        assert all("/attention" in op.name for op in rerun)
-    # without recomputation nothing is re-run
-    assert rerun_in(wrapped(model, with_recompute(plan, "none"), module)) == []
+    devices = [1] if case == "single_device" else [1, 2]
+    plain = wrapped(model, with_recompute(plan, "none"), module)
+    assert extra_ops(w, plain, x, y, CORE_TYPES) == {
+        **{(d, "Einsum"): 2 for d in devices}, **{(d, "Softmax"): 1 for d in devices}}
     assert_losses_match(step_losses(w, batches_of(module, SELECTIVE_STEPS, GLOBAL_BATCH)),
                         reference_losses("tiny_transformer", SELECTIVE_STEPS))
 
@@ -245,9 +221,8 @@ def test_selective_recompute_of_grouped_query_attention_and_a_nested_model():
     selective = with_recompute(plan, "selective")
     assert recomputed_layers(selective, model) == (("block",), ())
     plain, sel = wrapped(model, plan), wrapped(model, selective)
-    rerun = rerun_ops(train_step_ops(sel, *batches[0]))
-    assert sorted(op.type for op in rerun) == ["Einsum", "Einsum", "Softmax"], [
-        op.name for op in rerun]
+    assert extra_ops(sel, plain, *batches[0], CORE_TYPES) == {(1, "Einsum"): 2,
+                                                              (1, "Softmax"): 1}
     np.testing.assert_allclose(step_losses(sel, batches), step_losses(plain, batches),
                                rtol=1e-4)
 
@@ -264,4 +239,4 @@ def test_selective_keeps_attention_with_dropout_and_says_so():
     assert recomputed_layers(plan, model) == (("kept",), ("dropped",))
     with pytest.warns(UserWarning, match=r"\['dropped'\].*keep their activations"):
         w = apply.wrap(model, plan)
-    assert w.recompute_cores == frozenset({"kept"})
+    assert w.run_description.recomputed == ("kept",)

@@ -199,14 +199,18 @@ def test_layers_that_mix_positions_run_gathered():
     assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
 
 
-def test_sequence_parallel_off_keeps_replicated_layers_on_rank_0():
+def test_sequence_parallel_off_runs_replicated_layers_whole_on_every_rank():
+    """Without sequence parallelism the SPMD engine (apply.spmd) runs an unsplit layer
+    between split ones on every tensor-parallel rank, whole (Megatron)."""
+    from tfplan.apply.spmd import SpmdModel
+
     module, model = base_model("tiny_transformer")
     plan = sp_plan(model, [cpus(0, 1)], SPLITS["tiny_transformer"], sequence_parallel=False)
     wrapped = apply.wrap(model, plan)
-    assert wrapped.sequence_layers == {}
+    assert isinstance(wrapped, SpmdModel)
     x, _ = module.sample_batch(GLOBAL_BATCH)
     ln = [op for op in graph_ops(wrapped, x) if "/ln_attention" in op.name and op.device]
-    assert {_short(op.device) for op in ln} == set(cpus(0))
+    assert {_short(op.device) for op in ln} == set(cpus(0, 1))
 
 
 def test_uneven_sequence_pieces_train_the_same():
