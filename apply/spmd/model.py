@@ -52,6 +52,7 @@ and in any plan of it; once compiled, with one device's optimizer state
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -134,6 +135,15 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 "layers, or train the plain model eagerly on one device.")
 
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        """Keras' ``compile``, never with XLA: one XLA cluster runs on one device, and the
+        step spans the plan's devices and the host (Keras' ``jit_compile="auto"`` turns it
+        on wherever a GPU is visible); then the optimizer's state is built beside what it
+        updates."""
+        if kwargs.get("jit_compile") is True:
+            warnings.warn(f"Plan {self.plan.name!r}: the step spans several devices and one "
+                          "XLA cluster runs on one device; compiling without jit_compile.",
+                          stacklevel=2)
+        kwargs["jit_compile"] = False
         super().compile(optimizer, *args, **kwargs)
         self._build_optimizer()
 

@@ -13,10 +13,10 @@ from tfplan.apply.mode import execution_mode
 from tfplan.planner.plan import Stage
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.signature import model_signature
-from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match, base_model,
+from tests.apply.helpers import (GLOBAL_BATCH, STEPS, assert_losses_match,
+                                 assert_state_where_planned, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
-from tests.apply.test_wrap_modes import _assert_placement
 
 NAME = "tiny_mlp"
 
@@ -41,12 +41,13 @@ def test_interleaved_plan_places_chunks_round_robin_and_trains_like_one_device()
         warnings.simplefilter("error")  # the schedule is applied: nothing to warn about
         assert execution_mode(plan).mode == "pipeline"
         wrapped = apply.wrap(model, plan)
-    assert wrapped.pipeline_schedule == schedule_of(plan)
-    assert wrapped.pipeline_schedule.kind == "interleaved"
+    run = wrapped.run_description  # the SPMD engine (apply.spmd.pipeline)
+    assert run.schedule == schedule_of(plan).kind == "interleaved"
+    assert (run.pp, run.virtual_stages, run.chunks) == (2, 2, 4)
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)),
                         reference_losses(NAME))
-    _assert_placement(wrapped, plan)
+    assert_state_where_planned(wrapped, wrapped.plan)
     where = plan.device_of_layer()
     layers = [row[0] for row in model_signature(model)]
     assert where[layers[0]] == where[layers[2]] != where[layers[1]] == where[layers[3]]
