@@ -1,10 +1,11 @@
-"""ZeRO-3 (apply.zero3): plans with ``zero_stage=3`` keep one persistent copy of each weight,
-on the owner ``planner.zero`` names, gather it onto every replica for each layer's forward
-and backward, and train exactly like one device.
+"""ZeRO-3 through ``apply.wrap`` of a built model: one persistent copy of each weight in all,
+gathered for each layer's forward and backward, training exactly like one device.
 
-Runs on the logical CPU devices of tests/conftest.py with hand-made plans: the tiny MLP and
-the tiny transformer with dp = 4, with one and two micro-batches, dp = 2 x tp = 2 and a
-dp = 2 x pp = 2 pipeline in 1F1B order.
+Plans without stages run on the SPMD engine (apply.spmd.zero3: each device holds 1/dp of
+every weight; its own tests are tests/apply/spmd/test_zero.py): weight files, a nested
+model, a layer called twice and the refusals here. A ZeRO-3 pipeline (dp = 2 x pp = 2 in
+1F1B order, on the transformer) runs on the older engine (apply.zero3: each weight on the
+owner ``planner.zero`` names), as the parametrized case checks.
 Memory is measured on the variables the replicas' layers hold (each distinct variable with
 storage of its own, by its device), not taken from the owners' table.
 """
@@ -24,7 +25,7 @@ from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import execution_mode
 from tfplan.apply.placement import tf_variable
 from tfplan.apply.tensor_parallel import TensorParallelModel
-from tfplan.apply.zero3 import GATHER, REGATHER, persistent_bytes_by_device
+from tfplan.apply.zero3 import persistent_bytes_by_device
 from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.zero import owners_by_device_group
 from tests.apply import helpers
@@ -37,11 +38,6 @@ MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
 
 # name: (model file, devices of each stage (dp x tp), micro-batches, dp, splits)
 CASES = {
-    "mlp-dp4": ("tiny_mlp", [cpus(0, 1, 2, 3)], 1, 4, ()),
-    "mlp-dp4-m2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 2, 4, ()),
-    "transformer-dp4": ("tiny_transformer", [cpus(0, 1, 2, 3)], 1, 4, ()),
-    "transformer-dp4-m2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 2, 4, ()),
-    "mlp-dp2-tp2": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 2, MLP_SPLITS),
     "transformer-dp2-pp2-1f1b": ("tiny_transformer", [cpus(0, 1), cpus(2, 3)], 2, 2, ()),
 }
 
@@ -66,6 +62,18 @@ def _nbytes(variable) -> int:
     return int(np.prod(variable.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
 
 
+def _held_bytes(wrapped) -> int:
+    """Weight bytes the wrapped model holds in all: its copies' variables with storage, and
+    on the SPMD engine its ZeRO-3 shards (each copy's own weights freed)."""
+    copies = getattr(wrapped, "device_models", None)
+    held = sum(_measured_bytes(copies if copies is not None else
+                               wrapped.replica_models()).values())
+    if copies is not None:
+        held += sum(_nbytes(s) for row in wrapped._zero.shards for shards in row
+                    for s in shards)
+    return held
+
+
 def _measured_bytes(replicas) -> dict[str, int]:
     """Bytes of every distinct variable with storage the replicas' layers hold, by the
     device its tf.Variable lives on."""
@@ -74,8 +82,8 @@ def _measured_bytes(replicas) -> dict[str, int]:
         for layer in model.layers:
             for v in layer.weights:
                 if compat.holds_storage(v) and id(v.value) not in seen:
-                    seen.add(id(v.value))
-                    out[short_name(v.value.device)] += _nbytes(v)
+                    seen.add(id(v.value))  # its storage's size (freed storage is empty)
+                    out[short_name(v.value.device)] += _nbytes(v.value)
     return dict(out)
 
 
@@ -154,67 +162,6 @@ def test_zero3_trains_like_one_device_with_one_copy_of_each_weight(case, recwarn
         np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
-def _owner_reads(graph, concrete, groups):
-    """{id(ReadVariableOp): group} for the reads of each owner variable in ``graph``."""
-    handle_of = {id(tf_variable(g.owner_copy).handle): g for g in groups}
-    placeholder_group = {}
-    for external, internal in concrete.graph.captures:
-        if id(external) in handle_of:
-            placeholder_group[internal.op.name] = handle_of[id(external)]
-    return {id(op): placeholder_group[op.inputs[0].op.name] for op in graph.get_operations()
-            if op.type == "ReadVariableOp" and op.inputs[0].op.name in placeholder_group}
-
-
-def _read_behind(op):
-    """The ReadVariableOp a gather copies (through the read's Identity ops)."""
-    t = op.inputs[0]
-    while t.op.type == "Identity":
-        t = t.op.inputs[0]
-    return t.op
-
-
-def test_zero3_step_gathers_each_layer_from_its_owner_for_forward_and_backward():
-    """In the traced train step every weight is read on its owner's device and copied onto
-    each replica's device twice: once for the forward (``zero3_gather``), once for the
-    backward (``zero3_regather``, after the gradient reaching the layer); each gradient
-    is summed on the owner's device, nowhere else."""
-    module, model = base_model("tiny_mlp")
-    dp = 4
-    wrapped = apply.wrap(model, zero3_plan(model, cpus(0, 1, 2, 3), dp=dp))
-    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-    x, y = batches_of(module, 1, GLOBAL_BATCH)[0]
-    step = tf.function(lambda data: wrapped.train_step(data), autograph=False)
-    concrete = step.get_concrete_function((tf.constant(x), tf.constant(y)))
-    graph = concrete.graph
-    groups = wrapped.sharded_weights.groups
-    reads = _owner_reads(graph, concrete, groups)
-    assert reads  # the owners' variables are read in the step
-    for op in graph.get_operations():
-        if id(op) in reads:
-            assert short_name(op.device) == reads[id(op)].owner_device
-    copies = {GATHER: collections.Counter(), REGATHER: collections.Counter()}
-    for op in graph.get_operations():
-        kind = next((k for k in (GATHER, REGATHER) if op.name.split("/")[-1] == k
-                     or op.name.split("/")[-1].startswith(k + "_")), None)
-        if kind is None:
-            continue
-        read = _read_behind(op)
-        assert id(read) in reads, op.name  # a copy of an owner's variable
-        g = reads[id(read)]
-        replica = g.devices.index(short_name(op.device))  # onto one replica's device
-        copies[kind][(g.index, replica)] += 1
-        if kind == REGATHER:  # waits for the backward to reach the layer
-            assert op.control_inputs, op.name
-    expected = {(g.index, r): 1 for g in groups for r in range(dp)}
-    assert dict(copies[GATHER]) == expected  # every weight, every replica, forward
-    assert dict(copies[REGATHER]) == expected  # and again in the backward
-    # the reduce: one AddN per weight over the dp replicas' gradients, on its owner
-    sums = collections.Counter(short_name(op.device) for op in graph.get_operations()
-                               if op.type == "AddN" and op.name.startswith("AddN")
-                               and len(op.inputs) == dp)
-    assert sums == collections.Counter(g.owner_device for g in groups)
-
-
 def test_zero3_weight_files_are_the_one_device_models(tmp_path):
     """save_weights of a ZeRO-3 model (weights and Adam's state) loads into the plain
     model as one device's training left it; load_weights reads it back into the owners."""
@@ -242,13 +189,13 @@ def test_zero3_weight_files_are_the_one_device_models(tmp_path):
     again.load_weights(path)
     for mine, theirs in zip(again.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
-    assert sum(_measured_bytes(again.replica_models()).values()) == sum(
-        _nbytes(v) for v in model.trainable_weights)
+    # one copy of each weight in all (the shards' padding to equal rows aside)
+    assert 1 <= _held_bytes(again) / sum(_nbytes(v) for v in model.trainable_weights) < 1.05
 
 
 def test_zero3_refuses_layers_with_state_and_one_program_per_worker():
     _, bn = base_model("tiny_resnet_bn")
-    with pytest.raises(PlannerError, match="stem_norm.*non-trainable variables.*zero_stage 2"):
+    with pytest.raises(PlannerError, match="stem_norm.*non-trainable state.*zero=2"):
         apply.wrap(bn, zero3_plan(bn, cpus(0, 1), dp=2))
     from tfplan.core.presets import parse_cluster
 
@@ -285,5 +232,4 @@ def test_zero3_gathers_a_nested_model_and_a_layer_called_twice():
     batches = [(xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH],
                 2 * xs[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, :2]) for i in range(STEPS)]
     assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
-    assert sum(_measured_bytes(wrapped.replica_models()).values()) == sum(
-        _nbytes(v) for v in model.trainable_weights)
+    assert 1 <= _held_bytes(wrapped) / sum(_nbytes(v) for v in model.trainable_weights) < 1.05
