@@ -298,6 +298,13 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
         if "." in layer.equation or char not in ker or (
                 char in inp if split == "column" else char in out):
             return f"equation {layer.equation!r} cannot be cut by {split}"
+        # the kernel's output (column) or contracted (row) axes: with several, as attention
+        # projections' heads x head_dim ("bqm,muh->bquh"), the last is within each head,
+        # which per-head ops (rotary embeddings, norms) read whole
+        kernel_axes = [c for c in ker if (c in out if split == "column" else c in inp)]
+        if len(kernel_axes) > 1:
+            return (f"equation {layer.equation!r} has {len(kernel_axes)} "
+                    f"{'output' if split == 'column' else 'contracted'} kernel axes")
         n = int(layer.kernel.shape[ker.index(char)])
         return "" if n % tp == 0 else f"its split axis ({n})"
     return f"{cls.__name__} layers are not split by {split!r} here"

@@ -22,6 +22,8 @@ from tfplan import apply
 from tfplan.apply.dimensions import split_refusal
 from tfplan.apply.placement import devices_of
 from tfplan.apply.sharded_base import Sharded
+from tfplan.apply.spmd import SpmdModel
+from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import Plan
 from tfplan.profiler.signature import (block_of, model_signature, own_weights,
@@ -55,6 +57,12 @@ def assert_placement(wrapped, plan: Plan) -> None:
     device of the plan used, and each Adam slot beside its variable."""
     tp = max(1, plan.strategy.tp)
     splits = dict(plan.tp_splits)
+    if isinstance(wrapped, SpmdModel):  # each device's copy, its split layers the twins
+        for copy in wrapped.device_models:
+            for name, layer in profiled_layer_paths(copy):
+                assert is_twin(layer) == (name in splits), name
+        helpers.assert_state_where_planned(wrapped, plan)
+        return
     used = set()
     replicas = wrapped.replica_models() if hasattr(wrapped, "replica_models") else (wrapped,)
     for r, replica in enumerate(replicas):
@@ -133,10 +141,10 @@ def test_user_block_trains_like_one_device(case):
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches),
                         helpers.reference_losses("tiny_block", STEPS))
-    assert_placement(wrapped, plan)
+    assert_placement(wrapped, wrapped.plan)
     if plan.strategy.tp > 1:  # the twin sits where the Dense was, in the block's tracking
-        block = wrapped.get_layer("block_0")
-        assert isinstance(block.up, Sharded) and isinstance(block.down, Sharded)
+        block = wrapped.device_models[0].get_layer("block_0")
+        assert is_twin(block.up) and is_twin(block.down)
         assert block._flatten_layers(include_self=False, recursive=False) == [block.up,
                                                                               block.down]
 
@@ -150,9 +158,9 @@ def test_row_sub_layer_reads_the_column_sub_layers_shards_in_place():
     down = [op for op in ops if re.search(r"/block_0(_\d+)?/down(_\d+)?/", op.name)]
     assert sorted(_short(op.device) for op in down if op.type == "MatMul") == cpus(2, 3)
     assert not [op for op in down if op.type == "StridedSlice"]  # no slicing: in place
-    # the block's own code (the residual add) on its stage's rank 0
+    # the block's own code (the residual add) on every tensor rank (Megatron: no hub)
     residual = [op for op in ops if re.search(r"/block_0(_\d+)?/add$", op.name)]
-    assert residual and {_short(op.device) for op in residual} == {cpus(2)[0]}
+    assert residual and {_short(op.device) for op in residual} == set(cpus(2, 3))
 
 
 def test_block_weight_files_are_the_users(tmp_path):
@@ -182,7 +190,7 @@ def test_splitting_a_block_itself_or_a_nested_models_layer_is_refused():
     trunk = keras.Model(inner, keras.layers.Dense(8, name="proj")(inner), name="trunk")
     x = keras.Input((4,))
     nested = keras.Model(x, keras.layers.Dense(2, name="out")(trunk(x)))
-    with pytest.raises(PlannerError, match=r"'trunk/proj' \(Dense\) by 'column'.*nested model"):
+    with pytest.raises(PlannerError, match=r"'trunk/proj'.*nested model"):
         apply.wrap(nested, tp_plan(nested, [cpus(0, 1)], (("trunk/proj", "column"),)))
     assert split_refusal("gpt2/token_embedding", "ReversibleEmbedding", "Embedding", "",
                          "vocab").startswith("it is a layer of a nested model")
@@ -313,7 +321,7 @@ def assert_trains_like_the_backbone(wrapped, model, plan, batches, reference) ->
                                rtol=1e-4, atol=1e-5)
     wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
     assert_losses_match(step_losses(wrapped, batches), reference)
-    assert_placement(wrapped, plan)
+    assert_placement(wrapped, wrapped.plan)
     assert len(wrapped.get_weights()) == len(model.get_weights())
     for got, want in zip(wrapped.get_weights(), model.get_weights()):  # unsplit, in order
         assert got.shape == want.shape
@@ -348,8 +356,8 @@ def test_keras_hub_weight_files_load_both_ways(tmp_path, table):
     model.save_weights(plain_file)
     wrapped = apply.wrap(HUB.build_model("llama"), hub_plan(
         "llama", "tp2", model, HUB_SPLITS if table == "projections" else HEADS_SPLITS))
-    layout = wrapped._checkpoint_layout()  # each trainable weight, its shards joined unsplit
-    assert [w.shape for w in layout] == [tuple(v.shape) for v in model.trainable_weights]
+    # each weight, its shards joined unsplit
+    assert [w.shape for w in wrapped.get_weights()] == [tuple(v.shape) for v in model.weights]
     wrapped.load_weights(plain_file)  # a keras_hub checkpoint into the split model
     np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
                                rtol=1e-4, atol=1e-5)
@@ -368,9 +376,9 @@ def test_keras_hub_weight_files_load_both_ways(tmp_path, table):
 def test_gpt2_split_attention_refuses_a_cache():
     model, batches, _ = hub("gpt2")
     wrapped = apply.wrap(model, hub_plan("gpt2", "tp2", model))
-    attention = wrapped.get_layer("gpt2").get_layer("transformer_layer_0")._self_attention_layer
-    assert isinstance(attention, Sharded) and type(attention).__name__ == (
-        "CachedMultiHeadAttention")
+    backbone = wrapped.device_models[0].get_layer("gpt2")
+    attention = backbone.get_layer("transformer_layer_0")._self_attention_layer
+    assert is_twin(attention)  # rank 0's heads of GPT-2's CachedMultiHeadAttention
     h = tf.zeros((2, 8, 16))
     cache = tf.zeros((2, 2, 8, 4, 4))
     with pytest.raises(PlannerError, match="key/value cache"):
@@ -387,12 +395,14 @@ def test_selective_recomputation_reaches_the_attention_inside_blocks(case):
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                   recompute="selective"))
     wrapped = apply.wrap(model, plan)
-    assert len(wrapped.recompute_cores) == 1  # the backbone, whose two blocks hold them
+    run = wrapped.run_description
+    assert run.recompute == "selective" and len(run.recomputed) == 1  # the backbone
     from tfplan import compat
     from tfplan.apply.recompute import attention_layers
-    cores = [layer for name in wrapped.recompute_cores
-             for layer in attention_layers(wrapped.get_layer(name))]
-    assert len(cores) == 2 and all(compat.attention_core_is_wrapped(c) for c in cores)
+    for copy in wrapped.device_models:  # its two blocks' attention cores, in every copy
+        cores = [layer for name in run.recomputed
+                 for layer in attention_layers(copy.get_layer(name))]
+        assert len(cores) == 2 and all(compat.attention_core_is_wrapped(c) for c in cores)
     wrapped.compile(optimizer=fresh_optimizer(HUB), loss=HUB.loss)
     assert_losses_match(step_losses(wrapped, batches), reference)
 
@@ -488,7 +498,7 @@ def test_a_users_attention_block_splits_only_when_its_heads_are_independent(mix)
                                rtol=1e-5, atol=1e-6)
     wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     wrapped.train_on_batch(data, np.zeros((4, 6, 2), "float32"))
-    assert_placement(wrapped, plan)
+    assert_placement(wrapped, wrapped.plan)
 
 
 @pytest.mark.filterwarnings("ignore:Gradients do not exist")  # Llama's untied output table
