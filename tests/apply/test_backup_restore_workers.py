@@ -178,7 +178,7 @@ def test_sigterm_under_a_one_host_plan_resumes_mid_epoch_exactly(tmp_path):
         assert json.load(f)["batches_done"] == FAULT_BATCH + 2
     r = _launch(path, tmp_path, "none", 1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    _assert_results(tmp_path, 1, EPOCHS - FAULT_EPOCH, "DataParallelModel")
+    _assert_results(tmp_path, 1, EPOCHS - FAULT_EPOCH, "SpmdModel")
 
 
 if __name__ == "__main__":
