@@ -347,7 +347,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 owners.append(vs)
                 variables.append(zero.shards[q][t] if zero is not None else vs)
         del tape
-        grads = self._clipped(list(run.devices), grads, owners)
+        grads = self._clipped(list(run.devices), _all_computed(grads), owners)
         with self._own_clipping(), \
                 updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
@@ -388,7 +388,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     entries.append((device, [gs[i] for i in mine], [vs[i] for i in mine],
                                     [zero.shards[q][t][i] for i in mine]))
         devices, grads, owners, variables = (list(x) for x in zip(*entries))
-        grads = self._clipped(devices, grads, owners)
+        grads = self._clipped(devices, _all_computed(grads), owners)
         with self._own_clipping(), \
                 updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
@@ -692,6 +692,30 @@ def _times(g: Any, factor: Any) -> Any:
     TensorFlow converts to a dense tensor (its duplicate rows summed) before the update."""
     g = tf.convert_to_tensor(g)
     return g * ops.cast(factor, g.dtype)
+
+
+def _all_computed(grads: list[list[Any]]) -> list[list[Any]]:
+    """``grads``, each available only once every one of them is computed. A recomputed
+    layer (``tf.recompute_grad``) reads its weights again in the backward, also for the
+    gradient of its input, which no gradient of its own weights waits for; without this
+    the update of its weights could run first and the layers below would see the new
+    values (seen: 1 run in 6 of the MLP under full recomputation, its second loss 0.2%
+    off)."""
+    flat = [t for gs in grads for g in gs if g is not None
+            for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+    out = []
+    for gs in grads:
+        row = []
+        for g in gs:
+            if g is None:
+                row.append(g)
+                continue
+            with tf.device(g.device), tf.control_dependencies(flat):
+                row.append(tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices),
+                                            g.dense_shape)
+                           if isinstance(g, tf.IndexedSlices) else tf.identity(g))
+        out.append(row)
+    return out
 
 
 def _gradients(tape: Any, loss: Any, variables: list[Any]) -> list[Any]:
