@@ -13,7 +13,12 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    agree with the stages), and against this process's devices
    (``apply.ensure_devices``);
 2. the plan's shape picks the mode, once (``apply.mode.execution_mode``: a ``Mode``
-   and the ``Processes`` that run it; new modes plug in there):
+   and the ``Processes`` that run it). Every plan the SPMD engine runs (``apply.spmd``:
+   one host; single device, dp, tp, pp and their hybrids, ZeRO-1/2/3, recomputation,
+   offload of the optimizer; ``spmd_refusal`` says why not) goes there, each device
+   building its copy with ``build_model`` or, for a built model, re-creating it from its
+   layers' configs (``apply.cloning.clone_graph``). The rest runs on the older engines,
+   by mode:
 
    * one stage, one device: single device (``apply.pipeline``, one stage);
    * one stage, ``dp`` devices: data parallel (``apply.data_parallel``; a model with

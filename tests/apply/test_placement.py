@@ -22,7 +22,27 @@ from tfplan.planner.search import search
 from tests.apply.helpers import (GLOBAL_BATCH, HERE, STEPS, assert_losses_match, base_model,
                                  batches_of, cpus, fresh_optimizer, make_plan,
                                  reference_losses, step_losses)
-from tests.apply.test_wrap_modes import _assert_placement, _short
+from tests.apply.test_wrap_modes import _short
+
+
+def _assert_placement(model, plan) -> None:
+    """Every layer's weights on its planned device (one device per stage: the placed
+    engine, apply.pipeline), each optimizer slot beside its variable."""
+    layer_device = plan.device_of_layer()
+    for layer in model.layers:
+        for v in layer.weights:
+            assert _short(v.value.device) == layer_device[layer.name], (layer.name, v.path)
+    variables = sorted(model.trainable_variables, key=lambda v: -len(v.path))
+    slots: dict[str, list] = {v.path: [] for v in variables}
+    for slot in model.optimizer.variables:
+        for v in variables:  # longest path first: 'dense_in' before 'dense'
+            if slot.name.startswith(v.path.replace("/", "_") + "_"):
+                slots[v.path].append(slot)
+                break
+    for v in model.trainable_variables:
+        assert slots[v.path], f"no optimizer slot found for {v.path}"
+        for slot in slots[v.path]:
+            assert _short(slot.value.device) == _short(v.value.device), (slot.path, v.path)
 
 
 def _cpu(spec: str):

@@ -18,6 +18,8 @@ from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import execution_mode
 from tests.apply.helpers import GLOBAL_BATCH, base_model, cpus, tp_plan
 
+MLP_SPLITS = (("dense_in", "column"), ("hidden", "row"), ("narrow", "column"),
+              ("head", "row"))
 
 def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=(), stage=1):
     """A hand-made plan (tests/apply/helpers.tp_plan) with ZeRO stage ``stage`` on."""

@@ -189,3 +189,46 @@ def test_what_ifs_that_were_refused_are_priced():
     assert across.predicted.breakdown.communication_s > inside.predicted.breakdown.communication_s
     wide = _fixed(profile, "8x8xA100-80GB", 512, dp=64, zero_stage=3)
     assert wide.strategy.zero_stage == 3 and wide.strategy.dp == 64
+
+
+def test_a_last_column_split_prices_the_all_gather_of_its_output():
+    """A column split no row split reads next (GPT's lm_head) has its ranks all-gather the
+    output (apply.spmd.rank_layers): its forward tp time is that gather, half an all-reduce
+    of the output over the tp group; Megatron's column -> row pair gathers nothing."""
+    import numpy as np
+
+    from tfplan.planner.context import search_context
+    from tfplan.planner.pricing import Pricer
+    from tests.planner.gpt_profile import gpt_profile
+
+    cluster = parse_cluster("8xA100-80GB")
+    profile = gpt_profile(4, 1024, 16)
+    pricer = Pricer(search_context(profile, cluster, 64))
+    splits, tp, mbs = pricer.splits_for(8), 8, 1
+    assert splits[-1] == "column" and profile.layers[-1].name == "lm_head"
+    tpf = pricer.arrays(tp, mbs)["tpf"]
+    head = profile.layers[-1]
+    gather_s = coll.tensor_group_allreduce_time_s(
+        head.activation_bytes * mbs / profile.batch_size, tp, cluster) / 2
+    assert tpf[-1] == pytest.approx(gather_s) and gather_s > 0
+    fc = max(i for i, s in enumerate(splits[:-1]) if s == "column")  # fc_3, before proj_3
+    assert splits[fc + 1] == "row" and tpf[fc] == 0.0  # f's forward is an identity
+    assert np.all(tpf >= 0)
+
+
+def test_zero3_keeps_each_recomputed_layers_inputs_only():
+    """ZeRO-3 runs every layer holding weights under tf.recompute_grad (apply.spmd.zero3), so
+    its activation memory is those layers' inputs: selective recomputation saves nothing
+    more under it, while without ZeRO-3 it does."""
+    profile = gpt_7b()
+    base = dict(dp=8, microbatch_size=1)
+    none3, selective3 = (_fixed(profile, "8xA100-80GB", 512, **base, recompute=r,
+                                zero_stage=3) for r in ("none", "selective"))
+    none2, selective2 = (_fixed(profile, "8xA100-80GB", 512, **base, recompute=r,
+                                zero_stage=2) for r in ("none", "selective"))
+    assert none3.predicted.max_memory_bytes == selective3.predicted.max_memory_bytes
+    assert selective2.predicted.max_memory_bytes < none2.predicted.max_memory_bytes
+    # and far less than ZeRO-2's activations: the state shrinks by 2 bytes a parameter
+    # (float16 weights / 8 per device), the activations by much more
+    state_saved = 2 * 7e9 * 7 / 8
+    assert none2.predicted.max_memory_bytes - none3.predicted.max_memory_bytes > 1.2 * state_saved

@@ -44,9 +44,26 @@ def _plan(model, name, *, pp=2, dp=1, tp=1, m=2, schedule="1f1b", v=1, zero=0,
         plan = dataclasses.replace(plan, stages=tuple(
             Stage(layers=tuple(layers[bounds[k]:bounds[k + 1]]), devices=tuple(grids[k % pp]))
             for k in range(pp * v)))
-    return dataclasses.replace(plan, name=f"{plan.name} {schedule} v={v}",
+    return dataclasses.replace(_whole_blocks(plan), name=f"{plan.name} {schedule} v={v}",
                                strategy=dataclasses.replace(
                                    plan.strategy, schedule=schedule, virtual_stages=v))
+
+
+def _whole_blocks(plan):
+    """``plan`` with every block's sub-layers on the block's stage (a layer with sub-layers
+    runs whole on one stage, as the planner cuts: apply refuses a boundary inside one)."""
+    stage_of = {name: k for k, stage in enumerate(plan.stages) for name in stage.layers}
+
+    def home(name):
+        parts = name.split("/")
+        blocks = ["/".join(parts[:i]) for i in range(1, len(parts)) if "/".join(parts[:i])
+                  in stage_of]
+        return stage_of[blocks[0]] if blocks else stage_of[name]
+
+    order = [name for stage in plan.stages for name in stage.layers]
+    return dataclasses.replace(plan, stages=tuple(
+        Stage(layers=tuple(n for n in order if home(n) == k), devices=stage.devices)
+        for k, stage in enumerate(plan.stages)))
 
 
 def _wrapped(name, optimizer=None, **shape):
