@@ -18,7 +18,9 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   is the Alpa intra-operator ILP's answer at each tp (``planner.tp_splits``,
   ``Pricer.splits_for``), priced with this module's own per-layer times; a tp at
   which no layer is worth splitting is not offered. Each split's Megatron f/g
-  all-reduces (``profiler.comm.layer_comm``) run on the intra-node link.
+  all-reduces (``profiler.comm.layer_comm``) run on the intra-node link, and a column
+  split whose output no row split reads cut (a model's last projection) all-gathers it
+  in the forward (``traffic.row_follows``; its backward slices, no communication).
 - Pipeline stages: pp x v contiguous runs of the topological layer order, cut between
   blocks only (``graph.pipeline_units``: a custom layer with sub-layers stays whole) (v model
   chunks per device: 1, or 2-4 under the interleaved schedule), run k on pipeline
@@ -51,8 +53,9 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   layer, so each weighted layer after the first adds a collective's latency, and it runs
   each layer's forward again in the backward (with its forward collectives), as "full"
   recomputation does: TensorFlow's gradient ops read the weights they were made with, so
-  ``apply`` re-gathers them by recomputing the layer (``apply.spmd.zero3``). Its memory is
-  still priced with the activations kept (an overestimate).
+  ``apply`` re-gathers them by recomputing the layer (``apply.spmd.zero3``), so each layer
+  holding weights keeps only its inputs (weightless layers their activations) and its own
+  activations exist while its backward runs.
 - Sequence parallelism (``planner.sequence``): the per-token layers the tensor-parallel
   group replicates run on 1/tp of the sequence (time and saved bytes / tp); the f/g
   all-reduces become all-gather + reduce-scatter, the same time. Context parallelism:
@@ -91,7 +94,7 @@ from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, St
                                  stage_devices)
 from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
-from tfplan.planner.traffic import sent_bytes_per_device
+from tfplan.planner.traffic import row_follows, sent_bytes_per_device
 from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 
@@ -191,6 +194,11 @@ class Pricer:
                 if s and s.fwd_allreduce_bytes else 0.0
             tpb = coll.tensor_group_allreduce_time_s(s.bwd_allreduce_bytes * f / cp, tp, cluster) \
                 if s and s.bwd_allreduce_bytes else 0.0
+            if split == "column" and tp > 1 and not row_follows(splits, i):
+                # its ranks all-gather the output no row split reads cut (a model's last
+                # projection; apply.spmd.rank_layers): half an all-reduce of it, forward only
+                tpf += coll.tensor_group_allreduce_time_s(
+                    l.activation_bytes * f / cp, tp, cluster) / 2
             act = cm.saved_activation_bytes(l) * f / work + self.input_bytes[i] * f / cp
             inp = (self.layers[i - 1].activation_bytes if i else
                    max(self.input_bytes[0], l.input_bytes)) * f / cp
@@ -426,6 +434,13 @@ class Pricer:
             d["working"] = per_device(np.maximum.reduceat(a["core_act"], lo), np.max)
         else:
             d["kept"], d["working"] = d["act"], np.zeros(pp)
+        # ZeRO-3 runs each layer holding weights under tf.recompute_grad (apply.spmd.zero3):
+        # it keeps only its inputs, and its activations exist while its backward runs
+        weighted = a["param"] > 0
+        d["kept_layerwise"] = per_device(np.add.reduceat(np.where(weighted, a["inp"], a["act"]),
+                                                         lo))
+        d["working_layerwise"] = per_device(np.maximum.reduceat(
+            np.where(weighted, a["act"], 0.0), lo), np.max)
         # layers holding weights: ZeRO-3 gathers (and reduce-scatters) each on its own
         d["weighted_layers"] = per_device(np.add.reduceat((a["param"] > 0).astype(float), lo))
         # ZeRO-3's gathered weights in flight and ZeRO-2/3's unsharded gradient bucket
@@ -472,7 +487,11 @@ class Pricer:
         stage_times = compute + comm + recompute
         k = self._in_flight(c.schedule, pp, m, v)
         held, (w, cw, g, o), shard = self._state(d, c, zero)
-        memories = np.ceil(cm.with_margin_bytes(held + k * d["kept"] + d["working"]))
+        kept, working = d["kept"], d["working"]
+        if rerun:  # and keeps each re-run layer's inputs only
+            kept = np.minimum(kept, d["kept_layerwise"])
+            working = np.maximum(working, d["working_layerwise"])
+        memories = np.ceil(cm.with_margin_bytes(held + k * kept + working))
         if c.offload == "none":
             opt_s = cm.optimizer_time_s(w / shard, g / shard, o / shard, cluster.device)
         else:

@@ -104,7 +104,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 fwd = s.fwd_allreduce_bytes * f / cp
                 sent["tp"] += m * (2 if full else 1) * ring_allreduce_sent_bytes(fwd, tp)
                 sent["tp"] += m * ring_allreduce_sent_bytes(s.bwd_allreduce_bytes * f / cp, tp)
-                if split == "column" and not _row_follows(splits, i):
+                if split == "column" and not row_follows(splits, i):
                     sent["tp"] += m * (2 if full else 1) * ring_half_sent_bytes(
                         layer.activation_bytes * f / cp, tp)
             if cp > 1 and layer.kind in HEAD_SPLIT_TYPES:
@@ -188,7 +188,7 @@ def sparse_grad_bytes(layer: Any, precision: str) -> float:
     return elements * (layer.grad_bytes / layer.trainable_params) + tokens * INDEX_BYTES
 
 
-def _row_follows(splits: Sequence[str], i: int) -> bool:
+def row_follows(splits: Sequence[str], i: int) -> bool:
     """Whether the next split layer after layer i is a row split (a column split's output
     then stays cut: Megatron's pair; otherwise its ranks all-gather it)."""
     after = next((x for x in splits[i + 1:] if x), "")

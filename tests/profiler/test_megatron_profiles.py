@@ -19,7 +19,9 @@ from benchmarks.megatron_table1 import (ERROR_BOUND, deepen, evaluate, main,
 TABLE = read_table()
 # Outside the bound as measured (README, "Validation against Megatron-LM"): the 1T row,
 # which the authors' script runs with the plain 1F1B schedule (a 63/512 bubble)
-OUTSIDE: set[float] = set()  # rows the README says are outside the bound
+# rows the README says are outside the bound: 1T, by the logits all-gather apply runs and
+# Megatron's vocabulary-parallel cross-entropy does not
+OUTSIDE: set[float] = {1008.0}
 
 
 @pytest.fixture(scope="module")
