@@ -40,14 +40,12 @@ SPLITS = {
 }
 
 # name: (model file, devices of each stage (dp x tp per stage), micro-batches, dp)
+# tp2 and dp2 x tp2 with one micro-batch: tests/apply/test_acceptance.py
 CASES = {
-    "mlp-tp2": ("tiny_mlp", [cpus(0, 1)], 1, 1),
     "mlp-tp4": ("tiny_mlp", [cpus(4, 5, 6, 7)], 1, 1),
-    "transformer-tp2": ("tiny_transformer", [cpus(2, 3)], 1, 1),
     "mlp-pp2-tp2-m2": ("tiny_mlp", [cpus(0, 1), cpus(2, 3)], 2, 1),
     "transformer-pp2-tp2": ("tiny_transformer", [cpus(4, 5), cpus(6, 7)], 1, 1),
     "mlp-dp2-tp2-m2": ("tiny_mlp", [cpus(0, 1, 2, 3)], 2, 2),
-    "transformer-dp2-tp2": ("tiny_transformer", [cpus(4, 5, 6, 7)], 1, 2),
 }
 
 
