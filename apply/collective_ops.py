@@ -113,8 +113,21 @@ def member_all_reduce(value: Any, group: Group, device: str, kind: str | None = 
     program is traced on its own (``apply.spmd``)."""
     import tensorflow as tf
 
-    return _member("all_reduce", tf.raw_ops.CollectiveReduceV2, value, group, device, kind,
-                   merge_op="Add", final_op="Id")
+    out = _member("all_reduce", tf.raw_ops.CollectiveReduceV2, value, group, device, kind,
+                  merge_op="Add", final_op="Id")
+    out.set_shape(value.shape)  # TensorFlow infers none: the layers after it, and the audit
+    return out                  # sizing what they send on, see the input's
+
+
+def _gathered_shape(value: Any, n: int) -> Any:
+    """The static shape of ``n`` members' ``value`` concatenated along axis 0."""
+    import tensorflow as tf
+
+    shape = tf.TensorShape(value.shape)
+    if shape.rank is None:
+        return shape
+    first = shape[0] * n if shape[0] is not None else None
+    return tf.TensorShape([first, *shape[1:]])
 
 
 def member_all_gather(value: Any, group: Group, device: str, kind: str | None = None) -> Any:
@@ -123,8 +136,9 @@ def member_all_gather(value: Any, group: Group, device: str, kind: str | None = 
     import tensorflow as tf
 
     if value.dtype != tf.bfloat16:
-        return _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device,
-                       kind)
+        out = _member("all_gather", tf.raw_ops.CollectiveGatherV2, value, group, device, kind)
+        out.set_shape(_gathered_shape(value, group.size))
+        return out
     # CollectiveGatherV2 has no bfloat16 kernel (TF 2.21): the same bytes gathered as int32
     # pairs (exact), or as float32 where a row holds an odd number of values
     with tf.device(device):

@@ -143,6 +143,8 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         else:
             template = model
         wrapped = _wrap_spmd(builder, template, plan, recompute, logdir)
+        if batch_norm_layers(view):
+            _warn_local_statistics(plan, stacklevel=3)
         if getattr(model, "compiled", False):
             _compile_like(model, wrapped)
         if logdir is not None:
@@ -266,7 +268,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     if norms and s.num_microbatches > 1:
         return "BatchNormalization statistics over micro-batches"
     if norms and s.dp > 1:
-        if s.batch_norm != "global":
+        if s.batch_norm not in ("global", "local"):
             return f"{s.batch_norm} BatchNormalization statistics"
         if any(not is_batch_norm(layer) or getattr(layer, "renorm", False)
                for _, layer in norms):
@@ -301,14 +303,7 @@ def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:
     s = plan.strategy
     if not wrapped.set_batch_norm(s.batch_norm):
         return
-    parts = s.dp * s.num_microbatches
-    if s.batch_norm == "local" and parts > 1:
-        warnings.warn(
-            f"Plan {plan.name!r} computes BatchNormalization statistics per replica and "
-            f"micro-batch (batch_norm 'local': {s.dp} x {s.num_microbatches} parts of "
-            f"{plan.global_batch // parts} samples), so the losses differ from one device's; "
-            "the moving statistics get one update per step, the mean over the parts. "
-            "plan analyze --batch-norm global makes them equal to one device.", stacklevel=3)
+    _warn_local_statistics(plan, stacklevel=4)
     if s.batch_norm == "global" and s.num_microbatches > 1 and s.schedule in SCHEDULED:
         warnings.warn(
             f"Plan {plan.name!r} has a {s.schedule} schedule, but global batch statistics "
@@ -316,6 +311,20 @@ def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:
             "so the micro-batches run in GPipe order (all forwards, then all backwards). "
             "Make the plan with --schedule gpipe, or with --batch-norm local to keep "
             f"{s.schedule}.", stacklevel=3)
+
+
+def _warn_local_statistics(plan: Plan, stacklevel: int) -> None:
+    """Where the plan's ``local`` rule makes BatchNormalization differ from one device."""
+    s = plan.strategy
+    parts = s.dp * s.num_microbatches
+    if s.batch_norm == "local" and parts > 1:
+        warnings.warn(
+            f"Plan {plan.name!r} computes BatchNormalization statistics per replica and "
+            f"micro-batch (batch_norm 'local': {s.dp} x {s.num_microbatches} parts of "
+            f"{plan.global_batch // parts} samples), so the losses differ from one device's; "
+            "the moving statistics get one update per step, the mean over the parts. "
+            "plan analyze --batch-norm global makes them equal to one device.",
+            stacklevel=stacklevel)
 
 
 def _compile_like(model: Any, wrapped: Any) -> None:

@@ -25,9 +25,12 @@ nothing and gets no note.
     would wait on itself), so the search offers GPipe only to such plans and holds
     every micro-batch's activations, as GPipe does.
 * ``local``: each replica and micro-batch normalises with its own statistics (GPipe's
-  rule, Huang et al., 2019; Keras' under MirroredStrategy): free, but the losses and the
-  learned weights differ from one device's, the more the smaller the parts are. The
-  moving statistics get one update per step either way (``apply.batch_stats``).
+  rule, Huang et al., 2019; Keras' under MirroredStrategy): no collective on the critical
+  path, but the losses and the learned weights differ from one device's, the more the
+  smaller the parts are. The moving statistics get one update per step either way, the
+  mean over the parts (``apply.batch_stats``; ``apply.spmd.batch_norm``: one all-reduce of
+  each layer's 2 C values after its forward, counted in ``planner.traffic``, its latency
+  not in the step time).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
   its backward reads no weights, so the recomputed forward's gather is never run);
 * BatchNormalization statistics under ``global`` (``planner.batch_stats``): per layer and
   step, ``ALLREDUCES_PER_LAYER`` all-reduces of its C float32 values over the replicas
-  (``channels``), kind ``dp``;
+  (``channels``), kind ``dp``; under ``local``, one all-reduce of its 2 C moving-statistics
+  values per step (their one update, the replicas' mean: ``apply.spmd.batch_norm``);
 * ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
   (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
   (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
@@ -114,10 +115,13 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 calls = experts.ALL_TO_ALLS_PER_LAYER + (2 if full else 0)
                 sent["ep"] += m * calls * ring_half_sent_bytes(
                     experts.dispatch_bytes(layer, mbs, b) / cp, ep)
-            if replicas > 1 and layer.kind in BATCH_NORM_TYPES and getattr(
-                    strategy, "batch_norm", "global") == "global":
-                sent["dp"] += ALLREDUCES_PER_LAYER * ring_allreduce_sent_bytes(
-                    channels(layer) * STAT_BYTES, replicas)
+            if replicas > 1 and layer.kind in BATCH_NORM_TYPES:
+                if getattr(strategy, "batch_norm", "global") == "global":
+                    sent["dp"] += ALLREDUCES_PER_LAYER * ring_allreduce_sent_bytes(
+                        channels(layer) * STAT_BYTES, replicas)
+                else:  # local: the moving mean and variance averaged once per step
+                    sent["dp"] += ring_allreduce_sent_bytes(
+                        2 * channels(layer) * STAT_BYTES, replicas)
             rows = sparse_grad_bytes(layer, profile.precision) * f * m / cp
             if rows and replicas > 1:
                 sparse += rows

@@ -15,6 +15,12 @@ moving statistics move once per step with those values, identically on every rep
 (Keras' rule: moving = moving x momentum + batch x (1 - momentum)). Outside training, or
 in a group of one, the layer is Keras' own. Masked inputs and ``renorm`` are refused
 (``apply.spmd.run.refusal`` sends such plans to the older engine first).
+
+Under the plan's ``local`` rule (one micro-batch) each replica normalises its rows with their
+own statistics (Keras' layer, GPipe's and MirroredStrategy's rule): no collective in the
+loss or its gradient; the moving statistics move once per step with the mean over the
+replicas of their batch statistics, one forward all-reduce of the 2 C values per layer
+(``planner.traffic``), so every replica keeps one value.
 """
 from __future__ import annotations
 
@@ -47,13 +53,15 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
     """A BatchNormalization whose training statistics are those of its group's whole
     batch (module docstring)."""
 
-    def __init__(self, group: Group, device: str, **config: Any) -> None:
-        self.group, self.device = group, device
+    def __init__(self, group: Group, device: str, local: bool = False, **config: Any) -> None:
+        self.group, self.device, self.local = group, device, local
         super().__init__(**config)
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
         if not training or not self.trainable or self.group.size == 1:
             return super().call(inputs, training=training, mask=mask)
+        if self.local:
+            return self._local_call(inputs, mask)
         if mask is not None or self.renorm:
             raise PlannerError(
                 f"BatchNormalization {self.name!r} gets a Keras mask or uses renorm; the SPMD "
@@ -83,9 +91,29 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         return ops.cast(out, self.compute_dtype)
 
 
-def group_batch_norm(layer: Any, group: Group, device: str) -> GroupBatchNormalization:
-    """The group's twin of a Keras BatchNormalization ``layer`` (its config, unbuilt)."""
-    return GroupBatchNormalization(group, device, **layer.get_config())
+    def _local_call(self, inputs: Any, mask: Any) -> Any:
+        """``local``: normalised with this replica's own statistics (Keras' layer), the
+        moving statistics moved once with the mean of the replicas' (one all-reduce of
+        mean and variance, forward only), so every replica keeps the same values."""
+        out = super().call(inputs, training=True, mask=mask)  # moves them by its own batch
+        # Keras' rule, moving' = moving m + batch (1 - m), is linear in the batch value:
+        # the mean over the replicas of each one's moving' is one update with their mean
+        moving = (self.moving_mean, self.moving_variance)
+        stats = ops.concatenate([ops.cast(ops.convert_to_tensor(v), "float32")
+                                 for v in moving])  # read after the layer's own update
+        mean = member_all_reduce(tf.stop_gradient(stats), self.group, self.device, "dp") \
+            / float(self.group.size)
+        n = int(self.moving_mean.shape[0])
+        for v, value in zip(moving, (mean[:n], mean[n:])):
+            v.assign(ops.cast(value, v.dtype))
+        return out
+
+
+def group_batch_norm(layer: Any, group: Group, device: str, local: bool = False
+                     ) -> GroupBatchNormalization:
+    """The group's twin of a Keras BatchNormalization ``layer`` (its config, unbuilt);
+    ``local``: each replica's own statistics (module docstring)."""
+    return GroupBatchNormalization(group, device, local=local, **layer.get_config())
 
 
 def is_batch_norm(layer: Any) -> bool:

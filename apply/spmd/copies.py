@@ -238,7 +238,8 @@ def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
     if run.dp == 1:
         return []
     group = run.chunk_group("dp", device)
-    return [(own, layer, group_batch_norm(layer, group, device))
+    local = run.batch_norm == "local"
+    return [(own, layer, group_batch_norm(layer, group, device, local))
             for own, layer in layers.values() if is_batch_norm(layer)]
 
 

@@ -1,7 +1,8 @@
 """BatchNormalization on the SPMD engine (apply.spmd.batch_norm): under data parallelism
 each layer's training statistics are the whole batch's, summed over the data-parallel
-group, so training, the moving statistics and inference equal one device's; plans whose
-statistics the engine does not sum (micro-batches, "local") go to the older engine."""
+group, so training, the moving statistics and inference equal one device's; under "local"
+each replica's own statistics, the moving ones their mean; statistics over micro-batches
+go to the older engine."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,10 +47,58 @@ def test_statistics_over_the_replicas_train_like_one_device():
                                rtol=1e-4, atol=1e-5)
 
 
-def test_statistics_the_engine_does_not_sum_go_to_the_older_engine():
+def test_local_statistics_are_each_replicas_and_the_moving_ones_their_mean():
+    """``local`` (one micro-batch): each replica normalises with its own rows' statistics,
+    and the moving statistics move once per step by the replicas' mean -- the older
+    engine's rule (MirroredStrategy replicas, apply.batch_stats), which it equals: losses,
+    weights and moving statistics; every copy keeps one value; the audit counts the one
+    all-reduce of the moving statistics per layer that planner.traffic prices."""
+    import keras
+    import pytest
+
+    from tfplan.apply.audit import audit_step
+    from tfplan.apply.cloning import to_functional
+    from tfplan.apply.data_parallel import wrap_data_parallel
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    module = helpers.load_model_file("tiny_resnet_bn")
+    keras.utils.set_random_seed(0)
+    model = module.build_model()
+    plan = _plan(model, 4, batch_norm="local")
+    with pytest.warns(UserWarning, match="per replica and micro-batch"):
+        wrapped = apply.wrap(model, plan)
+    assert isinstance(wrapped, SpmdModel)
+    older = wrap_data_parallel(to_functional(model), plan.stages[0].devices,
+                               plan_name=plan.name, num_microbatches=1)
+    older.set_batch_norm("local")
+    for target in (wrapped, older):
+        target.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    x, _ = module.sample_batch(BATCH)
+    batches = [(b[0] + 0.3 * i, b[1])  # each step's mean shifted: per-part statistics show
+               for i, b in enumerate(helpers.batches_of(module, STEPS, BATCH))]
+    losses = helpers.step_losses(wrapped, batches)
+    helpers.assert_losses_match(losses, helpers.step_losses(older, batches))
+    for got, want in zip(wrapped.get_weights(), older.get_weights()):  # moving stats too
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    one = module.build_model()
+    one.set_weights(model.get_weights())
+    one.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    assert abs(losses[0] - float(one.train_on_batch(*batches[0]))) > 1e-4  # not one device's
+    for i in range(len(model.weights)):  # one value in every copy
+        values = [m.weights[i].numpy() for m in wrapped.device_models]
+        for v in values[1:]:
+            np.testing.assert_array_equal(v, values[0])
+    audit = audit_step(wrapped, x, batches[0][1], plan=plan)
+    priced = dict(plan_sent_bytes(profile_model(module.build_model(), batch_size=BATCH),
+                                  plan))
+    for device, kinds in audit.by_device().items():
+        assert kinds["dp"] == pytest.approx(dict(priced[device])["dp"], rel=0.10), device
+
+
+def test_statistics_over_micro_batches_go_to_the_older_engine():
     module = helpers.load_model_file("tiny_resnet_bn")
     model = module.build_model()
-    for plan, reason in ((_plan(model, 2, m=2), "micro-batches"),
-                         (_plan(model, 2, batch_norm="local"), "local")):
-        assert reason in spmd_refusal(plan, execution_mode(plan), model)
-        assert not isinstance(apply.wrap(module.build_model, plan), SpmdModel)
+    plan = _plan(model, 2, m=2)
+    assert "micro-batches" in spmd_refusal(plan, execution_mode(plan), model)
+    assert not isinstance(apply.wrap(module.build_model, plan), SpmdModel)
