@@ -25,8 +25,9 @@ model as it found it.
   says which).
 
 Offload's copies between a device and its host (a gradient to the host's optimizer state,
-the update back: ``apply.placement``'s ``HOST_SCOPE``) are kind ``host``: host transfers,
-which the plan does not list either. The step's input batch, sent from where the input
+the update back: ``apply.placement``'s ``HOST_SCOPE``; with the weights offloaded, any copy
+between a device and its host that is in none of the plan's groups) are kind ``host``: host
+transfers, which the plan does not list either. The step's input batch, sent from where the input
 pipeline put it to the devices that read it (``IteratorGetNext``'s outputs, or what an engine cuts of them under the
 ``tfplan_input`` name scope), is kind ``input``: feeding, not communication between the
 devices (on GPUs it comes from host memory), and not part of the plan's bytes.
@@ -51,6 +52,7 @@ import numpy as np
 from tfplan import compat
 from tfplan.apply.device_names import short_name
 from tfplan.apply.groups import Groups, groups_of
+from tfplan.apply.offload import host_device
 from tfplan.apply.placement import HOST_SCOPE
 from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
 from tfplan.planner.plan import Plan
@@ -227,6 +229,9 @@ def _copy(node: Any, shapes: Mapping[tuple[str, int], int], groups: Groups | Non
         kind = "host"
     else:
         kind = groups.kind_of_pair(src, dst) if groups is not None else "other"
+        if kind == "other" and (dst == short_name(host_device(src))
+                                or src == short_name(host_device(dst))):
+            kind = "host"  # to or from a device's host outside the plan's groups (offload)
     return Transfer(src, kind, nbytes, f"copy to {dst}", f"{name}:{out}")
 
 

@@ -15,7 +15,7 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
 2. the plan's shape picks the mode, once (``apply.mode.execution_mode``: a ``Mode``
    and the ``Processes`` that run it). Every plan the SPMD engine runs (``apply.spmd``:
    one host; single device, dp, tp, pp and their hybrids, ZeRO-1/2/3, recomputation,
-   offload of the optimizer; ``spmd_refusal`` says why not) goes there, each device
+   offload; ``spmd_refusal`` says why not) goes there, each device
    building its copy with ``build_model`` or, for a built model, re-creating it from its
    layers' configs (``apply.cloning.clone_graph``). The rest runs on the older engines,
    by mode:

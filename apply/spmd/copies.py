@@ -33,6 +33,7 @@ from tfplan import compat
 from tfplan.apply.blocks import swap_in
 from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
+from tfplan.apply.offload import host_device
 from tfplan.apply.recompute import attention_layers, recompute_call
 from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
@@ -115,6 +116,10 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     copies = Copies(models, _axes(models[0][0], reference, run.tp), run,
                     programs if run.chunks > 1 else None)
     copies.set_weights(reference)
+    if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
+        for model in (m for row in models for m in row):
+            for v in model.variables:
+                compat.move_variable(v, host_device(v.value.device))
     return copies
 
 

@@ -34,7 +34,8 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
 * **Offload** (``"optimizer"``: ZeRO-Offload, ``apply.offload``): the optimizer state (each
   copy's, or under ZeRO each shard's) lives on the device's host CPU; each reduced gradient
   is copied there, the update runs there, and the new value is written back to the
-  device.
+  device. Under ``"optimizer+weights"`` (no ZeRO) each copy's weights live there too
+  (``apply.spmd.copies``), read by its layers' ops on the device.
 * **Pipelines** (``_pipeline_train_step``, ``apply.spmd.pipeline``): each column runs its
   slots in the schedule's order, each backward slot one gradient on its stage's device;
   under 1F1B a part's loss is weighted by the batch's rows before every count is known
@@ -168,8 +169,8 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
     @property
     def _state_device(self) -> Any:
         """Where each weight's optimizer state lives: beside it (None), or under offload
-        ("optimizer") on its host's CPU (ZeRO-Offload, ``apply.offload``)."""
-        return state_on_host if self._copies.run.offload == "optimizer" else None
+        on its host's CPU (ZeRO-Offload, ``apply.offload``)."""
+        return state_on_host if self._copies.run.offload != "none" else None
 
     # ---------------------------------------------------------------- rows
     def _parts(self, data: Any) -> tuple[list[Any], list[Any]]:

@@ -44,7 +44,9 @@ class RunDescription:
     recompute: str = "none"  # "full": whole layers; "selective": their attention cores
     recomputed: tuple[str, ...] = ()  # the top-level layers (apply.recompute)
     batch_norm: str = "global"  # statistics over the dp group (apply.spmd.batch_norm)
-    offload: str = "none"  # "optimizer": the optimizer state and update on the host
+    # "optimizer": the optimizer state and update on the host; "optimizer+weights": the
+    # copies' weights there too, read by each layer's ops on its device
+    offload: str = "none"
     # pipelines (apply.spmd.pipeline): each model chunk's replicas (chunk 0's: replicas),
     # the chunk of each of the plan's layers (template paths), the schedule
     stages: tuple[tuple[tuple[str, ...], ...], ...] = ()
@@ -137,8 +139,8 @@ def refusal(plan: Plan) -> str:
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"
-    if s.offload not in ("none", "optimizer"):
-        return "offload of the weights"
+    if s.offload not in ("none", "optimizer") and (s.zero_stage and s.dp > 1):
+        return "offload of the weights with ZeRO"
     if s.sequence_parallel:
         return "sequence parallelism"
     return ""

@@ -3,7 +3,9 @@ and the update math on the host device, ``"optimizer+weights"`` the weights too,
 train exactly like one device.
 
 On the logical CPUs of tests/conftest.py the plan's devices are CPU:1..CPU:n and the host
-is CPU:0. Asserted for one device, pp = 2 (two micro-batches), dp = 2 (the replicas as
+is CPU:0. Every case runs on the SPMD engine (apply.spmd: each device's copy, its weights on
+the host under ``optimizer+weights``) but ZeRO-1 with the weights offloaded (the older
+engine). Asserted for one device, pp = 2 (two micro-batches), dp = 2 (the replicas as
 copies, apply.tensor_parallel) and dp = 2 with ZeRO-1 (the owners' slots offloaded):
 10 steps equal to one device (1e-4), every slot on CPU:0, every weight on its planned
 device (or CPU:0 with the weights offloaded, its forward ops still on the planned
@@ -100,6 +102,8 @@ def test_offloaded_state_trains_like_one_device_on_the_host(case, offload):
     module, model = base_model("tiny_mlp")
     plan = offloaded(plans(model)[case], offload)
     wrapped = apply.wrap(model, plan)
+    # the SPMD engine (apply.spmd), but for ZeRO with the weights offloaded
+    assert (type(wrapped).__name__ == "SpmdModel") == (case != "dp2-zero1")
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     assert_losses_match(step_losses(wrapped, batches),

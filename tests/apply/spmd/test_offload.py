@@ -1,7 +1,11 @@
 """Offload of the optimizer (ZeRO-Offload) on the SPMD engine: every optimizer slot on the
 host CPU (each copy's, or under ZeRO each shard's), training equal to one device's, and
-the copies to and from the host counted apart (kind ``host``) from the plan's sends."""
+the copies to and from the host counted apart (kind ``host``) from the plan's sends; with
+the weights offloaded too (``optimizer+weights``, no ZeRO) every copy's weights on the host,
+read by its layers on their device."""
 from __future__ import annotations
+
+import dataclasses
 
 import keras
 import pytest
@@ -10,7 +14,8 @@ from tfplan.apply.audit import audit_step, compare
 from tfplan.planner.traffic import plan_sent_bytes
 from tfplan.profiler import profile_model
 from tests.apply import helpers
-from tests.apply.spmd.test_engine import BATCH, STEPS, _device, _wrapped
+from tests.apply.spmd.test_engine import (BATCH, STEPS, _device, _wrapped,
+                                          wrapped_and_reference)
 
 HOST = ("CPU", 0)
 
@@ -26,8 +31,23 @@ def test_the_optimizer_state_lives_on_the_host_and_training_is_one_devices(case,
                                 helpers.step_losses(reference, batches))
 
 
-def test_host_copies_are_counted_apart_from_the_plans_sends():
-    module, plan, wrapped, _ = _wrapped("tiny_mlp", "dp4", offload="optimizer")
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+weights"])
+def test_host_copies_are_counted_apart_from_the_plans_sends(offload):
+    if offload == "optimizer":
+        module, plan, wrapped, _ = _wrapped("tiny_mlp", "dp4", offload=offload)
+    else:  # devices apart from the host (CPU:0), whose weights every device reads
+        module = helpers.load_model_file("tiny_mlp")
+        keras.utils.set_random_seed(0)
+        plan = helpers.tp_plan(module.build_model(), [helpers.cpus(1, 2, 3, 4)], dp=4,
+                               global_batch=BATCH)
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
+                                                                      offload=offload))
+        wrapped, reference = wrapped_and_reference(module, plan)
+        assert {_device(v.value.device) for m in wrapped.device_models
+                for v in m.variables} == {HOST}  # every copy's weights on the host
+        batches = helpers.batches_of(module, STEPS, BATCH)
+        helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                    helpers.step_losses(reference, batches))
     x, y = module.sample_batch(BATCH)
     audit = audit_step(wrapped, x, y, plan=plan)
     keras.utils.set_random_seed(0)
@@ -35,4 +55,5 @@ def test_host_copies_are_counted_apart_from_the_plans_sends():
     doc = compare(audit, priced, plan.devices)
     assert doc["within_tolerance"], doc
     by_device = audit.by_device()
-    assert all(by_device[d]["host"] > 0 for d in plan.devices[1:])  # gradients, updates
+    # gradients, updates (and the weights' reads when they live there)
+    assert all(by_device[d]["host"] > 0 for d in plan.devices if _device(d) != HOST)
