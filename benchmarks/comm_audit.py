@@ -4,7 +4,8 @@ plan prices (issue 25).
 For the tiny MLP and transformer of tests/apply and hand-made plans on 8 logical CPUs,
 ``apply.audit.audit_step`` measures one step of ``apply.wrap(build_model, plan)`` (the
 SPMD engine, ``apply.spmd``, where it runs the plan; ``--built`` wraps the built model
-instead, the older engines; the engine is printed per row) (the cross-
+instead, which runs on the same engine since built models moved there, each device's copy
+re-created from the layers' configs; the engine is printed per row) (the cross-
 device copies TensorFlow placed and the collectives, per device and kind) and
 ``planner.traffic.plan_sent_bytes`` prices the same plan from the model's profile. Printed
 per mode: each device's measured bytes (tp/pp/dp/other; the input batch's feeding is left
@@ -44,7 +45,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--built", action="store_true",
-                        help="wrap the built model (the older engines) instead of its builder")
+                        help="wrap the built model (each device's copy re-created from its "
+                             "layers' configs) instead of its builder")
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES),
                         help="the modes to measure (default: all)")
     args = parser.parse_args()
