@@ -65,8 +65,8 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         if mask is not None or self.renorm:
             raise PlannerError(
                 f"BatchNormalization {self.name!r} gets a Keras mask or uses renorm; the SPMD "
-                "engine sums plain statistics over the data-parallel replicas. Pass "
-                "apply.wrap the built model (the older engine), or use a plan with dp=1.")
+                "engine sums plain statistics over the data-parallel replicas. Use a plan "
+                "with batch_norm 'local' (plan analyze --batch-norm local) or with dp=1.")
         x = ops.cast(inputs, "float32")
         rank = len(x.shape)
         axis = self.axis % rank

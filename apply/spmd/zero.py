@@ -132,8 +132,7 @@ def check_optimizer(optimizer: Any, plan_name: str) -> None:
             f"Plan {plan_name!r} shards the optimizer state (ZeRO) into rows of each weight "
             f"on the SPMD engine, and {problem}. Received optimizer {name}; expected an "
             "elementwise one. Fix: compile with one of those, or use a plan with zero_stage=0 "
-            "(tfplan plan ... --fix zero=0), or pass apply.wrap the built model (the older "
-            "engine keeps whole weights per replica).")
+            "(plan analyze ... --zero-stage 0).")
 
 
 class ZeroShards:

@@ -68,7 +68,7 @@ def install(copies: Any, zero: Any) -> None:
                         f"{layer.name!r} holds non-trainable state "
                         f"({layer.non_trainable_variables[0].path!r}) that its gathered, "
                         "recomputed call would update not at all or twice. Re-plan with "
-                        "--fix zero=2 (or 1), or pass apply.wrap the built model.")
+                        "--zero-stage 2 (or 1).")
                 layer.call = recompute_call(
                     _gathered(layer, layer.call, mine, zero, q, t, sparse), tape_only=True)
                 for i in mine:  # read only through the gathers from now on

@@ -195,7 +195,7 @@ def test_zero3_weight_files_are_the_one_device_models(tmp_path):
 
 def test_zero3_refuses_layers_with_state_and_one_program_per_worker():
     _, bn = base_model("tiny_resnet_bn")
-    with pytest.raises(PlannerError, match="stem_norm.*non-trainable state.*zero=2"):
+    with pytest.raises(PlannerError, match="stem_norm.*non-trainable state.*--zero-stage 2"):
         apply.wrap(bn, zero3_plan(bn, cpus(0, 1), dp=2))
     from tfplan.core.presets import parse_cluster
 

@@ -90,7 +90,7 @@ def test_zero3_gathers_each_layers_weights_from_the_shards_and_refuses_layer_sta
     wrapped.set_weights(reference.get_weights())  # written into the shards
     np.testing.assert_allclose(wrapped.predict_on_batch(x), reference.predict_on_batch(x),
                                rtol=1e-5, atol=1e-6)
-    with pytest.raises(PlannerError, match="non-trainable state.*zero=2"):
+    with pytest.raises(PlannerError, match="non-trainable state.*--zero-stage 2"):
         _wrapped("tiny_resnet_bn", "dp4", zero=3)
 
 
