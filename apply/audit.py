@@ -13,7 +13,9 @@ model as it found it.
 
 * A cross-device copy (a ``_Send`` between two devices) counts its tensor's bytes for the
   sending device, once per tensor and receiving device, as TensorFlow sends it. Its size is
-  the traced static shape's; where a tensor's shape is known only as the step runs, a
+  the traced static shape's (the library's function definitions, then the step traced
+  again in Python, whose graphs keep the shapes the definitions drop, e.g. a collective's
+  output); where a tensor's shape is known only as the step runs, a
   second step runs with TensorFlow's debugger dumping every graph op's output shape
   (``tf.debugging.experimental.enable_dump_debug_info``, SHAPE mode; not the measured
   step, whose transfers the debugger's ops would change); a copy whose size neither gives
@@ -154,6 +156,10 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
             metadata = collected.metadata
             shapes = _traced_bytes(compat.eager_function_names() - known)
             transfers, unsized = _transfers(metadata, shapes, groups)
+            if unsized:  # the step traced again in Python, whose graphs keep the static
+                # shapes the library's function definitions lose (collectives' outputs)
+                shapes = {**_python_traced_bytes(model, data), **shapes}
+                transfers, unsized = _transfers(metadata, shapes, groups)
             if unsized:  # sizes known only as the step runs: from a step of its own
                 shapes = {**shapes, **_runtime_bytes(model, data)}
                 transfers, unsized = _transfers(metadata, shapes, groups)
@@ -165,6 +171,35 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
         row[t.kind] += t.nbytes
     sent = tuple((d, tuple(row.items())) for d, row in sorted(per_device.items()))
     return Audit(sent, tuple(transfers), tuple(unsized))
+
+
+def _python_traced_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:
+    """{(op name, output index): bytes} of every op output with a fully known static shape
+    in ``model.train_step`` traced once more in Python on ``data``'s element spec (and the
+    functions it calls): the names are the audited trace's, as the same code makes them,
+    and the shapes keep what TensorFlow's function definitions drop (a collective's output
+    shape, ``set_shape``). Tracing runs nothing."""
+    import tensorflow as tf
+
+    graph = tf.function(model.train_step, autograph=False).get_concrete_function(
+        data.element_spec).graph
+    out: dict[tuple[str, int], int] = {}
+
+    def visit(g: Any, prefix: str, depth: int) -> None:
+        for op in g.get_operations():
+            for i, t in enumerate(op.outputs):
+                try:
+                    if t.shape.is_fully_defined():
+                        out.setdefault((prefix + op.name, i),
+                                       t.shape.num_elements() * t.dtype.size)
+                except (ValueError, TypeError, AttributeError):
+                    continue
+            if depth < 8:  # a called function's ops, as the runtime's inlining names them
+                for inner in compat.called_function_graphs(op):
+                    visit(inner, prefix + op.name + "/", depth + 1)
+
+    visit(graph, "", 0)
+    return out
 
 
 def _runtime_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:

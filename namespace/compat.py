@@ -935,6 +935,24 @@ def called_function_names(op: Any) -> list[str]:
     return out
 
 
+def called_function_graphs(op: Any) -> list[Any]:
+    """The Python graphs (``FuncGraph``, with the static shapes their tracing set) of the
+    functions ``op`` calls, from its graph's private ``_functions`` table of
+    ``AtomicFunction``s (``.graph``); [] where a called function has none there.
+    ``apply.audit`` sizes a step's tensors by them when the library's function definitions
+    leave a shape unknown. Checked on TensorFlow 2.21.0."""
+    table = getattr(op.graph, "_functions", None)
+    if table is None:
+        raise KerasInternalsError(_moved("FuncGraph._functions (the functions a graph "
+                                          "calls)", AttributeError("_functions")))
+    out = []
+    for name in called_function_names(op):
+        graph = getattr(table.get(name), "graph", None)
+        if graph is not None:
+            out.append(graph)
+    return out
+
+
 def runtime_tensor_bytes(dump_root: str) -> dict[tuple[str, int], int]:
     """{(op name, output slot): bytes} of every op output a graph (a ``tf.function`` and
     the functions it calls) produced while ``tf.debugging.experimental.enable_dump_debug_info

@@ -775,3 +775,26 @@ def test_on_gradient_path_is_true_for_what_a_tape_records_only():
         y = v * x
         assert compat.on_gradient_path(y) and not compat.on_gradient_path(x)
     assert not compat.on_gradient_path(y)  # no tape
+
+
+def test_called_function_graphs_keep_the_shapes_tracing_set():
+    import tensorflow as tf
+
+    @tf.function
+    def inner(x):
+        y = tf.reshape(x, [-1])  # its length unknown to shape inference
+        y.set_shape([12])  # and set by the tracing code, as a collective's output is
+        return y * 2.0
+
+    @tf.function
+    def outer(x):
+        return inner(x) + 1.0
+
+    graph = outer.get_concrete_function(tf.TensorSpec([None, 4])).graph
+    calls = [op for op in graph.get_operations() if compat.called_function_names(op)]
+    assert calls
+    (called,) = compat.called_function_graphs(calls[0])
+    shapes = {op.name: op.outputs[0].shape for op in called.get_operations() if op.outputs}
+    assert shapes["Reshape"].as_list() == [12] and shapes["mul"].as_list() == [12]
+    assert compat.called_function_graphs(next(op for op in graph.get_operations()
+                                              if not compat.called_function_names(op))) == []
