@@ -104,7 +104,8 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
 
     ``model``: the user's model, or the function that builds it (``build_model``, called
     with no arguments): each device then builds its own copy with the user's code, so
-    custom layers need no ``get_config`` (the SPMD engine, ``apply.spmd``). ``plan``: a
+    custom layers need no ``get_config``; a built model's copies are re-created from its
+    layers' configs (the SPMD engine, ``apply.spmd``, either way). ``plan``: a
     Plan or the path of a plan.json. ``logdir``: if given, the plan and
     where each model variable was placed are written there (plan.json,
     placement.json); optimizer slots exist only after ``compile()``, see
