@@ -183,23 +183,7 @@ def _python_traced_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:
 
     graph = tf.function(model.train_step, autograph=False).get_concrete_function(
         data.element_spec).graph
-    out: dict[tuple[str, int], int] = {}
-
-    def visit(g: Any, prefix: str, depth: int) -> None:
-        for op in g.get_operations():
-            for i, t in enumerate(op.outputs):
-                try:
-                    if t.shape.is_fully_defined():
-                        out.setdefault((prefix + op.name, i),
-                                       t.shape.num_elements() * t.dtype.size)
-                except (ValueError, TypeError, AttributeError):
-                    continue
-            if depth < 8:  # a called function's ops, as the runtime's inlining names them
-                for inner in compat.called_function_graphs(op):
-                    visit(inner, prefix + op.name + "/", depth + 1)
-
-    visit(graph, "", 0)
-    return out
+    return _graph_bytes(graph, compat.called_function_graphs)
 
 
 def _runtime_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:
@@ -363,10 +347,28 @@ def _traced_bytes(names: set[str]) -> dict[tuple[str, int], int]:
     in the functions ``names`` (the step's traces) and those they call; an op of a called
     function also under ``<call op>/<name>`` (TensorFlow's name for it once inlined)."""
     graphs = compat.traced_graphs(names)
+
+    def called(op: Any) -> list[Any]:
+        return [graphs[name] for name in compat.called_function_names(op)
+                if graphs.get(name) is not None]
+
+    out: dict[tuple[str, int], int] = {}
+    for name in names:
+        if graphs.get(name) is not None:
+            for key, nbytes in _graph_bytes(graphs[name], called).items():
+                out.setdefault(key, nbytes)
+    return out
+
+
+def _graph_bytes(graph: Any, called: Any) -> dict[tuple[str, int], int]:
+    """{(op name, output index): bytes} of every op output with a fully known static shape
+    in ``graph`` and, to a depth of 8, the graphs ``called(op)`` gives for its ops, each
+    under ``<call op>/<name>`` (TensorFlow's name for it once inlined); the first size
+    found for a name wins."""
     out: dict[tuple[str, int], int] = {}
 
-    def visit(graph: Any, prefix: str, depth: int) -> None:
-        for op in graph.get_operations():
+    def visit(g: Any, prefix: str, depth: int) -> None:
+        for op in g.get_operations():
             for i, t in enumerate(op.outputs):
                 try:
                     if t.shape.is_fully_defined():
@@ -375,13 +377,10 @@ def _traced_bytes(names: set[str]) -> dict[tuple[str, int], int]:
                 except (ValueError, TypeError, AttributeError):
                     continue
             if depth < 8:
-                for name in compat.called_function_names(op):
-                    if graphs.get(name) is not None:
-                        visit(graphs[name], prefix + op.name + "/", depth + 1)
+                for inner in called(op):
+                    visit(inner, prefix + op.name + "/", depth + 1)
 
-    for name in names:
-        if graphs.get(name) is not None:
-            visit(graphs[name], "", 0)
+    visit(graph, "", 0)
     return out
 
 
