@@ -135,7 +135,8 @@ def runtime_error(plan_name: str, message: str) -> PlanMismatchError:
 class InputShapeChecks:
     """What a wrapped keras.Model (with ``plan``) mixes in to check its batches here:
     ``_check_input_shapes`` before data reaches a step, ``_shape_checked`` around a step,
-    ``_runtime_shape_errors`` around a call that runs steps. ``_shape_model()``: the model
+    ``_runtime_shape_errors`` around a call that runs steps (``_checked``: both; so
+    ``evaluate`` and ``predict`` here). ``_shape_model()``: the model
     whose inputs the plan's shapes are matched to (the wrapped model itself by default)."""
 
     def _shape_model(self) -> Any:
@@ -168,3 +169,18 @@ class InputShapeChecks:
             name = getattr(self, "plan_name", "") or getattr(getattr(self, "plan", None),
                                                              "name", "")
             raise runtime_error(name, str(e)) from None
+
+    def _checked(self, x: Any, what: str, run: Any) -> Any:
+        """``run()`` (a Keras entry point that runs steps) once inputs ``x`` passed
+        ``_check_input_shapes``, a failed run-time check raised as its PlanMismatchError."""
+        self._check_input_shapes(x, what)
+        with self._runtime_shape_errors():
+            return run()
+
+    def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return self._checked(x, "The data given to evaluate",
+                             lambda: super(InputShapeChecks, self).evaluate(x, *args, **kwargs))
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._checked(x, "The data given to predict",
+                             lambda: super(InputShapeChecks, self).predict(x, *args, **kwargs))

@@ -221,16 +221,6 @@ class PlannedModel(InputShapeChecks, OneProcessBackupHooks, compat.functional_cl
         with self._shape_checked(data, "A batch given to predict"):
             return super().predict_step(data)
 
-    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The data given to evaluate")
-        with self._runtime_shape_errors():
-            return super().evaluate(x, y, *args, **kwargs)
-
-    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The data given to predict")
-        with self._runtime_shape_errors():
-            return super().predict(x, *args, **kwargs)
-
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
             *args: Any, **kwargs: Any) -> Any:
         self._check_fit_input(x, batch_size, kwargs.get("validation_split", 0.0),

@@ -577,30 +577,17 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         finally:
             release(kwargs.get("callbacks"))  # SIGTERM handed back (apply.backup)
 
-    def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The data given to evaluate")
-        with self._runtime_shape_errors():
-            return super().evaluate(x, *args, **kwargs)
-
-    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The data given to predict")
-        with self._runtime_shape_errors():
-            return super().predict(x, *args, **kwargs)
-
     def train_on_batch(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The batch given to train_on_batch")
-        with self._runtime_shape_errors():
-            return super().train_on_batch(x, *args, **kwargs)
+        return self._checked(x, "The batch given to train_on_batch",
+                             lambda: super(SpmdModel, self).train_on_batch(x, *args, **kwargs))
 
     def test_on_batch(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_input_shapes(x, "The batch given to test_on_batch")
-        with self._runtime_shape_errors():
-            return super().test_on_batch(x, *args, **kwargs)
+        return self._checked(x, "The batch given to test_on_batch",
+                             lambda: super(SpmdModel, self).test_on_batch(x, *args, **kwargs))
 
     def predict_on_batch(self, x: Any) -> Any:
-        self._check_input_shapes(x, "The batch given to predict_on_batch")
-        with self._runtime_shape_errors():
-            return super().predict_on_batch(x)
+        return self._checked(x, "The batch given to predict_on_batch",
+                             lambda: super(SpmdModel, self).predict_on_batch(x))
 
     def _shape_model(self) -> Any:
         return self._host.model  # the user's inputs (the plan's shapes are matched to them)
