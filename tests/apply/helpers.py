@@ -168,18 +168,33 @@ def spmd_planned_devices(wrapped: Any, plan: Plan) -> dict[int, str]:
     return out
 
 
-def optimizer_slots(optimizer: Any, variable: Any) -> list[Any]:
-    """The optimizer's slots of ``variable``, through its own index (``_get_variable_index``,
-    the one ``update_step`` uses): every list of slots indexed like its variables."""
+def slots_by_variable(optimizer: Any) -> dict[int, list[Any]]:
+    """``{id(trainable variable): its optimizer slots}``, through the optimizer's own index.
+
+    Keras optimizers keep each kind of slot in a list indexed like the variables they
+    were built for (``SGD.momentums``, ``Adam._momentums``/``_velocities``, ...) and look
+    a variable's slot up with ``_get_variable_index(variable)`` in ``update_step``; every
+    such list is found here by its length and contents, and every optimizer variable
+    other than the step counter and the learning rate must belong to one.
+    """
+    import keras
+
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(inner._trainable_variables)
     own = {id(v) for v in variables}
-    lists = [value for key, value in vars(inner).items()
-             if key != "_trainable_variables" and isinstance(value, list)
-             and len(value) == len(variables) and value
-             and all(hasattr(x, "assign") and id(x) not in own for x in value)]
-    i = inner._get_variable_index(variable)
-    return [slots[i] for slots in lists]
+    slot_lists = [value for key, value in vars(inner).items()
+                  if key != "_trainable_variables" and isinstance(value, list)
+                  and len(value) == len(variables) and value
+                  and all(isinstance(x, keras.Variable) and id(x) not in own for x in value)]
+    out: dict[int, list[Any]] = {id(v): [] for v in variables}
+    for v in variables:
+        i = inner._get_variable_index(v)
+        out[id(v)].extend(slots[i] for slots in slot_lists)
+    counters = {id(inner.iterations), id(getattr(inner, "_learning_rate", None))}
+    found = {id(s) for slots in out.values() for s in slots}
+    strays = [v.path for v in inner.variables if id(v) not in found | counters]
+    assert not strays, f"optimizer variables not matched to a model variable: {strays}"
+    return out
 
 
 def assert_state_where_planned(wrapped: Any, plan: Plan) -> None:
@@ -204,8 +219,9 @@ def assert_state_where_planned(wrapped: Any, plan: Plan) -> None:
     if getattr(wrapped, "optimizer", None) is None or not wrapped.optimizer.built:
         return
     host = plan.strategy.offload == "optimizer"
+    by_variable = slots_by_variable(wrapped.optimizer)
     for v in wrapped.trainable_variables:
-        slots = optimizer_slots(wrapped.optimizer, v)
+        slots = by_variable[id(v)]
         assert slots, f"no optimizer slot for {v.path}"
         for slot in slots:
             assert tuple(slot.shape) == tuple(v.shape), (slot.path, v.path)

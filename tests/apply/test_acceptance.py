@@ -33,7 +33,6 @@ import dataclasses
 import re
 from typing import Any
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -45,7 +44,8 @@ from tfplan.apply.spmd import SpmdModel
 from tfplan.apply.spmd.rank_layers import is_twin
 from tests.apply import helpers  # noqa: E402
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
-                                 cpus, fresh_optimizer, make_plan, step_losses)
+                                 cpus, fresh_optimizer, make_plan, slots_by_variable,
+                                 step_losses)
 
 STEPS = 10  # the issue's matrix trains 10 steps (helpers.STEPS is 5)
 MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer")
@@ -136,33 +136,6 @@ def planned_devices(model: Any, plan) -> dict[int, list[str]]:
             for v in layer.weights:
                 rank = re.search(r"_(\d+)$", v.name) if split else None
                 out[id(v)] = [devices[int(rank.group(1)) if rank else 0]]
-    return out
-
-
-def slots_by_variable(optimizer: Any) -> dict[int, list[Any]]:
-    """``{id(trainable variable): its optimizer slots}``, through the optimizer's own index.
-
-    Keras optimizers keep each kind of slot in a list indexed like the variables they
-    were built for (``SGD.momentums``, ``Adam._momentums``/``_velocities``, ...) and look
-    a variable's slot up with ``_get_variable_index(variable)`` in ``update_step``; every
-    such list is found here by its length and contents, and every optimizer variable
-    other than the step counter and the learning rate must belong to one.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    variables = list(inner._trainable_variables)
-    own = {id(v) for v in variables}
-    slot_lists = [value for key, value in vars(inner).items()
-                  if key != "_trainable_variables" and isinstance(value, list)
-                  and len(value) == len(variables) and value
-                  and all(isinstance(x, keras.Variable) and id(x) not in own for x in value)]
-    out: dict[int, list[Any]] = {id(v): [] for v in variables}
-    for v in variables:
-        i = inner._get_variable_index(v)
-        out[id(v)].extend(slots[i] for slots in slot_lists)
-    counters = {id(inner.iterations), id(getattr(inner, "_learning_rate", None))}
-    found = {id(s) for slots in out.values() for s in slots}
-    strays = [v.path for v in inner.variables if id(v) not in found | counters]
-    assert not strays, f"optimizer variables not matched to a model variable: {strays}"
     return out
 
 
