@@ -66,6 +66,9 @@ def clone_layer(layer: Any) -> Any:
     try:
         return layer.__class__.from_config(layer_config(layer))
     except Exception as e:
+        clone = _from_own_arguments(layer)
+        if clone is not None:
+            return clone
         raise PlannerError(
             f"apply.wrap re-creates every layer from its config to build it on the plan's "
             f"device, and layer {layer.name!r} ({type(layer).__name__}) could not be: "
@@ -75,6 +78,44 @@ def clone_layer(layer: Any) -> Any:
             "returns its constructor arguments (and a from_config() if they are not plain "
             "values)."
         ) from e
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _from_own_arguments(layer: Any) -> Any:
+    """``layer`` re-created from its own constructor arguments alone, where its class
+    takes no ``**kwargs`` (keras.io tutorials' ``def __init__(self, patch_size):
+    super().__init__()``, whose ``from_config`` fails on the ``name`` Keras adds): the
+    arguments Keras recorded for it (its default ``get_config``) or that it keeps under
+    the same names, when they are all plain values (numbers, strings, booleans, None,
+    lists of them), then its name, ``trainable`` and dtype policy set as the layer's.
+    None where that does not apply or the constructor refuses them."""
+    import inspect
+
+    from tfplan.profiler.signature import layer_config
+
+    try:
+        params = inspect.signature(type(layer).__init__).parameters
+        config = layer_config(layer)
+    except Exception:  # noqa: BLE001 -- no config to build from: the caller refuses
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    own = {k: v for k, v in config.items() if k in params and k != "self"}
+    if not all(isinstance(v, _PLAIN) or (isinstance(v, (list, tuple)) and
+                                         all(isinstance(x, _PLAIN) for x in v))
+               for v in own.values()):
+        return None
+    try:
+        clone = type(layer)(**own)
+    except Exception:  # noqa: BLE001 -- the caller refuses with the builder form
+        return None
+    clone.name = layer.name
+    clone.trainable = layer.trainable
+    if clone.dtype_policy.name != layer.dtype_policy.name:
+        clone.dtype_policy = layer.dtype_policy
+    return clone
 
 
 def clone_graph(model: Any, device_of_layer: Mapping[str, str] | None = None,

@@ -168,10 +168,16 @@ def member_reduce_scatter(value: Any, group: Group, device: str, kind: str | Non
     import tensorflow as tf
 
     if _hint(device) == "nccl":
-        return _member("reduce_scatter", tf.raw_ops.CollectiveReduceScatterV2, value, group,
-                       device, kind, merge_op="Add", final_op="Id")
+        out = _member("reduce_scatter", tf.raw_ops.CollectiveReduceScatterV2, value, group,
+                      device, kind, merge_op="Add", final_op="Id")
+        shape = tf.TensorShape(value.shape)
+        if shape.rank:
+            out.set_shape([shape[0] // group.size if shape[0] is not None else None,
+                           *shape[1:]])
+        return out
     total = _member("reduce_scatter", tf.raw_ops.CollectiveReduceV2, value, group, device,
                     kind, merge_op="Add", final_op="Id")
+    total.set_shape(value.shape)
     with tf.device(device):
         return tf.split(total, group.size, axis=0)[group.devices.index(device)]
 

@@ -278,6 +278,10 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
         entries = dict(profiled_layer_paths(view))
         if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
             return "BatchNormalization inside a nested model"
+    if s.sequence_parallel and any(getattr(layer, "mask_zero", False) or
+                                   isinstance(layer, keras.layers.Masking)
+                                   for _, layer in profiled_layer_paths(view)):
+        return "sequence parallelism with Keras masks"
     if s.tp > 1:
         entries = dict(profiled_layer_paths(view))
         for name, split in plan.tp_splits:

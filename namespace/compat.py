@@ -655,6 +655,37 @@ def set_attention_projection(layer: Any, part: str, entry: Any) -> None:
     setattr(layer, f"_{part}_dense", entry)
 
 
+def attention_projection(layer: Any, part: str) -> Any:
+    """``MultiHeadAttention._{part}_dense`` or ``GroupedQueryAttention._{part}_dense``
+    (``part`` in ``ATTENTION_PROJECTIONS``): the EinsumDense of that projection (grouped
+    query attention has no public view of them). ``apply.spmd.rank_layers`` runs a rank's
+    projections itself, with g between the output projection's product and its bias.
+    Checked on Keras 3.15.1. Without it a rank could not hold its heads' projections."""
+    if part not in ATTENTION_PROJECTIONS:
+        raise ValueError(f"part must be one of {ATTENTION_PROJECTIONS}, got {part!r}")
+    try:
+        return getattr(layer, f"_{part}_dense")
+    except AttributeError as e:
+        raise KerasInternalsError(_moved(f"the attention's {part} projection", e)) from e
+
+
+def grouped_attention_scores(layer: Any, query: Any, key: Any, value: Any, mask: Any,
+                             training: Any, return_attention_scores: bool
+                             ) -> tuple[Any, Any]:
+    """``GroupedQueryAttention._compute_attention(query, key, value, attention_mask=,
+    training=)`` over projected (batch, seq, heads, dim) tensors whose key/value heads are
+    repeated to the query heads: ``(output, scores)`` with the layer's scale, softmax and
+    dropout (``_return_attention_scores`` set as its ``call`` sets it; the scores are None
+    when not asked for). Checked on Keras 3.15.1. Without it a rank's heads would be
+    computed with another scale or dropout than the unsplit layer's."""
+    try:
+        layer._return_attention_scores = return_attention_scores
+        core = layer._compute_attention
+    except AttributeError as e:
+        raise KerasInternalsError(_moved("grouped-query attention's core", e)) from e
+    return core(query, key, value, attention_mask=mask, training=training)
+
+
 def set_untracked_attribute(layer: Any, name: str, value: Any) -> None:
     """Set ``layer.<name>`` without Keras' tracker (``object.__setattr__``) and point
     TensorFlow's attribute dependency of that name (``Trackable._track_trackable``, the

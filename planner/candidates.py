@@ -26,7 +26,8 @@ from tfplan.core.cluster import ClusterSpec
 from tfplan.planner.context import SearchContext
 from tfplan.planner.experts import expert_degrees
 from tfplan.planner.plan import DEFAULT_LAYOUT
-from tfplan.planner.sequence import SEQUENCE_LOCAL_TYPES, has_sequence, sequence_length
+from tfplan.planner.sequence import (SEQUENCE_LOCAL_TYPES, has_sequence, sequence_length,
+                                     sequence_splits)
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES
 
 INTERLEAVE_CHOICES = (2, 3, 4)  # model chunks per device tried for the interleaved schedule
@@ -162,7 +163,8 @@ def hybrid_choices(ctx: SearchContext, knobs: Mapping[str, Any], *, skip_classic
         zeros = (knobs["zero_stage"],) if "zero_stage" in knobs else \
             (0,) if dp * cp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)
         sps = (knobs["sequence_parallel"],) if "sequence_parallel" in knobs else \
-            (False, True) if tp > 1 and has_sequence_layers else (False,)
+            (False, True) if tp > 1 and has_sequence_layers and \
+            sequence_splits(ctx.profile, tp) else (False,)
         recomputes = (knobs["recompute"],) if "recompute" in knobs else \
             ("none", "selective", "full") if has_attention else ("none", "full")
         offload_options = (knobs["offload"],) if "offload" in knobs else offloads

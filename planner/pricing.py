@@ -20,7 +20,7 @@ Megatron-LM's, or "tp-pp-dp", "dp-outer"; see "Device layouts" in ``planner.topo
   which no layer is worth splitting is not offered. Each split's Megatron f/g
   all-reduces (``profiler.comm.layer_comm``) run on the intra-node link, and a column
   split whose output no row split reads cut (a model's last projection) all-gathers it
-  in the forward (``traffic.row_follows``; its backward slices, no communication).
+  in the forward (``traffic.gathered_outputs``; its backward slices, no communication).
 - Pipeline stages: pp x v contiguous runs of the topological layer order, cut between
   blocks only (``graph.pipeline_units``: a custom layer with sub-layers stays whole) (v model
   chunks per device: 1, or 2-4 under the interleaved schedule), run k on pipeline
@@ -94,7 +94,7 @@ from tfplan.planner.plan import (DEFAULT_LAYOUT, Breakdown, Plan, Prediction, St
                                  stage_devices)
 from tfplan.planner.sequence import kv_bytes, sequence_parallel_layers
 from tfplan.planner.topology import dp_group_devices, members_per_node, stage_link
-from tfplan.planner.traffic import row_follows, sent_bytes_per_device
+from tfplan.planner.traffic import gathered_outputs, sent_bytes_per_device
 from tfplan.planner.tp_splits import INSIDE, reference_samples, solve_splits
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 
@@ -179,6 +179,7 @@ class Pricer:
         seq_split = sequence_parallel_layers(ctx.profile, splits) if sp and tp > 1 \
             else (False,) * self.n
         cp_group = members_per_node(range(0, cp * tp, tp), cluster.devices_per_node)
+        gathered = gathered_outputs(self.layers, splits)
         cols: dict[str, list[float]] = {name: [] for name in (
             "fwd", "bwd", "tpf", "tpb", "opt", "grad", "act", "inp", "layer_in",
             "param", "cw", "gather", "core_fwd", "core_act", "cpf", "cpb",
@@ -194,9 +195,9 @@ class Pricer:
                 if s and s.fwd_allreduce_bytes else 0.0
             tpb = coll.tensor_group_allreduce_time_s(s.bwd_allreduce_bytes * f / cp, tp, cluster) \
                 if s and s.bwd_allreduce_bytes else 0.0
-            if split == "column" and tp > 1 and not row_follows(splits, i):
+            if tp > 1 and i in gathered:
                 # its ranks all-gather the output no row split reads cut (a model's last
-                # projection; apply.spmd.rank_layers): half an all-reduce of it, forward only
+                # projection; apply.spmd): half an all-reduce of it, forward only
                 tpf += coll.tensor_group_allreduce_time_s(
                     l.activation_bytes * f / cp, tp, cluster) / 2
             act = cm.saved_activation_bytes(l) * f / work + self.input_bytes[i] * f / cp

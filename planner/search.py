@@ -63,7 +63,7 @@ from tfplan.planner.experts import (ALL_TO_ALLS_PER_LAYER, check_expert_degree, 
 from tfplan.planner.pipeline_ilp import (Split, SplitProblem, Transfer, best_split,
                                          min_max_stage_memory, min_stages_to_fit)
 from tfplan.planner.placement_search import placement_plans
-from tfplan.planner.sequence import sequence_length
+from tfplan.planner.sequence import sequence_length, sequence_splits
 from tfplan.planner.plan import LAYOUTS, OFFLOAD, RECOMPUTE, ZERO_STAGES, Breakdown, Plan, Stage, Strategy
 from tfplan.planner.pricing import Estimate, Pricer, best_per_shape
 from tfplan.planner.topology import link_between
@@ -450,6 +450,12 @@ def _fixed(ctx: SearchContext, fix: Mapping[str, Any], time_limit_s: float) -> S
     if fix.get("sequence_parallel") and tp == 1:
         raise PlannerError("fix asks for sequence parallelism with tp=1; it splits what a "
                            "tensor-parallel group replicates, so it needs tp > 1 (e.g. tp=2).")
+    if fix.get("sequence_parallel") and not sequence_splits(ctx.profile, tp):
+        raise PlannerError(f"fix asks for sequence parallelism with tp={tp}, but model "
+                           f"{ctx.profile.model_name!r} has no per-token layer on a sequence "
+                           f"of a known length that divides by {tp} (it is cut into tp equal "
+                           "pieces). Use a tp that divides the sequence length, or leave "
+                           "sequence_parallel out of --fix.")
     if b % dp:
         raise PlannerError(f"fix asks for dp={dp}, which does not divide the global batch {b}; "
                            "choose a dp that divides it (or change the batch).")

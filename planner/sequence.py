@@ -37,6 +37,15 @@ def has_sequence(layer: LayerProfile) -> bool:
     return layer.output_shape is not None and len(layer.output_shape) >= 2
 
 
+def sequence_splits(profile: ModelProfile, tp: int) -> bool:
+    """Whether sequence parallelism can cut this model's sequences into tp equal pieces:
+    every per-token layer with a sequence has a known length that divides by tp (apply
+    reduce-scatters into equal pieces, as Megatron-LM requires)."""
+    lengths = [l.output_shape[0] for l in profile.layers
+               if l.kind in SEQUENCE_LOCAL_TYPES and has_sequence(l)]
+    return bool(lengths) and all(n and n % tp == 0 for n in lengths)
+
+
 def sequence_parallel_layers(profile: ModelProfile, splits: tuple[str, ...]) -> tuple[bool, ...]:
     """Per layer: whether sequence parallelism splits it along the sequence (a per-token,
     unsplit layer with a sequence axis), given each layer's tensor-parallel split

@@ -15,13 +15,17 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
 * ``tp``: m (1 + [full recomputation]) 2 (tp-1)/tp sum_L fwd_i f / cp
   + m 2 (tp-1)/tp sum_L bwd_i f / cp, the Megatron f/g all-reduces of each split layer
   (sequence parallelism's all-gather + reduce-scatter pairs move the same bytes), and
-  m (1 + [full]) (tp-1)/tp out_i f / cp for a column split whose output no row split
-  reads next (its ranks all-gather it, as ``apply.spmd.rank_layers`` does: a model's
-  last projection, whose whole output the loss reads);
+  m (1 + [full]) (tp-1)/tp out_i f / cp for a layer whose output, cut by a column
+  split, its ranks all-gather (``gathered_outputs``, as ``apply.spmd.layout`` does: a
+  model's last projection, whose whole output the loss reads); under sequence
+  parallelism, one all-reduce per step of the gradients of the weights read on
+  sequence pieces is not counted (norms' scales and biases: bytes of the hidden size);
 * ``pp``: per chunk boundary and micro-batch, N = the boundary activation's bytes f / cp,
   both sides send N: the activation forward and its gradient back, each as tp slices of
   N / tp plus the receiving ranks' all-gather of the other (tp-1)/tp N (Narayanan et al.,
-  SC'21, Sec. 4.1, as ``collectives.pipeline_send_time_s`` prices it);
+  SC'21, Sec. 4.1, as ``collectives.pipeline_send_time_s`` prices it); under sequence
+  parallelism a boundary activation cut by sequence (``sequence_cut_outputs``) is sent
+  as each rank's piece, N / tp;
 * ``dp``: the gradient reduction over the R = dp x cp replicas of the device's weights
   (G: their gradient bytes, 1/tp of a split layer's): 2 (R-1)/R G per step without ZeRO;
   (R-1)/R G (a reduce-scatter) per step under ZeRO-1 and per micro-batch under ZeRO-2/3;
@@ -57,7 +61,7 @@ from typing import Any, Sequence
 
 from tfplan.planner import experts
 from tfplan.planner.collectives import ring_allreduce_sent_bytes, ring_half_sent_bytes
-from tfplan.planner.sequence import kv_bytes
+from tfplan.planner.sequence import has_sequence, kv_bytes, sequence_parallel_layers
 from tfplan.profiler.comm import HEAD_SPLIT_TYPES, profile_comm
 from tfplan.profiler.model_profile import ModelProfile
 
@@ -91,6 +95,9 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     f = mbs / b
     per_device: dict[str, dict[str, float]] = {}
     comms = profile_comm(profile)
+    all_gathered = gathered_outputs(layers, splits)  # cut outputs the tp ranks gather
+    sequence_cut = sequence_cut_outputs(profile, splits) \
+        if getattr(strategy, "sequence_parallel", False) and tp > 1 else frozenset()
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
@@ -105,9 +112,9 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 fwd = s.fwd_allreduce_bytes * f / cp
                 sent["tp"] += m * (2 if full else 1) * ring_allreduce_sent_bytes(fwd, tp)
                 sent["tp"] += m * ring_allreduce_sent_bytes(s.bwd_allreduce_bytes * f / cp, tp)
-                if split == "column" and not row_follows(splits, i):
-                    sent["tp"] += m * (2 if full else 1) * ring_half_sent_bytes(
-                        layer.activation_bytes * f / cp, tp)
+            if i in all_gathered and tp > 1:
+                sent["tp"] += m * (2 if full else 1) * ring_half_sent_bytes(
+                    layer.activation_bytes * f / cp, tp)
             if cp > 1 and layer.kind in HEAD_SPLIT_TYPES:
                 kv = kv_bytes(layer) * f / share
                 sent["cp"] += m * (3 if full else 2) * ring_half_sent_bytes(kv, cp)
@@ -139,6 +146,8 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
             gathered += (layer.compute_weight_bytes or layer.param_bytes) / share
         if hi < len(layers):  # the boundary: activation forward, its gradient back
             nbytes = layers[hi - 1].activation_bytes * f / cp
+            if hi - 1 in sequence_cut:  # each rank sends its piece of the sequence
+                nbytes /= tp
             sent["pp"] += m * nbytes
             if k + 1 < len(bounds):
                 _add(per_device, chunk_devices[k + 1], {"pp": m * nbytes})
@@ -190,6 +199,58 @@ def sparse_grad_bytes(layer: Any, precision: str) -> float:
     width = (layer.output_shape or (None,))[-1]
     tokens = elements / width if width else 0.0
     return elements * (layer.grad_bytes / layer.trainable_params) + tokens * INDEX_BYTES
+
+
+# layers that act on each element alone and pass a column split's cut output through
+# (SwiGLU's gate * up): they run on the cut pieces (``apply.spmd.sequence``)
+PASS_THROUGH_TYPES = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
+                      "Dropout")
+
+
+def gathered_outputs(layers: Sequence[Any], splits: Sequence[str]) -> frozenset[int]:
+    """Indices of the layers whose output, cut along its last axis by a column split, the
+    tensor-parallel ranks all-gather (``apply.spmd``'s layout does the same on the graph).
+
+    A top-level column split's output is cut; so is that of a pass-through layer
+    (``PASS_THROUGH_TYPES``) all of whose inputs are cut. A cut output is gathered where a
+    layer other than a row split or such a pass-through reads it, and where it is a
+    model output (nothing reads it). Inside blocks, whose graph the profile does not
+    hold, a column split is gathered unless the next split layer is a row split
+    (``row_follows``); so is every column where the profile has no layer inputs."""
+    has_graph = any(l.inputs for l in layers)
+    cut: set[str] = set()
+    gathered: set[int] = set()
+    readers: dict[str, list[int]] = {}
+    for j, l in enumerate(layers):
+        for name in l.inputs:
+            readers.setdefault(name, []).append(j)
+    for i, l in enumerate(layers):
+        split = splits[i] if i < len(splits) else ""
+        if split == "column" and (l.block or not has_graph):
+            if not row_follows(splits, i):
+                gathered.add(i)
+        elif split == "column" or (not split and l.type in PASS_THROUGH_TYPES and l.inputs
+                                   and all(x in cut for x in l.inputs)):
+            cut.add(l.name)
+    for i, l in enumerate(layers):
+        if l.name not in cut:
+            continue
+        reads = readers.get(l.name, [])
+        if not reads or any(not ((splits[j] if j < len(splits) else "") == "row"
+                                 or layers[j].name in cut) for j in reads):
+            gathered.add(i)
+    return frozenset(gathered)
+
+
+def sequence_cut_outputs(profile: ModelProfile, splits: Sequence[str]) -> frozenset[int]:
+    """Under sequence parallelism, the layers whose output each tensor rank holds a 1/tp
+    piece of the sequence of (``apply.spmd.layout``): the per-token layers it splits
+    (``planner.sequence.sequence_parallel_layers``) and the row, heads and vocabulary
+    splits on a sequence (their reduce-scatter)."""
+    splits = tuple(splits) + ("",) * (len(profile.layers) - len(splits))
+    local = sequence_parallel_layers(profile, splits)
+    return frozenset(i for i, l in enumerate(profile.layers)
+                     if local[i] or (splits[i] in ("row", "heads", "vocab") and has_sequence(l)))
 
 
 def row_follows(splits: Sequence[str], i: int) -> bool:

@@ -37,7 +37,9 @@ from tfplan.apply.offload import host_device
 from tfplan.apply.recompute import attention_layers, recompute_call
 from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
+from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.spmd.run import RunDescription
+from tfplan.apply.spmd.layout import GraphLayout, is_layout_layer
 from tfplan.apply.spmd.stages import StageProgram, stage_program
 from tfplan.core.errors import PlannerError
 from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
@@ -54,6 +56,9 @@ class Copies:
     axes: list[int | None]
     run: RunDescription
     programs: list[list[StageProgram]] | None = None
+    # ids of the weights read on sequence pieces (their gradients are each rank's
+    # piece's: summed over the tp group, ``apply.spmd.layout``)
+    sequence_weights: frozenset[int] = frozenset()
 
     def weight_devices(self, q: int, t: int) -> list[str]:
         """The device of each trainable weight of copy (q, t) (its chunk's under pipeline
@@ -100,13 +105,14 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     paths = [path for path, _ in profiled_layer_paths(template)]
     models: list[list[Any]] = []
     programs: list[list[StageProgram]] = []
+    on_pieces: list[Any] = []
     for q, replica in enumerate(run.replicas):
         row, cut = [], []
         for t, device in enumerate(replica):
             with tf.device(device):
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
-            model = _swap_splits(model, layers, run, run.column(q, t))
+            model = _swap_splits(model, layers, run, run.column(q, t), on_pieces)
             _recompute(model, layers, run)
             if run.chunks > 1:
                 cut.append(_place_chunks(model, paths, run, run.column(q, t)))
@@ -114,7 +120,8 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
         models.append(row)
         programs.append(cut)
     copies = Copies(models, _axes(models[0][0], reference, run.tp), run,
-                    programs if run.chunks > 1 else None)
+                    programs if run.chunks > 1 else None,
+                    frozenset(id(w) for w in on_pieces))
     copies.set_weights(reference)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
         for model in (m for row in models for m in row):
@@ -129,7 +136,7 @@ def _layers_by_template_path(model: Any, paths: Sequence[str], run: RunDescripti
     structure each time, but Keras names a layer built without a name by a counter
     (``transformer_encoder``, then ``transformer_encoder_1``, ...), so a copy's layers are
     matched to the plan's names by position, not by name."""
-    own = profiled_layer_paths(model)
+    own = [entry for entry in profiled_layer_paths(model) if not is_layout_layer(entry[1])]
     if len(own) != len(paths):
         raise PlannerError(
             f"Plan {run.plan_name!r}: a call of the model's builder made {len(own)} layers "
@@ -191,10 +198,11 @@ def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:
 
 
 def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
-                 column: Sequence[str]) -> Any:
+                 column: Sequence[str], on_pieces: list[Any]) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring);
     ``layers``: ``_layers_by_template_path``'s; ``column``: the copy's device per chunk
-    (a twin talks in its chunk's tensor-parallel group)."""
+    (a twin talks in its chunk's tensor-parallel group); the weights it reads on
+    sequence pieces are added to ``on_pieces``."""
     device = column[0]
     twins = _batch_norm_twins(layers, run, device)
     if not run.splits and not twins:
@@ -221,18 +229,23 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
                 f"{split!r} over tp={run.tp}, which the SPMD engine cannot run: {why}. "
                 "Leave that layer replicated (remove it from tp_splits) or re-plan.")
         own_device = _device_of(name, run, column)
+        top_level = SEPARATOR not in own and graph
+        # in a graph the layout gathers a column's output where a reader needs it whole
+        # (apply.spmd.layout); in a block, unless the next split layer is a row split
+        gather = not elementwise(getattr(layer, "activation", None)) if top_level else \
+            name not in run.row_fed
         rank = Rank(split, run.chunk_group("tp", own_device), own_device,
-                    gather_output=name not in run.row_fed)
+                    gather_output=gather, sequence=run.sequence_parallel and top_level)
         with tf.device(device):
             twin = rank_twin(layer, rank)
             with scopes_of(layer):
                 twin.build(**compat.build_arguments(layer))
-        if SEPARATOR not in own and graph:
+        if top_level:
             top[id(layer)] = twin
             continue
         parent = _parent(model, own, entries)
         swap_in(parent, layer, twin)
-    return _rewire(model, top, device) if top else model
+    return _rewire(model, top, device, run.sequence_parallel, on_pieces) if top else model
 
 
 def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
@@ -260,19 +273,31 @@ def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
     return parent
 
 
-def _rewire(model: Any, twins: dict[int, Any], device: str) -> Any:
+def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
+            on_pieces: list[Any]) -> Any:
     """A Functional/Sequential ``model`` whose layers in ``twins`` (by id) are replaced,
-    every other layer itself (not re-created)."""
+    every other layer itself (not re-created); under sequence parallelism (``sequence``)
+    the tensors between split layers cut into sequence pieces (``apply.spmd.layout``),
+    the weights read on them added to ``on_pieces``."""
+    layout = GraphLayout(sequence)
+
     def clone_function(layer: Any) -> Any:
         return twins.get(id(layer), layer)
 
     def call_function(layer: Any, *args: Any, **kwargs: Any) -> Any:
         with tf.device(device):
-            return layer(*args, **kwargs)
+            return layout.call(layer, *args, **kwargs)
 
+    if isinstance(model, keras.Sequential):  # clone_model re-wires Functional graphs only
+        model = keras.Model(model.inputs, model.outputs, name=model.name)
     with tf.device(device):
-        return keras.models.clone_model(model, clone_function=clone_function,
-                                        call_function=call_function)
+        rewired = keras.models.clone_model(model, clone_function=clone_function,
+                                           call_function=call_function)
+        on_pieces.extend(layout.weights)
+        if not any(id(x) in layout.pieces or id(x) in layout.cut for x in rewired.outputs):
+            return rewired
+        outputs = keras.tree.map_structure(layout.whole, rewired.output)
+        return keras.Model(rewired.inputs, outputs, name=rewired.name)
 
 
 def _axes(model: Any, reference: Sequence[np.ndarray], tp: int) -> list[int | None]:

@@ -27,7 +27,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfplan.apply.collective_ops import member_all_gather, member_all_reduce
+from tfplan.apply.collective_ops import (member_all_gather, member_all_reduce,
+                                       member_reduce_scatter)
 from tfplan.apply.groups import Group
 
 
@@ -63,6 +64,19 @@ def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
                       lambda dy: _gather_last(dy, group, device))
 
 
+def gather_heads_from_tp(x: Any, group: Group, device: str) -> Any:
+    """The ranks' heads of attention scores [batch, heads, query, key] all-gathered along
+    axis 1 forward (the whole layer's scores, as one device returns them), the rank's
+    heads of the gradient backward."""
+    def gather(v: Any) -> Any:
+        order = [1, 0, *range(2, len(v.shape))]
+        return tf.transpose(member_all_gather(tf.transpose(v, order), group, device, "tp"),
+                            order)
+
+    return _conjugate(x, gather,
+                      lambda dy: tf.split(dy, group.size, axis=1)[group.devices.index(device)])
+
+
 def _gather_last(x: Any, group: Group, device: str) -> Any:
     """Every member's ``x`` concatenated along the last axis (the gather runs on axis 0)."""
     rank = len(x.shape)
@@ -75,3 +89,65 @@ def _gather_last(x: Any, group: Group, device: str) -> Any:
 def _own_slice(x: Any, group: Group, device: str) -> Any:
     """This member's slice (of ``group.size`` equal ones) of ``x``'s last axis."""
     return tf.split(x, group.size, axis=-1)[group.devices.index(device)]
+
+
+# --- sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+# Large Transformer Models", Sec. 4.2.2): between the split layers a [batch, seq, ...] tensor
+# is cut along its sequence (axis 1) into tp equal pieces, piece t on rank t; f and g become
+# f-bar and g-bar, each of them one all-gather and one reduce-scatter (the bytes of g's and
+# f's all-reduces: an all-reduce is a reduce-scatter then an all-gather) -------------------
+SEQ_AXIS = 1
+
+
+def gather_sequence_to_tp(x: Any, group: Group, device: str) -> Any:
+    """Their f-bar, before a column or heads split: the pieces all-gathered forward, the
+    gradient reduce-scattered back into pieces."""
+    return _conjugate(x, lambda v: _gather_seq(v, group, device),
+                      lambda dy: _reduce_scatter_seq(dy, group, device))
+
+
+def reduce_scatter_from_tp(x: Any, group: Group, device: str) -> Any:
+    """Their g-bar, after a row, heads or vocabulary split: the partial sums
+    reduce-scattered into pieces forward, the pieces' gradients all-gathered back."""
+    return _conjugate(x, lambda v: _reduce_scatter_seq(v, group, device),
+                      lambda dy: _gather_seq(dy, group, device))
+
+
+def scatter_to_sequence(x: Any, group: Group, device: str) -> Any:
+    """A whole tensor that every rank holds cut to the rank's piece (forward, no
+    communication); the pieces' gradients all-gathered back (each rank's whole gradient)."""
+    return _conjugate(x, lambda v: _own_piece(v, group, device),
+                      lambda dy: _gather_seq(dy, group, device))
+
+
+def gather_from_sequence(x: Any, group: Group, device: str) -> Any:
+    """The pieces all-gathered for a layer that mixes positions (run whole on every rank);
+    the rank's piece of the (replicated) gradient back."""
+    return _conjugate(x, lambda v: _gather_seq(v, group, device),
+                      lambda dy: _own_piece(dy, group, device))
+
+
+def _seq_to_front(x: Any) -> list[int]:
+    rank = len(x.shape)
+    return [SEQ_AXIS, *(a for a in range(rank) if a != SEQ_AXIS)]
+
+
+def _seq_back(rank: int) -> list[int]:
+    return [*range(1, SEQ_AXIS + 1), 0, *range(SEQ_AXIS + 1, rank)]
+
+
+def _gather_seq(x: Any, group: Group, device: str) -> Any:
+    """Every member's piece concatenated along the sequence axis, in member order."""
+    gathered = member_all_gather(tf.transpose(x, _seq_to_front(x)), group, device, "tp")
+    return tf.transpose(gathered, _seq_back(len(x.shape)))
+
+
+def _reduce_scatter_seq(x: Any, group: Group, device: str) -> Any:
+    """This member's piece of the sum of every member's ``x`` (the sequence divides by the
+    group's size: ``rank_layers`` checks it)."""
+    piece = member_reduce_scatter(tf.transpose(x, _seq_to_front(x)), group, device, "tp")
+    return tf.transpose(piece, _seq_back(len(x.shape)))
+
+
+def _own_piece(x: Any, group: Group, device: str) -> Any:
+    return tf.split(x, group.size, axis=SEQ_AXIS)[group.devices.index(device)]

@@ -76,6 +76,7 @@ from tfplan.apply.spmd.optimizer_state import OptimizerState
 from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
+from tfplan.apply.spmd.layout import summed_over_tp
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
 from tfplan.apply.spmd.zero3 import install as install_zero3
 from tfplan.core.errors import PlannerError
@@ -239,7 +240,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         # real rows alone
         metric_args = (y, y_pred, sw) if valid is None else _real_rows(valid, (y, y_pred, sw))
         if valid is not None:
-            sw = _flagged(valid, sw, mask)
+            sw = _flagged(valid, sw, mask, y_pred)
         loss = compat.compiled_loss(self, y, y_pred, sw) if y is not None else None
         aux = [compat.added_loss(self, v) for v in added]
         if aux and valid is not None:
@@ -335,14 +336,19 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 vs = model.trainable_variables
                 with tf.device(device):
                     if zero is not None and zero.stage == 3:  # reduce-scattered already
-                        gs = _gradients(tape, totals[q][t], zero.shards[q][t])
+                        gs = self._on_pieces_summed(
+                            _gradients(tape, totals[q][t], zero.shards[q][t]),
+                            zero.weights[q][t], device)
                     elif zero is not None:
                         zero.load(q, t)
                         # ZeRO-2: each micro-batch's gradient reduced as soon as it exists
                         per_part = losses[q][t] if zero.stage == 2 else [totals[q][t]]
-                        gs = zero.reduce([_gradients(tape, loss, vs) for loss in per_part], q, t)
+                        gs = zero.reduce([self._on_pieces_summed(_gradients(tape, loss, vs), vs,
+                                                                 device)
+                                          for loss in per_part], q, t)
                     else:
-                        gs = _gradients(tape, totals[q][t], vs)
+                        gs = self._on_pieces_summed(_gradients(tape, totals[q][t], vs), vs,
+                                                    device)
                         gs = reduced(gs, vs, run.dp_group(t), device) if run.dp > 1 else gs
                 grads.append(gs)
                 owners.append(vs)
@@ -372,6 +378,8 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         entries = []  # (device, gradients, the weights they are of, what is updated)
         for q, row in enumerate(columns):
             for t, by_device in enumerate(row):
+                by_device = {device: (self._on_pieces_summed(gs, vs, device), vs)
+                             for device, (gs, vs) in by_device.items()}
                 if zero is None:
                     for device, (gs, vs) in by_device.items():
                         if run.dp > 1:
@@ -401,6 +409,17 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     zero.gather(q, t)
         self._track(results, self._weights_of_parts(results, totals), data)
         return self.get_metrics_result()
+
+    def _on_pieces_summed(self, grads: list[Any], variables: list[Any], device: str
+                          ) -> list[Any]:
+        """The gradients of the weights read on sequence pieces summed over ``device``'s
+        tp group (``apply.spmd.layout.summed_over_tp``); the others as they are."""
+        on_pieces = self._copies.sequence_weights
+        if not on_pieces:
+            return grads
+        with tf.device(device):
+            return summed_over_tp(grads, variables, on_pieces,
+                                  self._copies.run.chunk_group("tp", device), device)
 
     def _pipeline_gradients(self, data: Any) -> tuple[Any, Any, Any]:
         """(results, totals, gradients) of a pipeline step, ``gradients[q][t]``: column
@@ -761,11 +780,17 @@ def _along_rows(valid: Any, like: Any) -> Any:
     return ops.reshape(valid, (-1,) + (1,) * (len(like.shape) - 1))
 
 
-def _flagged(valid: Any, sw: Any, mask: Any) -> Any:
+def _flagged(valid: Any, sw: Any, mask: Any, y_pred: Any) -> Any:
     """The sample weights with padding rows at 0 (the flags alone where none were given,
-    shaped as the output's Keras mask where it has one: Keras multiplies the two)."""
+    shaped as the output's Keras mask where it has one: Keras multiplies the two; else as
+    the loss of each output element, which Keras' losses give for every axis of the
+    output but the last: [rows, seq] for a sequence's tokens)."""
     if sw is None:
-        return valid if mask is None else _along_rows(valid, mask)
+        if mask is not None:
+            return _along_rows(valid, mask)
+        if tf.is_tensor(y_pred) and len(y_pred.shape) > 2:
+            return ops.reshape(valid, (-1,) + (1,) * (len(y_pred.shape) - 2))
+        return valid
     sw = ops.cast(sw, "float32")
     return sw * _along_rows(valid, sw)
 

@@ -34,8 +34,10 @@ from keras import ops
 
 from tfplan import compat
 from tfplan.apply.groups import Group
-from tfplan.apply.spmd.megatron import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                        scatter_to_tp)
+from tfplan.apply.spmd.megatron import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                        gather_heads_from_tp, gather_sequence_to_tp,
+                                        reduce_from_tp,
+                                        reduce_scatter_from_tp, scatter_to_tp)
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.sharded_layers import is_cached_attention
 from tfplan.core.errors import PlannerError
@@ -44,13 +46,15 @@ from tfplan.profiler.signature import layer_config
 
 @dataclass(frozen=True)
 class Rank:
-    """Where a twin runs: its ``split``, the ``tp`` group, its ``device`` in it, and for a
-    column split whether its output is gathered (``gather_output``)."""
+    """Where a twin runs: its ``split``, the ``tp`` group, its ``device`` in it, for a
+    column split whether its output is gathered (``gather_output``), and whether the plan
+    runs sequence parallelism (``sequence``: the module docstring's f-bar and g-bar)."""
 
     split: str
     group: Group
     device: str
     gather_output: bool = True
+    sequence: bool = False
 
     @property
     def index(self) -> int:
@@ -64,13 +68,62 @@ class Rank:
 class _RankTwin:
     """What every twin shares: its ``Rank``; for a column or row split of a Dense-like
     layer (``kernel``, ``bias``, ``activation``), its call around a ``product`` and the
-    whole bias a row split adds after g (``row_bias``)."""
+    whole bias a row split adds after g (``row_bias``). ``seq``: under sequence
+    parallelism the whole sequence length of its (first) input, None without it or where
+    the input has no sequence axis (axis 1 of a tensor of rank >= ``_SEQ_MIN_RANK``)."""
 
     rank: Rank
     row_bias: Any = None
+    seq: int | None = None
+    _SEQ_MIN_RANK = 3
 
     def rank_axes(self) -> list[int | None]:
         raise NotImplementedError
+
+    def _sequence_of(self, shape: Any) -> int | None:
+        """The sequence length this twin cuts under sequence parallelism (None: it cuts
+        none), from an input's build shape; it must divide by tp."""
+        shape = tuple(shape)
+        if not self.rank.sequence or len(shape) < self._SEQ_MIN_RANK or shape[1] is None:
+            return None
+        seq = int(shape[1])
+        if seq % self.rank.size:
+            raise PlannerError(
+                f"Layer {self.name!r} runs under sequence parallelism, which cuts its "
+                f"sequence of {seq} into tp={self.rank.size} equal pieces; it does not "
+                "divide. Use a sequence length that divides by tp, or set the plan's "
+                "sequence_parallel to false.")
+        return seq
+
+    def piece_weights(self) -> list[Any]:
+        """The weights this twin reads on sequence pieces: the whole bias added after
+        g-bar (``apply.spmd.layout`` sums their gradients over tp)."""
+        bias = self.row_bias if self.rank.split == "row" else None
+        if self.rank.split == "heads":
+            bias = compat.attention_projection(self, "output").bias
+        return [bias] if self.seq and bias is not None else []
+
+    def _enter(self, x: Any, seq: int | None) -> Any:
+        """f, or under sequence parallelism f-bar where ``x`` is a piece of a sequence of
+        ``seq`` (a whole input, e.g. the output of a layer that mixes positions, gets f)."""
+        r = self.rank
+        if seq and _is_piece(x, seq, r.size):
+            return gather_sequence_to_tp(x, r.group, r.device)
+        return copy_to_tp(x, r.group, r.device)
+
+    def _leave(self, y: Any) -> Any:
+        """g, or g-bar under sequence parallelism (the output cut into pieces)."""
+        r = self.rank
+        if self.seq:
+            return reduce_scatter_from_tp(y, r.group, r.device)
+        return reduce_from_tp(y, r.group, r.device)
+
+    def _out_sequence(self, shape: Any, whole: bool) -> Any:
+        """An output shape with its sequence axis whole (``whole``) or a piece, under
+        sequence parallelism; unchanged without it."""
+        if not self.seq or len(shape) < 2:
+            return tuple(shape)
+        return (shape[0], self.seq if whole else self.seq // self.rank.size, *shape[2:])
 
     def _add_row_bias(self, shape: Any) -> None:
         self.row_bias = self.add_weight(name="bias", shape=tuple(shape),
@@ -84,14 +137,16 @@ class _RankTwin:
         then the whole bias and the activation."""
         r = self.rank
         if r.split == "column":
-            y = product(copy_to_tp(inputs, r.group, r.device))
+            y = product(self._enter(inputs, self.seq))
             if self.bias is not None:
                 y = ops.add(y, self.bias)
             return _column_out(self, y)
         x = inputs
+        if self.seq and _is_piece(x, self.seq, r.size):  # a piece: whole again first
+            x = gather_from_sequence(x, r.group, r.device)
         if x.shape[-1] == self.full_in and self.full_in != sliced_in:
             x = scatter_to_tp(x, r.group, r.device)
-        y = reduce_from_tp(product(x), r.group, r.device)
+        y = self._leave(product(x))
         if self.row_bias is not None:
             y = ops.add(y, self.row_bias)
         return y if self.activation is None else self.activation(y)
@@ -108,6 +163,7 @@ class RankDense(_RankTwin, keras.layers.Dense):
 
     def build(self, input_shape: Any) -> None:
         self.full_in = int(input_shape[-1])
+        self.seq = self._sequence_of(input_shape)
         if self.rank.split == "row":
             input_shape = (*input_shape[:-1], self.full_in // self.rank.size)
         super().build(input_shape)
@@ -122,7 +178,7 @@ class RankDense(_RankTwin, keras.layers.Dense):
     def compute_output_shape(self, input_shape: Any) -> Any:
         units = self.units if self.rank.split == "column" and not self.rank.gather_output \
             else self.full_units
-        return (*input_shape[:-1], units)
+        return self._out_sequence((*input_shape[:-1], units), self.rank.split == "column")
 
     def rank_axes(self) -> list[int | None]:
         if self.rank.split == "column":
@@ -169,6 +225,7 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
     def build(self, input_shape: Any) -> None:
         inp, ker, out = self._specs
         self.full_in = int(input_shape[-1])
+        self.seq = self._sequence_of(input_shape)
         self.kernel_axis = ker.index(out[-1] if self.rank.split == "column" else inp[-1])
         if self.rank.split == "row":
             _, bias_shape, _ = compat.analyze_einsum_string(
@@ -182,6 +239,12 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
     def call(self, inputs: Any, training: Any = None) -> Any:
         return self._split_call(inputs, lambda x: ops.einsum(self.equation, x, self.kernel),
                                 self.kernel.shape[self.kernel_axis])
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        if self.seq:  # the shape of the whole sequence's product, then its sequence axis
+            input_shape = (input_shape[0], self.seq, *input_shape[2:])
+        return self._out_sequence(super().compute_output_shape(input_shape),
+                                  self.rank.split == "column")
 
     def rank_axes(self) -> list[int | None]:
         if self.rank.split == "column":
@@ -208,7 +271,16 @@ class RankEmbedding(_RankTwin, keras.layers.Embedding):
         inside = ops.logical_and(local >= 0, local < self.input_dim)
         rows = ops.take(self.embeddings, ops.where(inside, local, ops.zeros_like(local)), axis=0)
         rows = ops.where(ops.expand_dims(inside, -1), rows, ops.zeros_like(rows))
-        return reduce_from_tp(rows, r.group, r.device)
+        return self._leave(rows)
+
+    def build(self, input_shape: Any = None) -> None:
+        super().build(input_shape)
+        if input_shape is not None:  # ids [batch, seq]: the output cut is [batch, seq, dim]
+            self._SEQ_MIN_RANK = 2
+            self.seq = self._sequence_of(input_shape)
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return self._out_sequence(super().compute_output_shape(input_shape), False)
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         return None if not self.mask_zero else ops.not_equal(inputs, 0)
@@ -217,21 +289,18 @@ class RankEmbedding(_RankTwin, keras.layers.Embedding):
         return [0]
 
 
-class RankMultiHeadAttention(_RankTwin, keras.layers.MultiHeadAttention):
-    """Heads [t h/tp, (t+1) h/tp); keras_hub's CachedMultiHeadAttention's training call
-    (no cache) is this computation too."""
+class _RankHeads(_RankTwin):
+    """A rank's heads of an attention layer: f (f-bar) once per distinct input, its heads'
+    projections and attention, g (g-bar) on the output projection's product, then its
+    bias. Subclasses give ``_project`` and ``_core`` (Keras' own computation)."""
 
-    def __init__(self, rank: Rank, full_heads: int, **config: Any) -> None:
-        self.rank, self.full_heads = rank, full_heads
-        config["num_heads"] = full_heads // rank.size
-        super().__init__(**config)
+    kv_seq: int | None = None
 
     def call(self, query: Any, value: Any, key: Any = None, query_mask: Any = None,
              value_mask: Any = None, key_mask: Any = None, attention_mask: Any = None,
              return_attention_scores: bool = False, training: Any = None,
              use_causal_mask: bool = False, cache: Any = None,
              cache_update_index: Any = None) -> Any:
-        r = self.rank
         if cache is not None:
             raise PlannerError(f"Attention layer {self.name!r} is split by heads for "
                                "training; a key/value cache (generation) is not supported "
@@ -242,34 +311,106 @@ class RankMultiHeadAttention(_RankTwin, keras.layers.MultiHeadAttention):
         key_mask = compat.get_keras_mask(key) if key_mask is None else key_mask
         for x in (query, value, key):  # and clears them, so a residual `x + attention(x)`
             compat.set_keras_mask(x, None)  # of Add layers drops the mask as on one device
-        attention_mask = compat.attention_mask(
-            self, query, value, query_mask=query_mask, value_mask=value_mask,
-            key_mask=key_mask, attention_mask=attention_mask, use_causal_mask=use_causal_mask)
         copied: dict[int, Any] = {}  # f once per distinct input (self-attention: once)
 
-        def f(x: Any) -> Any:
+        def f(x: Any, seq: int | None) -> Any:
             if id(x) not in copied:
-                copied[id(x)] = copy_to_tp(x, r.group, r.device)
+                copied[id(x)] = self._enter(x, seq)
             return copied[id(x)]
 
-        q = self.query_dense(f(query))
-        k = self.key_dense(f(key))
-        v = self.value_dense(f(value))
-        out, scores = compat.attention_scores(self, q, k, v, attention_mask, training,
-                                              return_attention_scores)
-        dense = self.output_dense
-        y = reduce_from_tp(ops.einsum(dense.equation, out, dense.kernel), r.group, r.device)
+        query, key, value = f(query, self.seq), f(key, self.kv_seq), f(value, self.kv_seq)
+        attention_mask = compat.attention_mask(  # of the whole sequences
+            self, query, value, query_mask=query_mask, value_mask=value_mask,
+            key_mask=key_mask, attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        out, scores = self._core(*self._project(query, key, value), attention_mask, training,
+                                 return_attention_scores)
+        dense = compat.attention_projection(self, "output")
+        y = self._leave(ops.einsum(dense.equation, out, dense.kernel))
         if dense.bias is not None:
             y = ops.add(y, dense.bias)
         if query_mask is not None:
             compat.set_keras_mask(y, query_mask)
-        return (y, scores) if return_attention_scores else y
+        if not return_attention_scores:
+            return y
+        return y, gather_heads_from_tp(scores, self.rank.group, self.rank.device)
+
+    def _project(self, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+        return tuple(compat.attention_projection(self, part)(x)  # type: ignore[return-value]
+                     for part, x in (("query", query), ("key", key), ("value", value)))
+
+    def _core(self, q: Any, k: Any, v: Any, mask: Any, training: Any, scores: bool
+              ) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def build(self, query_shape: Any, value_shape: Any, key_shape: Any = None) -> None:
+        super().build(query_shape, value_shape, key_shape)
+        self.seq, self.kv_seq = self._sequence_of(query_shape), self._sequence_of(value_shape)
+
+    def compute_output_shape(self, query_shape: Any, value_shape: Any,
+                             key_shape: Any = None) -> Any:
+        return self._out_sequence(super().compute_output_shape(
+            query_shape, value_shape, key_shape), False)
+
+    def compute_output_spec(self, query: Any, value: Any, key: Any = None, *args: Any,
+                            return_attention_scores: bool = False, **kwargs: Any) -> Any:
+        shape = self.compute_output_shape(query.shape, value.shape,
+                                          None if key is None else key.shape)
+        out = keras.KerasTensor(shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return out
+        scores = (query.shape[0], self.full_heads, self.seq or query.shape[1],
+                  self.kv_seq or value.shape[1])  # every head's, over whole sequences
+        return out, keras.KerasTensor(scores, dtype=self.compute_dtype)
 
     def rank_axes(self) -> list[int | None]:
-        bias = self.output_dense.bias is not None
+        # query, key, value: kernel [model, heads, dim] by heads, bias [heads, dim]; the
+        # output: kernel [heads, dim, model] by heads, the whole bias
+        bias = compat.attention_projection(self, "output").bias is not None
         per_projection = [1, 0] if bias else [1]
         out = [0, None] if bias else [0]
         return per_projection * 3 + out
+
+
+class RankMultiHeadAttention(_RankHeads, keras.layers.MultiHeadAttention):
+    """Heads [t h/tp, (t+1) h/tp); keras_hub's CachedMultiHeadAttention's training call
+    (no cache) is this computation too."""
+
+    def __init__(self, rank: Rank, full_heads: int, **config: Any) -> None:
+        self.rank, self.full_heads = rank, full_heads
+        config["num_heads"] = full_heads // rank.size
+        super().__init__(**config)
+
+    def _core(self, q: Any, k: Any, v: Any, mask: Any, training: Any, scores: bool
+              ) -> tuple[Any, Any]:
+        return compat.attention_scores(self, q, k, v, mask, training, scores)
+
+
+class RankGroupQueryAttention(_RankHeads, keras.layers.GroupQueryAttention):
+    """Query heads [t u/tp, (t+1) u/tp) and the key/value heads they read, [t v/tp,
+    (t+1) v/tp) (Keras repeats key/value head j for query heads j r .. j r + r - 1,
+    r = u / v, so contiguous slices of both stay matched)."""
+
+    def __init__(self, rank: Rank, full_heads: int, full_kv_heads: int, **config: Any
+                 ) -> None:
+        self.rank, self.full_heads, self.full_kv_heads = rank, full_heads, full_kv_heads
+        config["num_query_heads"] = full_heads // rank.size
+        config["num_key_value_heads"] = full_kv_heads // rank.size
+        super().__init__(**config)
+
+    def _project(self, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+        q, k, v = super()._project(query, key, value)
+        return q, ops.repeat(k, self.num_repeats, axis=2), ops.repeat(v, self.num_repeats,
+                                                                      axis=2)
+
+    def _core(self, q: Any, k: Any, v: Any, mask: Any, training: Any, scores: bool
+              ) -> tuple[Any, Any]:
+        return compat.grouped_attention_scores(self, q, k, v, mask, training, scores)
+
+
+def _is_piece(x: Any, seq: int, tp: int) -> bool:
+    """Whether ``x`` is one of tp pieces of a sequence of ``seq`` (its axis 1 is seq / tp)."""
+    shape = tuple(x.shape)
+    return len(shape) >= 2 and shape[1] is not None and int(shape[1]) * tp == seq
 
 
 def split_problem(layer: Any, split: str, tp: int) -> str:
@@ -277,6 +418,12 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
     cls = type(layer)
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return "LoRA or quantized layers are not split"
+    if split == "heads" and cls is keras.layers.GroupQueryAttention:
+        if layer.use_gate:
+            return "gated attention"
+        heads = (layer.num_query_heads, layer.num_key_value_heads)
+        return "" if all(h % tp == 0 for h in heads) else \
+            f"its {heads[0]} query and {heads[1]} key/value heads"
     if split == "heads":
         if cls is not keras.layers.MultiHeadAttention and not is_cached_attention(layer):
             return f"{cls.__name__} is not MultiHeadAttention (split by heads here)"
@@ -313,6 +460,11 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
 def rank_twin(layer: Any, rank: Rank) -> Any:
     """The rank's twin of ``layer`` (unbuilt), from the unsplit layer's config."""
     config = layer_config(layer)
+    if rank.split == "heads" and isinstance(layer, keras.layers.GroupQueryAttention):
+        config.pop("num_query_heads", None)
+        config.pop("num_key_value_heads", None)
+        return RankGroupQueryAttention(rank, layer.num_query_heads, layer.num_key_value_heads,
+                                       **config)
     if rank.split == "heads":
         config.pop("num_heads", None)
         return RankMultiHeadAttention(rank, layer.num_heads, **config)
@@ -329,5 +481,5 @@ def is_twin(layer: Any) -> bool:
     return isinstance(layer, _RankTwin)
 
 
-__all__ = ["Rank", "RankDense", "RankEinsumDense", "RankEmbedding", "RankMultiHeadAttention",
-           "is_twin", "rank_twin", "split_problem"]
+__all__ = ["Rank", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
+           "RankMultiHeadAttention", "is_twin", "rank_twin", "split_problem"]

@@ -53,6 +53,7 @@ class RunDescription:
     stage_of_entry: tuple[tuple[str, int], ...] = ()
     schedule: str = "none"  # "gpipe", "1f1b", "interleaved" where there are chunks
     virtual_stages: int = 1
+    sequence_parallel: bool = False  # apply.spmd.layout (tp > 1)
 
     @property
     def chunks(self) -> int:
@@ -124,7 +125,8 @@ class RunDescription:
                 "batch_norm": self.batch_norm, "offload": self.offload,
                 "stages": [[list(r) for r in grid] for grid in self.stages],
                 "stage_of_entry": [list(e) for e in self.stage_of_entry],
-                "schedule": self.schedule, "virtual_stages": self.virtual_stages}
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "sequence_parallel": self.sequence_parallel}
 
 
 def refusal(plan: Plan) -> str:
@@ -141,8 +143,6 @@ def refusal(plan: Plan) -> str:
             return f"{name} > 1"
     if s.offload not in ("none", "optimizer") and (s.zero_stage and s.dp > 1):
         return "offload of the weights with ZeRO"
-    if s.sequence_parallel:
-        return "sequence parallelism"
     return ""
 
 
@@ -169,4 +169,5 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                                                for name in stage.layers) if pipeline else (),
                           schedule=(s.schedule if s.schedule != "none" else "gpipe")
                           if pipeline else "none",
-                          virtual_stages=max(1, s.virtual_stages) if pipeline else 1)
+                          virtual_stages=max(1, s.virtual_stages) if pipeline else 1,
+                          sequence_parallel=bool(s.sequence_parallel) and tp > 1)

@@ -1,8 +1,9 @@
-"""GroupQueryAttention split by heads (apply.sharded_layers.ShardedGroupQueryAttention): rank
-t holds num_query_heads/tp query heads and num_key_value_heads/tp key/value heads, trains
-like one device, reads and writes the unsplit layer's weights, and a tp that does not
+"""GroupQueryAttention split by heads on the SPMD engine
+(apply.spmd.rank_layers.RankGroupQueryAttention): rank t holds num_query_heads/tp query
+heads and num_key_value_heads/tp key/value heads, trains like one device, reads and writes
+the unsplit layer's weights, returns every head's attention scores, and a tp that does not
 divide the key/value heads is refused. The tiny Llama block (tests/apply/tiny_llama.py)
-with sequence parallelism too: tests/apply/test_sequence_parallel.py."""
+with sequence parallelism too: tests/apply/spmd/test_sequence.py."""
 from __future__ import annotations
 
 import keras
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 
 from tfplan import apply
+from tfplan.apply.spmd import SpmdModel
+from tfplan.apply.spmd.rank_layers import RankGroupQueryAttention
 from tfplan.core.errors import PlannerError
 from tests.apply import helpers
 from tests.apply.helpers import (GLOBAL_BATCH, assert_losses_match, base_model, batches_of,
                                  cpus, fresh_optimizer, step_losses, tp_plan)
-from tests.apply.test_tensor_parallel import _short, assert_placement
+from tests.apply.test_tensor_parallel import _short
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
 
@@ -27,14 +30,16 @@ def test_tp2_trains_like_one_device_with_heads_on_their_ranks():
     module, model = base_model("tiny_llama")
     plan = tp_plan(model, [cpus(2, 3)], SPLITS)
     wrapped = apply.wrap(model, plan)
-    attention = wrapped.get_layer("attention")
+    assert isinstance(wrapped, SpmdModel)
     # 4 query heads over 2 key/value heads: 2 query heads and 1 key/value head per rank
-    assert [tuple(v.shape) for v in attention.shards["query"]] == [(16, 2, 4)] * 2
-    assert [tuple(v.shape) for v in attention.shards["key"]] == [(16, 1, 4)] * 2
-    assert [tuple(v.shape) for v in attention.shards["value"]] == [(16, 1, 4)] * 2
-    assert [tuple(v.shape) for v in attention.shards["output"]] == [(2, 4, 16)] * 2
-    assert [_short(v.value.device) for v in attention.shards["key"]] == cpus(2, 3)
-    for got, want in zip(attention.get_weights(), model.get_layer("attention").get_weights()):
+    for copy, device in zip(wrapped.device_models, cpus(2, 3)):
+        attention = copy.get_layer("attention")
+        assert isinstance(attention, RankGroupQueryAttention)
+        assert (attention.num_query_heads, attention.num_key_value_heads) == (2, 1)
+        kernels = [tuple(w.shape) for w in attention.weights if w.path.endswith("kernel")]
+        assert kernels == [(16, 2, 4), (16, 1, 4), (16, 1, 4), (2, 4, 16)]
+        assert {_short(w.value.device) for w in attention.weights} == {device}
+    for got, want in zip(wrapped.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(got, want)  # read back unsplit
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     x, _ = batches[0]
@@ -43,7 +48,7 @@ def test_tp2_trains_like_one_device_with_heads_on_their_ranks():
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     assert_losses_match(step_losses(wrapped, batches), helpers.reference_losses("tiny_llama",
                                                                                 STEPS))
-    assert_placement(wrapped, plan)
+    helpers.assert_state_where_planned(wrapped, plan)
 
 
 def test_weights_saved_unsplit(tmp_path):

@@ -10,10 +10,9 @@ cp=2; the MLP with the optimizer state offloaded.
 from __future__ import annotations
 
 import keras
-import numpy as np
-import pytest
 
-from tfplan import apply
+from tfplan import apply, compat
+from tfplan.apply.spmd import SpmdModel
 from tfplan.apply.placement import tf_variable
 from tfplan.core.presets import parse_cluster
 from tfplan.planner.search import search
@@ -60,7 +59,9 @@ def test_llama_example_planned_tp2_with_sequence_parallelism_trains_like_one_dev
     want = _one_device_losses(model, source.loss, batches)
     wrapped, got = _trained(model, plan, source.loss, batches)
     assert_losses_match(got, want)
-    assert wrapped.recompute_cores  # the attention cores, not whole layers
+    assert isinstance(wrapped, SpmdModel) and wrapped.run_description.sequence_parallel
+    for copy in wrapped.device_models:  # the attention cores recomputed, not whole layers
+        assert all(compat.attention_core_is_wrapped(copy.get_layer(name)) for name in attention)
 
 
 def test_tiny_transformer_planned_with_context_parallelism_trains_like_one_device():

@@ -487,6 +487,33 @@ def test_attention_scores_is_scaled_dot_product_attention():
                                atol=1e-6)
 
 
+def test_attention_projection_is_each_projections_einsum_dense():
+    x = np.zeros((1, 4, 6), "float32")
+    for layer in (keras.layers.MultiHeadAttention(2, 3), keras.layers.GroupQueryAttention(3, 4, 2)):
+        layer(x, x)
+        for part in compat.ATTENTION_PROJECTIONS:
+            dense = compat.attention_projection(layer, part)
+            assert isinstance(dense, keras.layers.EinsumDense)
+            assert any(w is dense.kernel for w in layer.weights)
+    with pytest.raises(ValueError, match="part must be one of"):
+        compat.attention_projection(layer, "gate")
+
+
+def test_grouped_attention_scores_is_scaled_dot_product_attention():
+    layer = keras.layers.GroupQueryAttention(3, 2, 1)
+    layer(np.zeros((1, 4, 6), "float32"), np.zeros((1, 4, 6), "float32"))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 4, 2, 3)).astype("float32") for _ in range(3))
+    out, scores = compat.grouped_attention_scores(layer, q, k, v, None, False, True)
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(3.0)
+    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(scores, weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, np.einsum("bhqk,bkhd->bqhd", weights, v), rtol=1e-5,
+                               atol=1e-6)
+    out_only, none = compat.grouped_attention_scores(layer, q, k, v, None, False, False)
+    np.testing.assert_allclose(out_only, out, rtol=1e-5, atol=1e-6)
+
+
 def test_wrap_attention_core_replaces_the_core_of_one_instance():
     calls = []
 

@@ -13,7 +13,8 @@ from tfplan.planner.candidates import hybrid_choices
 from tfplan.planner.context import search_context
 from tfplan.planner.pricing import Pricer, full_recompute_memory
 from tfplan.planner.search import search
-from tfplan.planner.sequence import sequence_length, sequence_parallel_layers
+from tfplan.planner.sequence import (sequence_length, sequence_parallel_layers,
+                                     sequence_splits)
 from tests.planner.gpt_profile import gpt_profile
 
 
@@ -55,6 +56,19 @@ def test_sequence_parallel_needs_tp():
     profile = gpt_profile(2, 1024, 16, vocab=8192, seq=512)
     with pytest.raises(PlannerError, match="needs tp > 1"):
         _fixed(profile, "8xA100-80GB", 8, dp=8, sequence_parallel=True)
+
+
+def test_sequence_parallel_needs_a_sequence_that_divides_by_tp():
+    """apply cuts the sequence into tp equal pieces (its reduce-scatter): a length that
+    does not divide, or an unknown one, is never offered and refused when fixed."""
+    profile = _with_shapes(gpt_profile(2, 1024, 16, vocab=8192, seq=510), 510, 1024)
+    assert sequence_splits(profile, 2) and not sequence_splits(profile, 4)
+    assert not sequence_splits(gpt_profile(2, 1024, 16, vocab=8192, seq=512), 2)  # no shapes
+    with pytest.raises(PlannerError, match=r"sequence parallelism with tp=4.*divides by 4"):
+        _fixed(profile, "8xA100-80GB", 8, dp=2, tp=4, sequence_parallel=True)
+    ctx = search_context(profile, parse_cluster("8xA100-80GB"), 8)
+    offered = {(c.tp, c.sequence_parallel) for c in hybrid_choices(ctx, {}, skip_classic=False)}
+    assert (2, True) in offered and (4, True) not in offered and (4, False) in offered
 
 
 def test_context_parallel_splits_the_sequence_and_exchanges_keys_and_values():

@@ -158,13 +158,44 @@ def test_a_split_the_spmd_engine_does_not_run_goes_to_the_older_engine():
                                 helpers.step_losses(reference, batches))
 
 
-def test_custom_layers_without_get_config_train_from_the_builder_and_a_built_one_is_refused():
+class _Scaled(keras.layers.Layer):
+    """A tutorial-style layer whose argument is a layer (no get_config, no **kwargs)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def call(self, x):
+        return 2.0 * self.inner(x)
+
+
+def test_custom_layers_without_get_config_train_built_or_from_the_builder():
+    """keras.io's ViT layers (``def __init__(self, patch_size): super().__init__()``):
+    from the builder each device builds its copy with the user's code; a built model's
+    layers are re-created from the arguments Keras recorded for them (plain values), so
+    the built model trains too. A layer whose argument is an object is refused before
+    anything runs, naming the builder form."""
     module, plan, wrapped, reference = _wrapped("tiny_vit", "dp4")
     batches = helpers.batches_of(module, STEPS, BATCH)
-    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
-                                helpers.step_losses(reference, batches))
+    want = helpers.step_losses(reference, batches)
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches), want)
+    keras.utils.set_random_seed(0)
+    start = module.build_model()  # its layers named by Keras' counters: its own plan
+    built_wrapped = apply.wrap(start, helpers.tp_plan(start, [helpers.cpus(0, 1, 2, 3)], (),
+                                                      dp=4, global_batch=BATCH))
+    assert isinstance(built_wrapped, SpmdModel)
+    assert [type(layer).__name__ for layer in built_wrapped.device_models[0].layers[1:3]] == \
+        ["Patches", "PatchEncoder"]
+    built_wrapped.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    plain = module.build_model()
+    plain.set_weights(start.get_weights())
+    plain.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
+    helpers.assert_losses_match(helpers.step_losses(built_wrapped, batches),
+                                helpers.step_losses(plain, batches))
+    x = keras.Input(shape=(4,))
+    model = keras.Model(x, _Scaled(keras.layers.Dense(2))(x))
     with pytest.raises(PlannerError, match=r"apply\.wrap\(build_model, plan\)"):
-        apply.wrap(module.build_model(), plan)
+        apply.wrap(model, helpers.make_plan(model, [helpers.cpus(0, 1)]))
 
 
 @pytest.mark.parametrize("case", ["dp2-m2", "dp2xtp2"])

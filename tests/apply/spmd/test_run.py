@@ -42,7 +42,6 @@ def test_one_device_group_launches_nothing():
 
 @pytest.mark.parametrize("change, reason", [
     (dict(offload="optimizer+weights", zero_stage=1), "offload of the weights with ZeRO"),
-    (dict(sequence_parallel=True), "sequence parallelism"),
     (dict(cp=2), "cp > 1")])
 def test_refusal_names_the_dimension(change, reason):
     plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
