@@ -40,6 +40,7 @@ from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_proble
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.apply.spmd.layout import GraphLayout, is_layout_layer
+from tfplan.apply.spmd.megatron import slice_sizes
 from tfplan.apply.spmd.stages import StageProgram, stage_program
 from tfplan.core.errors import PlannerError
 from tfplan.profiler.signature import SEPARATOR, profiled_layer_paths
@@ -94,7 +95,7 @@ class Copies:
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
                     full = np.asarray(weights[j])
                     write(q, t, var, full if axis is None else
-                          np.split(full, len(replica), axis=axis)[t])
+                          np.array_split(full, len(replica), axis=axis)[t])
 
 
 def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
@@ -315,8 +316,8 @@ def _axes(model: Any, reference: Sequence[np.ndarray], tp: int) -> list[int | No
     axes = [axis_of.get(id(w)) for w in weights]
     for w, axis, full in zip(weights, axes, reference):
         expected = list(np.shape(full))
-        if axis is not None:
-            expected[axis] //= tp
+        if axis is not None:  # rank 0's slice: the first, a larger one where uneven
+            expected[axis] = slice_sizes(expected[axis], tp)[0]
         if list(w.shape) != expected:
             raise PlannerError(f"Weight {w.path!r} of a device's copy has shape "
                                f"{tuple(w.shape)}, the model's {np.shape(full)}. Leave its "

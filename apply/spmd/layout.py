@@ -123,12 +123,12 @@ class GraphLayout:
             out = layer(*args, **kwargs)
             self._mark(self.cut, out, cut[0])
             return out
-        if cut and not (is_twin(layer) and layer.rank.split == "row"):
+        if cut and not (is_twin(layer) and layer.tp_rank.split == "row"):
             args, kwargs = keras.tree.map_structure(self._hidden_whole, (args, kwargs))
             flat = _symbolic(keras.tree.flatten((args, kwargs)))
         if is_twin(layer):
             out = layer(*args, **kwargs)
-            r = layer.rank
+            r = layer.tp_rank
             if r.split == "column" and not r.gather_output:
                 self._mark(self.cut, out, (r.group, r.device))
             elif layer.seq and r.split in ("row", "heads", "vocab"):

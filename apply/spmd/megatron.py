@@ -60,8 +60,9 @@ def gather_from_tp(x: Any, group: Group, device: str) -> Any:
 
 def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
     """The rank's last-axis slice forward, all-gather of the gradient's slices backward."""
+    full = int(x.shape[-1])
     return _conjugate(x, lambda v: _own_slice(v, group, device),
-                      lambda dy: _gather_last(dy, group, device))
+                      lambda dy: _gather_last(dy, group, device, full))
 
 
 def gather_heads_from_tp(x: Any, group: Group, device: str) -> Any:
@@ -77,18 +78,35 @@ def gather_heads_from_tp(x: Any, group: Group, device: str) -> Any:
                       lambda dy: tf.split(dy, group.size, axis=1)[group.devices.index(device)])
 
 
-def _gather_last(x: Any, group: Group, device: str) -> Any:
-    """Every member's ``x`` concatenated along the last axis (the gather runs on axis 0)."""
+def _gather_last(x: Any, group: Group, device: str, full: int | None = None) -> Any:
+    """Every member's ``x`` concatenated along the last axis (the gather runs on axis 0);
+    ``full``: the whole axis where the slices are ``slice_sizes(full)`` of unequal sizes
+    (each padded to the largest for the gather, the padding dropped after it)."""
     rank = len(x.shape)
     to_front = [rank - 1, *range(rank - 1)]
     back = [*range(1, rank), 0]
-    gathered = member_all_gather(tf.transpose(x, to_front), group, device, "tp")
-    return tf.transpose(gathered, back)
+    sizes = slice_sizes(full, group.size) if full else []
+    if not sizes or len(set(sizes)) == 1:
+        gathered = member_all_gather(tf.transpose(x, to_front), group, device, "tp")
+        return tf.transpose(gathered, back)
+    own, largest = sizes[group.devices.index(device)], sizes[0]
+    padded = tf.pad(x, [[0, 0]] * (rank - 1) + [[0, largest - own]])
+    gathered = tf.transpose(member_all_gather(tf.transpose(padded, to_front), group, device,
+                                              "tp"), back)
+    pieces = tf.split(gathered, group.size, axis=-1)
+    return tf.concat([p[..., :n] for p, n in zip(pieces, sizes)], axis=-1)
+
+
+def slice_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` nearly equal slices of ``n``, the first ones one larger (as
+    ``numpy.array_split`` cuts)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 def _own_slice(x: Any, group: Group, device: str) -> Any:
-    """This member's slice (of ``group.size`` equal ones) of ``x``'s last axis."""
-    return tf.split(x, group.size, axis=-1)[group.devices.index(device)]
+    """This member's slice (``slice_sizes``) of ``x``'s last axis."""
+    sizes = slice_sizes(int(x.shape[-1]), group.size)
+    return tf.split(x, sizes, axis=-1)[group.devices.index(device)]
 
 
 # --- sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in

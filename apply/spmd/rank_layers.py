@@ -36,7 +36,7 @@ from tfplan import compat
 from tfplan.apply.groups import Group
 from tfplan.apply.spmd.megatron import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                         gather_heads_from_tp, gather_sequence_to_tp,
-                                        reduce_from_tp,
+                                        reduce_from_tp, slice_sizes,
                                         reduce_scatter_from_tp, scatter_to_tp)
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.sharded_layers import is_cached_attention
@@ -72,7 +72,7 @@ class _RankTwin:
     parallelism the whole sequence length of its (first) input, None without it or where
     the input has no sequence axis (axis 1 of a tensor of rank >= ``_SEQ_MIN_RANK``)."""
 
-    rank: Rank
+    tp_rank: Rank
     row_bias: Any = None
     seq: int | None = None
     _SEQ_MIN_RANK = 3
@@ -84,13 +84,13 @@ class _RankTwin:
         """The sequence length this twin cuts under sequence parallelism (None: it cuts
         none), from an input's build shape; it must divide by tp."""
         shape = tuple(shape)
-        if not self.rank.sequence or len(shape) < self._SEQ_MIN_RANK or shape[1] is None:
+        if not self.tp_rank.sequence or len(shape) < self._SEQ_MIN_RANK or shape[1] is None:
             return None
         seq = int(shape[1])
-        if seq % self.rank.size:
+        if seq % self.tp_rank.size:
             raise PlannerError(
                 f"Layer {self.name!r} runs under sequence parallelism, which cuts its "
-                f"sequence of {seq} into tp={self.rank.size} equal pieces; it does not "
+                f"sequence of {seq} into tp={self.tp_rank.size} equal pieces; it does not "
                 "divide. Use a sequence length that divides by tp, or set the plan's "
                 "sequence_parallel to false.")
         return seq
@@ -98,22 +98,22 @@ class _RankTwin:
     def piece_weights(self) -> list[Any]:
         """The weights this twin reads on sequence pieces: the whole bias added after
         g-bar (``apply.spmd.layout`` sums their gradients over tp)."""
-        bias = self.row_bias if self.rank.split == "row" else None
-        if self.rank.split == "heads":
+        bias = self.row_bias if self.tp_rank.split == "row" else None
+        if self.tp_rank.split == "heads":
             bias = compat.attention_projection(self, "output").bias
         return [bias] if self.seq and bias is not None else []
 
     def _enter(self, x: Any, seq: int | None) -> Any:
         """f, or under sequence parallelism f-bar where ``x`` is a piece of a sequence of
         ``seq`` (a whole input, e.g. the output of a layer that mixes positions, gets f)."""
-        r = self.rank
+        r = self.tp_rank
         if seq and _is_piece(x, seq, r.size):
             return gather_sequence_to_tp(x, r.group, r.device)
         return copy_to_tp(x, r.group, r.device)
 
     def _leave(self, y: Any) -> Any:
         """g, or g-bar under sequence parallelism (the output cut into pieces)."""
-        r = self.rank
+        r = self.tp_rank
         if self.seq:
             return reduce_scatter_from_tp(y, r.group, r.device)
         return reduce_from_tp(y, r.group, r.device)
@@ -123,7 +123,7 @@ class _RankTwin:
         sequence parallelism; unchanged without it."""
         if not self.seq or len(shape) < 2:
             return tuple(shape)
-        return (shape[0], self.seq if whole else self.seq // self.rank.size, *shape[2:])
+        return (shape[0], self.seq if whole else self.seq // self.tp_rank.size, *shape[2:])
 
     def _add_row_bias(self, shape: Any) -> None:
         self.row_bias = self.add_weight(name="bias", shape=tuple(shape),
@@ -135,7 +135,7 @@ class _RankTwin:
         """Column: f, the rank's slice of the product (and bias), ``_column_out``. Row: a
         whole input cut to the rank's ``sliced_in`` features, g on the partial product,
         then the whole bias and the activation."""
-        r = self.rank
+        r = self.tp_rank
         if r.split == "column":
             y = product(self._enter(inputs, self.seq))
             if self.bias is not None:
@@ -154,7 +154,7 @@ class _RankTwin:
 
 class RankDense(_RankTwin, keras.layers.Dense):
     def __init__(self, rank: Rank, full_units: int, **config: Any) -> None:
-        self.rank, self.full_units = rank, full_units
+        self.tp_rank, self.full_units = rank, full_units
         self.full_use_bias = config.get("use_bias", True)
         config["units"] = full_units // rank.size if rank.split == "column" else full_units
         if rank.split == "row":
@@ -164,11 +164,12 @@ class RankDense(_RankTwin, keras.layers.Dense):
     def build(self, input_shape: Any) -> None:
         self.full_in = int(input_shape[-1])
         self.seq = self._sequence_of(input_shape)
-        if self.rank.split == "row":
-            input_shape = (*input_shape[:-1], self.full_in // self.rank.size)
+        if self.tp_rank.split == "row":
+            own = slice_sizes(self.full_in, self.tp_rank.size)[self.tp_rank.index]
+            input_shape = (*input_shape[:-1], own)
         super().build(input_shape)
         self.input_spec = None  # a row split reads a slice or the whole input
-        if self.rank.split == "row" and self.full_use_bias:
+        if self.tp_rank.split == "row" and self.full_use_bias:
             self._add_row_bias((self.full_units,))
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -176,12 +177,12 @@ class RankDense(_RankTwin, keras.layers.Dense):
                                 self.kernel.shape[0])
 
     def compute_output_shape(self, input_shape: Any) -> Any:
-        units = self.units if self.rank.split == "column" and not self.rank.gather_output \
+        units = self.units if self.tp_rank.split == "column" and not self.tp_rank.gather_output \
             else self.full_units
-        return self._out_sequence((*input_shape[:-1], units), self.rank.split == "column")
+        return self._out_sequence((*input_shape[:-1], units), self.tp_rank.split == "column")
 
     def rank_axes(self) -> list[int | None]:
-        if self.rank.split == "column":
+        if self.tp_rank.split == "column":
             return [1, 0] if self.use_bias else [1]
         return [0, None] if self.row_bias is not None else [0]
 
@@ -189,7 +190,7 @@ class RankDense(_RankTwin, keras.layers.Dense):
 def _column_out(layer: Any, y: Any) -> Any:
     """A column split's output: its activation, and the all-gather unless a row split
     reads the slice (an activation that is not elementwise runs on the gathered whole)."""
-    r, act = layer.rank, layer.activation
+    r, act = layer.tp_rank, layer.activation
     if elementwise(act):
         y = y if act is None else act(y)
         return gather_from_tp(y, r.group, r.device) if r.gather_output else y
@@ -203,7 +204,7 @@ def _column_out(layer: Any, y: Any) -> Any:
 
 class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
     def __init__(self, rank: Rank, **config: Any) -> None:
-        self.rank = rank
+        self.tp_rank = rank
         inp, rest = config["equation"].split(",")
         ker, out = rest.split("->")
         self._specs = (inp, ker, out)
@@ -226,14 +227,14 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
         inp, ker, out = self._specs
         self.full_in = int(input_shape[-1])
         self.seq = self._sequence_of(input_shape)
-        self.kernel_axis = ker.index(out[-1] if self.rank.split == "column" else inp[-1])
-        if self.rank.split == "row":
+        self.kernel_axis = ker.index(out[-1] if self.tp_rank.split == "column" else inp[-1])
+        if self.tp_rank.split == "row":
             _, bias_shape, _ = compat.analyze_einsum_string(
                 self.equation, self.full_bias_axes, input_shape, self.partial_output_shape)
-            input_shape = (*input_shape[:-1], self.full_in // self.rank.size)
+            input_shape = (*input_shape[:-1], self.full_in // self.tp_rank.size)
         super().build(input_shape)
         self.input_spec = None
-        if self.rank.split == "row" and self.full_bias_axes:
+        if self.tp_rank.split == "row" and self.full_bias_axes:
             self._add_row_bias(bias_shape)
 
     def call(self, inputs: Any, training: Any = None) -> Any:
@@ -244,10 +245,10 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
         if self.seq:  # the shape of the whole sequence's product, then its sequence axis
             input_shape = (input_shape[0], self.seq, *input_shape[2:])
         return self._out_sequence(super().compute_output_shape(input_shape),
-                                  self.rank.split == "column")
+                                  self.tp_rank.split == "column")
 
     def rank_axes(self) -> list[int | None]:
-        if self.rank.split == "column":
+        if self.tp_rank.split == "column":
             axes: list[int | None] = [self.kernel_axis]
             if self.bias is not None:
                 sliced = self._specs[2][-1] in (self.bias_axes or "")
@@ -256,14 +257,73 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
         return [self.kernel_axis] + ([None] if self.row_bias is not None else [])
 
 
+class _RankConv(_RankTwin):
+    """A convolution (channels last, groups 1) split by its filters (column: the kernel's
+    last axis and the bias) or its input channels (row: the kernel's axis -2, the input
+    cut to the rank's channels, g on the partial convolution, then the whole bias and the
+    activation), as a Dense layer by units or inputs."""
+
+    def __init__(self, rank: Rank, full_filters: int, **config: Any) -> None:
+        self.tp_rank, self.full_filters = rank, full_filters
+        self.full_use_bias = config.get("use_bias", True)
+        config["filters"] = full_filters // rank.size if rank.split == "column" \
+            else full_filters
+        if rank.split == "row":
+            config["use_bias"] = False  # the row split adds the whole bias after g
+        super().__init__(**config)
+
+    def build(self, input_shape: Any) -> None:
+        self.full_in = int(input_shape[-1])
+        if self.tp_rank.split == "row":
+            own = slice_sizes(self.full_in, self.tp_rank.size)[self.tp_rank.index]
+            input_shape = (*input_shape[:-1], own)
+        super().build(input_shape)
+        self.input_spec = None  # a row split reads a slice or the whole input
+        if self.tp_rank.split == "row" and self.full_use_bias:
+            self._add_row_bias((self.full_filters,))
+
+    def call(self, inputs: Any) -> Any:
+        return self._split_call(inputs, lambda x: self.convolution_op(x, self.kernel),
+                                int(self.kernel.shape[-2]))
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        shape = list(super().compute_output_shape(input_shape))
+        if self.tp_rank.split == "row" or self.tp_rank.gather_output:
+            shape[-1] = self.full_filters
+        return tuple(shape)
+
+    def rank_axes(self) -> list[int | None]:
+        last = len(self.kernel.shape) - 1
+        if self.tp_rank.split == "column":
+            return [last, 0] if self.use_bias else [last]
+        return [last - 1, None] if self.row_bias is not None else [last - 1]
+
+
+class RankConv1D(_RankConv, keras.layers.Conv1D):
+    pass
+
+
+class RankConv2D(_RankConv, keras.layers.Conv2D):
+    pass
+
+
+class RankConv3D(_RankConv, keras.layers.Conv3D):
+    pass
+
+
+CONV_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+CONV_TWINS = {keras.layers.Conv1D: RankConv1D, keras.layers.Conv2D: RankConv2D,
+              keras.layers.Conv3D: RankConv3D}
+
+
 class RankEmbedding(_RankTwin, keras.layers.Embedding):
     def __init__(self, rank: Rank, full_input_dim: int, **config: Any) -> None:
-        self.rank, self.full_input_dim = rank, full_input_dim
+        self.tp_rank, self.full_input_dim = rank, full_input_dim
         config["input_dim"] = full_input_dim // rank.size
         super().__init__(**config)
 
     def call(self, inputs: Any) -> Any:
-        r = self.rank
+        r = self.tp_rank
         if inputs.dtype not in ("int32", "int64"):
             inputs = ops.cast(inputs, "int32")
         lo = r.index * self.input_dim
@@ -332,7 +392,7 @@ class _RankHeads(_RankTwin):
             compat.set_keras_mask(y, query_mask)
         if not return_attention_scores:
             return y
-        return y, gather_heads_from_tp(scores, self.rank.group, self.rank.device)
+        return y, gather_heads_from_tp(scores, self.tp_rank.group, self.tp_rank.device)
 
     def _project(self, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
         return tuple(compat.attention_projection(self, part)(x)  # type: ignore[return-value]
@@ -376,7 +436,7 @@ class RankMultiHeadAttention(_RankHeads, keras.layers.MultiHeadAttention):
     (no cache) is this computation too."""
 
     def __init__(self, rank: Rank, full_heads: int, **config: Any) -> None:
-        self.rank, self.full_heads = rank, full_heads
+        self.tp_rank, self.full_heads = rank, full_heads
         config["num_heads"] = full_heads // rank.size
         super().__init__(**config)
 
@@ -392,7 +452,7 @@ class RankGroupQueryAttention(_RankHeads, keras.layers.GroupQueryAttention):
 
     def __init__(self, rank: Rank, full_heads: int, full_kv_heads: int, **config: Any
                  ) -> None:
-        self.rank, self.full_heads, self.full_kv_heads = rank, full_heads, full_kv_heads
+        self.tp_rank, self.full_heads, self.full_kv_heads = rank, full_heads, full_kv_heads
         config["num_query_heads"] = full_heads // rank.size
         config["num_key_value_heads"] = full_kv_heads // rank.size
         super().__init__(**config)
@@ -414,7 +474,9 @@ def _is_piece(x: Any, seq: int, tp: int) -> bool:
 
 
 def split_problem(layer: Any, split: str, tp: int) -> str:
-    """Why ``layer`` cannot be split by ``split`` over ``tp`` ranks here ("" when it can)."""
+    """Why ``layer`` cannot be split by ``split`` over ``tp`` ranks here ("" when it can).
+    A row split's input may cut unequally (its partial sums are whole); a column split's
+    output must cut equally (its slices are gathered or read as they are)."""
     cls = type(layer)
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return "LoRA or quantized layers are not split"
@@ -437,7 +499,15 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
         return "" if layer.input_dim % tp == 0 else f"its vocabulary of {layer.input_dim}"
     if cls is keras.layers.Dense:
         n = layer.units if split == "column" else int(layer.kernel.shape[0])
-        return "" if n % tp == 0 else f"its {'units' if split == 'column' else 'inputs'} ({n})"
+        return "" if n % tp == 0 or (split == "row" and n >= tp) else \
+            f"its {'units' if split == 'column' else 'inputs'} ({n})"
+    if cls in CONV_TYPES:
+        if layer.data_format != "channels_last" or layer.groups != 1 or \
+                getattr(layer, "lora_enabled", False):
+            return "channels_first, grouped or LoRA convolutions"
+        n = layer.filters if split == "column" else int(layer.kernel.shape[-2])
+        return "" if n % tp == 0 or (split == "row" and n >= tp) else \
+            f"its {'filters' if split == 'column' else 'input channels'} ({n})"
     if cls is keras.layers.EinsumDense:
         inp, rest = layer.equation.split(",")
         ker, out = rest.split("->")
@@ -460,6 +530,9 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
 def rank_twin(layer: Any, rank: Rank) -> Any:
     """The rank's twin of ``layer`` (unbuilt), from the unsplit layer's config."""
     config = layer_config(layer)
+    if type(layer) in CONV_TYPES:
+        config.pop("filters", None)
+        return CONV_TWINS[type(layer)](rank, layer.filters, **config)
     if rank.split == "heads" and isinstance(layer, keras.layers.GroupQueryAttention):
         config.pop("num_query_heads", None)
         config.pop("num_key_value_heads", None)
@@ -481,5 +554,5 @@ def is_twin(layer: Any) -> bool:
     return isinstance(layer, _RankTwin)
 
 
-__all__ = ["Rank", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
+__all__ = ["Rank", "RankConv1D", "RankConv2D", "RankConv3D", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
            "RankMultiHeadAttention", "is_twin", "rank_twin", "split_problem"]

@@ -11,8 +11,8 @@ and Add, no BatchNorm) and the small transformer (tiny_transformer.py). Modes, o
 * hybrids dp = 2 x pp = 2 (2 micro-batches) and dp = 2 x tp = 2.
 
 All run on the SPMD engine (apply.spmd: one copy of the model per device column, each
-layer's variables on its stage's device), except the CNN's split convolutions, which
-the older tensor-parallel engine runs (apply.tensor_parallel, apply.sharded_layers).
+layer's variables on its stage's device; the CNN's convolutions split by filters and
+input channels, the stem's 3 input channels cut 2/1).
 
 Each case wraps the user's (untrained, seed 0) model with ``apply.wrap(model, plan)``,
 compiles it and runs ``STEPS`` ``train_on_batch`` steps on the same global batches as

@@ -7,7 +7,8 @@ forward pass and the gradients of a scalar loss with respect to the input and to
 weight (read back unsplit) against the unsplit model, at rtol 1e-5. Then through
 ``apply.wrap``: a planner-made plan for the residual CNN (tests/apply/tiny_cnn.py) that
 splits its convolutions trains like one device, and a split CNN's weight files and
-saved models are the unsplit model's. Runs on the 8 logical CPU devices of
+saved models are the unsplit model's (the planner's plan on the SPMD engine, tp = 3's
+unequal filters on the older one). Runs on the 8 logical CPU devices of
 tests/conftest.py.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ import tensorflow as tf
 
 from tfplan import apply
 from tfplan.apply.sharded_layers import _Sharded, sharded_clone
+from tfplan.apply.spmd import SpmdModel
+from tfplan.apply.spmd.rank_layers import RankConv2D
 from tfplan.core.errors import PlannerError
 from tfplan.planner.plan import load_plan, save_plan
 from tfplan.core.presets import parse_cluster
@@ -234,11 +237,13 @@ def test_a_planner_made_cnn_plan_splits_convolutions_and_trains(tmp_path):
     conv_splits = [(n, s) for n, s in plan.tp_splits if n in ("stem", "res_a", "res_b")]
     assert len(conv_splits) >= 2, plan.tp_splits
     module, model = base_model("tiny_cnn")
-    wrapped = apply.wrap(model, plan)
-    for name, _ in conv_splits:
-        layer = wrapped.get_layer(name)
-        assert isinstance(layer, _Sharded)
-        assert [_short(k.value.device) for k in layer.kernels] == list(plan.stages[0].devices)
+    wrapped = apply.wrap(model, plan)  # the SPMD engine: each rank's shard in its copy
+    assert isinstance(wrapped, SpmdModel)
+    for copy, device in zip(wrapped.device_models, plan.stages[0].devices):
+        for name, split in conv_splits:
+            layer = copy.get_layer(name)
+            assert isinstance(layer, RankConv2D) and layer.tp_rank.split == split
+            assert _short(layer.kernel.value.device) == _short(device)
     batches = batches_of(module, 3, GLOBAL_BATCH)
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())

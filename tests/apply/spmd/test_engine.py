@@ -124,7 +124,8 @@ def test_trains_like_one_device_with_state_on_its_devices(name, case):
 
 
 @pytest.mark.parametrize("name, case", [("tiny_mlp", "dp4"), ("tiny_mlp", "tp2"),
-                                        ("tiny_transformer", "dp2xtp2")])
+                                        ("tiny_transformer", "dp2xtp2"),
+                                        ("tiny_cnn", "dp2xtp2")])
 def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, case):
     module, plan, wrapped, _ = _wrapped(name, case)
     x, y = module.sample_batch(BATCH)
@@ -141,12 +142,45 @@ def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, cas
     assert max(measured[d] for d in plan.devices) <= 1.25 * mean
 
 
+def test_a_row_split_cuts_unequal_slices_of_its_inputs():
+    """5 inputs over tp=2: rank 0 reads 3, rank 1 reads 2 (the first slices one larger, as
+    numpy.array_split cuts); the whole input is cut on each rank and its gradient's
+    unequal slices all-gathered (padded to the larger); the CNN's stem (3 channels) too."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input(shape=(4,))
+    h = keras.layers.Dense(5, activation="tanh", name="wide")(x)
+    model = keras.Model(x, keras.layers.Dense(3, name="narrow")(h))
+    plan = helpers.tp_plan(model, [helpers.cpus(0, 1)], (("narrow", "row"),))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        x = keras.Input(shape=(4,))
+        h = keras.layers.Dense(5, activation="tanh", name="wide")(x)
+        return keras.Model(x, keras.layers.Dense(3, name="narrow")(h))
+
+    wrapped = apply.wrap(build, plan)
+    assert isinstance(wrapped, SpmdModel)
+    assert [tuple(m.get_layer("narrow").kernel.shape) for m in wrapped.device_models] == \
+        [(3, 3), (2, 3)]
+    reference = build()
+    reference.set_weights(wrapped.get_weights())
+    for target in (wrapped, reference):
+        target.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(16, 4)).astype("float32"),
+                rng.normal(size=(16, 3)).astype("float32")) for _ in range(4)]
+    helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
+                                helpers.step_losses(reference, batches))
+    for got, want in zip(wrapped.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # "wide" trained too
+
+
 def test_a_split_the_spmd_engine_does_not_run_goes_to_the_older_engine():
-    # the CNN's convolutions split by column/row: apply.tensor_parallel runs them
+    # the CNN's 8 filters split by column over tp = 3 (unequal slices): apply.tensor_parallel
     module = helpers.load_model_file("tiny_cnn")
     keras.utils.set_random_seed(0)
     model = module.build_model()
-    plan = helpers.tp_plan(model, [helpers.cpus(0, 1)], SPLITS["tiny_cnn"])
+    plan = helpers.tp_plan(model, [helpers.cpus(0, 1, 2)], SPLITS["tiny_cnn"], cluster_size=6)
     wrapped = apply.wrap(module.build_model, plan)
     assert not isinstance(wrapped, SpmdModel)
     reference = module.build_model()
