@@ -141,8 +141,8 @@ def refusal(plan: Plan) -> str:
     for name, value in (("cp", s.cp), ("ep", s.ep)):
         if value > 1:
             return f"{name} > 1"
-    if s.offload not in ("none", "optimizer") and (s.zero_stage and s.dp > 1):
-        return "offload of the weights with ZeRO"
+    if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):
+        return "offload of the weights with ZeRO-3"
     return ""
 
 

@@ -94,16 +94,14 @@ def update_ops(wrapped, graph):
 
 @pytest.mark.parametrize("case, offload", [
     (case, offload) for offload in ("optimizer", "optimizer+weights")
-    for case in ("single_device", "pp2", "dp2", "dp2-zero1")
-    # ZeRO-1 with the optimizer offloaded runs on the SPMD engine, every weight's shards on
-    # the host (tests/apply/spmd/test_offload.py)
-    if (case, offload) != ("dp2-zero1", "optimizer")])
+    # ZeRO-1/2 with the optimizer (and the weights) offloaded: every weight's shards on the
+    # host, tests/apply/spmd/test_offload.py
+    for case in ("single_device", "pp2", "dp2")])
 def test_offloaded_state_trains_like_one_device_on_the_host(case, offload):
     module, model = base_model("tiny_mlp")
     plan = offloaded(plans(model)[case], offload)
     wrapped = apply.wrap(model, plan)
-    # the SPMD engine (apply.spmd), but for ZeRO with the weights offloaded
-    assert (type(wrapped).__name__ == "SpmdModel") == (case != "dp2-zero1")
+    assert type(wrapped).__name__ == "SpmdModel"  # the SPMD engine (apply.spmd)
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     assert_losses_match(step_losses(wrapped, batches),
@@ -123,7 +121,7 @@ def test_offloaded_state_trains_like_one_device_on_the_host(case, offload):
     optimizer_slots = slots(wrapped.optimizer)
     trained = wrapped.trainable_variables
     per_weight = 2  # Adam: momentum and velocity
-    owners = len(trained) // 2 if case == "dp2-zero1" else len(trained)
+    owners = len(trained)
     assert len(optimizer_slots) == per_weight * owners
     assert {_device(v) for v in optimizer_slots} == {HOST}
 

@@ -1,8 +1,8 @@
 """Offload of the optimizer (ZeRO-Offload) on the SPMD engine: every optimizer slot on the
 host CPU (each copy's, or under ZeRO each shard's), training equal to one device's, and
 the copies to and from the host counted apart (kind ``host``) from the plan's sends; with
-the weights offloaded too (``optimizer+weights``, no ZeRO) every copy's weights on the host,
-read by its layers on their device."""
+the weights offloaded too (``optimizer+weights``, without ZeRO and with ZeRO-1/2) every
+copy's weights on the host, read by its layers on their device."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,20 +31,22 @@ def test_the_optimizer_state_lives_on_the_host_and_training_is_one_devices(case,
                                 helpers.step_losses(reference, batches))
 
 
-@pytest.mark.parametrize("offload", ["optimizer", "optimizer+weights"])
-def test_host_copies_are_counted_apart_from_the_plans_sends(offload):
+@pytest.mark.parametrize("offload, zero", [("optimizer", 0), ("optimizer+weights", 0),
+                                          ("optimizer+weights", 1), ("optimizer+weights", 2)])
+def test_host_copies_are_counted_apart_from_the_plans_sends(offload, zero):
     if offload == "optimizer":
         module, plan, wrapped, _ = _wrapped("tiny_mlp", "dp4", offload=offload)
     else:  # devices apart from the host (CPU:0), whose weights every device reads
         module = helpers.load_model_file("tiny_mlp")
         keras.utils.set_random_seed(0)
         plan = helpers.tp_plan(module.build_model(), [helpers.cpus(1, 2, 3, 4)], dp=4,
-                               global_batch=BATCH)
+                               global_batch=BATCH, zero=zero)
         plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                       offload=offload))
         wrapped, reference = wrapped_and_reference(module, plan)
         assert {_device(v.value.device) for m in wrapped.device_models
                 for v in m.variables} == {HOST}  # every copy's weights on the host
+        assert {_device(v.value.device) for v in wrapped.optimizer.variables} == {HOST}
         batches = helpers.batches_of(module, STEPS, BATCH)
         helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
                                     helpers.step_losses(reference, batches))
