@@ -1,7 +1,8 @@
 """What each device sends per training step under apply, measured, against the bytes the
 plan prices (issue 25).
 
-For the tiny MLP and transformer of tests/apply and hand-made plans on 8 logical CPUs,
+For the tiny MLP, CNN and transformer of tests/apply and hand-made plans on 8 logical CPUs
+(modes ending in ``-sp``: sequence parallelism, the transformer only),
 ``apply.audit.audit_step`` measures one step of ``apply.wrap(build_model, plan)`` (the
 SPMD engine, ``apply.spmd``, where it runs the plan; ``--built`` wraps the built model
 instead, which runs on the same engine since built models moved there, each device's copy
@@ -13,6 +14,7 @@ out), the priced bytes (ZeRO's gathers as kind zero), and the busiest device's s
 issue's bar: at most 1.25x, measured within 10% of priced).
 
     .venv/bin/python benchmarks/comm_audit.py [--json] [--built] [--modes MODE ...]
+                                              [--models MODEL ...]
 """
 from __future__ import annotations
 
@@ -38,7 +40,11 @@ MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "dp2xtp2-zero1": ([[0, 1, 2, 3]], 2, 1, 1),
     "dp4-zero3": ([[0, 1, 2, 3]], 4, 1, 3),
     "dp2xtp2-zero3": ([[0, 1, 2, 3]], 2, 1, 3),
+    "tp2-sp": ([[0, 1]], 1, 1, 0),
+    "dp2xtp2-sp": ([[0, 1, 2, 3]], 2, 1, 0),
+    "tp2xpp2-m2-1f1b-sp": ([[0, 1], [2, 3]], 1, 2, 0, "1f1b"),
 }
+MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer")
 
 
 def main() -> int:
@@ -49,6 +55,8 @@ def main() -> int:
                              "layers' configs) instead of its builder")
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES),
                         help="the modes to measure (default: all)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                        help="the models to measure (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
@@ -67,9 +75,12 @@ def main() -> int:
     from tests.apply.test_acceptance import SPLITS
 
     rows = []
-    for model_name in ("tiny_mlp", "tiny_transformer"):
+    for model_name in args.models:
         module = load_model_file(model_name)
         for mode, (stages, dp, m, zero, *schedule) in ((k, MODES[k]) for k in args.modes):
+            sp = mode.endswith("-sp")
+            if sp and model_name != "tiny_transformer":
+                continue  # no sequence to cut
             keras.utils.set_random_seed(0)
             model = module.build_model()
             plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
@@ -79,6 +90,7 @@ def main() -> int:
                 plan, tp_splits=SPLITS[model_name] if tp > 1 else (),
                 strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=zero,
                                              microbatch_size=16 // (dp * m),
+                                             sequence_parallel=sp,
                                              schedule=(schedule or [plan.strategy.schedule])[0]))
             keras.utils.set_random_seed(0)
             wrapped = apply.wrap(model if args.built else module.build_model, plan)
