@@ -261,7 +261,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     if mode.processes is not Processes.ONE_HOST:
         return "devices on several workers"
     if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.DATA_PARALLEL,
-                         Mode.TENSOR_PARALLEL):
+                         Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
         return f"the {mode.mode.value} mode"
     s = plan.strategy
     norms = [(path, layer) for path, layer in profiled_layer_paths(view)
@@ -278,6 +278,8 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
         entries = dict(profiled_layer_paths(view))
         if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
             return "BatchNormalization inside a nested model"
+    if s.cp > 1 and any(len(x.shape) > 1 and x.shape[1] is None for x in view.inputs):
+        return "context parallelism over sequences of a length known only as they run"
     if s.sequence_parallel and any(getattr(layer, "mask_zero", False) or
                                    isinstance(layer, keras.layers.Masking)
                                    for _, layer in profiled_layer_paths(view)):

@@ -39,6 +39,8 @@ from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.spmd.run import RunDescription
+from tfplan.apply.context_layers import check_context_parallel_model
+from tfplan.apply.spmd.context import context_twin
 from tfplan.apply.spmd.layout import GraphLayout, is_layout_layer
 from tfplan.apply.spmd.megatron import slice_sizes
 from tfplan.apply.spmd.stages import StageProgram, stage_program
@@ -102,6 +104,8 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     """Every device's copy of ``builder()`` (module docstring), each holding the weights of
     ``template`` (the user's model built first, on the host: the plan's layer names are
     its names)."""
+    if run.cp > 1:  # every layer but attention acts on each position alone
+        check_context_parallel_model(template, run.cp, run.plan_name)
     reference = template.get_weights()
     paths = [path for path, _ in profiled_layer_paths(template)]
     models: list[list[Any]] = []
@@ -205,8 +209,8 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
     (a twin talks in its chunk's tensor-parallel group); the weights it reads on
     sequence pieces are added to ``on_pieces``."""
     device = column[0]
-    twins = _batch_norm_twins(layers, run, device)
-    if not run.splits and not twins:
+    twins = _batch_norm_twins(layers, run, device) + _context_twins(layers, run, device)
+    if not run.splits and not twins and run.cp == 1:
         return model
     entries = dict(layers.values())
     graph = is_graph_model(model)
@@ -246,7 +250,9 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
             continue
         parent = _parent(model, own, entries)
         swap_in(parent, layer, twin)
-    return _rewire(model, top, device, run.sequence_parallel, on_pieces) if top else model
+    if not top and run.cp == 1:
+        return model
+    return _rewire(model, top, device, run.sequence_parallel, on_pieces, run.cp)
 
 
 def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
@@ -262,6 +268,18 @@ def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
             for own, layer in layers.values() if is_batch_norm(layer)]
 
 
+def _context_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
+                   device: str) -> list[tuple[str, Any, Any]]:
+    """(this copy's path, layer, twin) of every MultiHeadAttention run over the cp group of
+    ``device`` (``apply.spmd.context``; cp > 1)."""
+    if run.cp == 1:
+        return []
+    group = run.chunk_group("cp", device)
+    return [(own, layer, context_twin(layer, group, device))
+            for own, layer in layers.values()
+            if type(layer) is keras.layers.MultiHeadAttention]
+
+
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
     parts = name.split(SEPARATOR)
     if len(parts) == 1:
@@ -275,11 +293,12 @@ def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
 
 
 def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
-            on_pieces: list[Any]) -> Any:
+            on_pieces: list[Any], cp: int = 1) -> Any:
     """A Functional/Sequential ``model`` whose layers in ``twins`` (by id) are replaced,
     every other layer itself (not re-created); under sequence parallelism (``sequence``)
     the tensors between split layers cut into sequence pieces (``apply.spmd.layout``),
-    the weights read on them added to ``on_pieces``."""
+    the weights read on them added to ``on_pieces``; under context parallelism (``cp`` >
+    1) on inputs of one chunk of the sequence (``apply.spmd.context``)."""
     layout = GraphLayout(sequence)
 
     def clone_function(layer: Any) -> Any:
@@ -291,8 +310,20 @@ def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
 
     if isinstance(model, keras.Sequential):  # clone_model re-wires Functional graphs only
         model = keras.Model(model.inputs, model.outputs, name=model.name)
+    inputs = None
+    if cp > 1:
+        seq = model.inputs[0].shape[1]
+
+        def chunk(x: Any) -> Any:
+            shape = list(x.shape)
+            if len(shape) > 1 and shape[1] == seq:
+                shape[1] = seq // cp
+            return keras.Input(batch_shape=tuple(shape), dtype=x.dtype, name=x.name)
+
+        inputs = keras.tree.map_structure(chunk, model.input)
     with tf.device(device):
-        rewired = keras.models.clone_model(model, clone_function=clone_function,
+        rewired = keras.models.clone_model(model, input_tensors=inputs,
+                                           clone_function=clone_function,
                                            call_function=call_function)
         on_pieces.extend(layout.weights)
         if not any(id(x) in layout.pieces or id(x) in layout.cut for x in rewired.outputs):

@@ -120,8 +120,19 @@ SEQ_AXIS = 1
 def gather_sequence_to_tp(x: Any, group: Group, device: str) -> Any:
     """Their f-bar, before a column or heads split: the pieces all-gathered forward, the
     gradient reduce-scattered back into pieces."""
-    return _conjugate(x, lambda v: _gather_seq(v, group, device),
-                      lambda dy: _reduce_scatter_seq(dy, group, device))
+    return all_gather_sequence(x, group, device, "tp")
+
+
+def all_gather_sequence(x: Any, group: Group, device: str, kind: str,
+                        differentiable: bool = True) -> Any:
+    """Every member's piece joined along the sequence (forward), the gradient
+    reduce-scattered back into pieces (each member's piece of the members' sum); the
+    collectives counted as ``kind`` (f-bar's "tp"; context parallelism's keys and values,
+    "cp"). ``differentiable=False``: the gather alone (a mask)."""
+    if not differentiable:
+        return _gather_seq(x, group, device, kind)
+    return _conjugate(x, lambda v: _gather_seq(v, group, device, kind),
+                      lambda dy: _reduce_scatter_seq(dy, group, device, kind))
 
 
 def reduce_scatter_from_tp(x: Any, group: Group, device: str) -> Any:
@@ -154,16 +165,16 @@ def _seq_back(rank: int) -> list[int]:
     return [*range(1, SEQ_AXIS + 1), 0, *range(SEQ_AXIS + 1, rank)]
 
 
-def _gather_seq(x: Any, group: Group, device: str) -> Any:
+def _gather_seq(x: Any, group: Group, device: str, kind: str = "tp") -> Any:
     """Every member's piece concatenated along the sequence axis, in member order."""
-    gathered = member_all_gather(tf.transpose(x, _seq_to_front(x)), group, device, "tp")
+    gathered = member_all_gather(tf.transpose(x, _seq_to_front(x)), group, device, kind)
     return tf.transpose(gathered, _seq_back(len(x.shape)))
 
 
-def _reduce_scatter_seq(x: Any, group: Group, device: str) -> Any:
+def _reduce_scatter_seq(x: Any, group: Group, device: str, kind: str = "tp") -> Any:
     """This member's piece of the sum of every member's ``x`` (the sequence divides by the
     group's size: ``rank_layers`` checks it)."""
-    piece = member_reduce_scatter(tf.transpose(x, _seq_to_front(x)), group, device, "tp")
+    piece = member_reduce_scatter(tf.transpose(x, _seq_to_front(x)), group, device, kind)
     return tf.transpose(piece, _seq_back(len(x.shape)))
 
 

@@ -76,6 +76,7 @@ from tfplan.apply.spmd.optimizer_state import OptimizerState
 from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
+from tfplan.apply.spmd.context import check_loss_reduction, chunk_of, joined
 from tfplan.apply.spmd.layout import summed_over_tp
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
 from tfplan.apply.spmd.zero3 import install as install_zero3
@@ -108,6 +109,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             self._zero.load_all()
             install_zero3(copies, self._zero)
         self._optimizer_state = OptimizerState(copies, self._zero)  # plain, like _copies
+        # the sequence length context parallelism cuts (the inputs' axis 1)
+        shapes = [tuple(x.shape) for x in template.inputs]
+        self._sequence = shapes[0][1] if run.cp > 1 and len(shapes[0]) > 1 else None
         self.built = True
 
     # ---------------------------------------------------------------- description
@@ -146,6 +150,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                           "XLA cluster runs on one device; compiling without jit_compile.",
                           stacklevel=2)
         kwargs["jit_compile"] = False
+        if self._copies.run.cp > 1:  # the chunks' losses combine as a mean over positions
+            check_loss_reduction(kwargs.get("loss", args[0] if args else None),
+                                 self.plan.name, self._copies.run.cp)
         super().compile(optimizer, *args, **kwargs)
         self._build_optimizer()
 
@@ -186,13 +193,20 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             if run.tp > 1 and not (isinstance(n, int) and n == run.global_batch):
                 data, valid = _padded(data, n, run)
                 n = run.global_batch
-            bounds = [(i * n) // n_parts for i in range(n_parts + 1)]
-            parts = [tf.nest.map_structure(
+            cp = run.cp  # each data-parallel part's rows run as cp chunks (apply.spmd.context)
+            n_rows = n_parts // cp
+            bounds = [(i * n) // n_rows for i in range(n_rows + 1)]
+            rows = [tf.nest.map_structure(
                 lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
                 for lo, hi in zip(bounds, bounds[1:])]
             flags = [None if valid is None else valid[lo:hi]
                      for lo, hi in zip(bounds, bounds[1:])]
-            return parts, flags
+            if cp == 1:
+                return rows, flags
+            m = run.num_microbatches  # part q m + k: replica q = r cp + c, micro-batch k
+            order = [(r, c, k) for r in range(n_rows // m) for c in range(cp) for k in range(m)]
+            return ([chunk_of(rows[r * m + k], self._sequence, cp, c) for r, c, k in order],
+                    [flags[r * m + k] for r, _, k in order])
 
     # ---------------------------------------------------------------- forward
     def _forward(self, data: Any, training: bool) -> list[list[list[dict[str, Any]]]]:
@@ -515,6 +529,11 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         with instance_scope():
             results = self._forward((inputs,), training=bool(training))
         outs = [p["y_pred"] for row in results for p in row[0]]
+        cp, m = self._copies.run.cp, self._copies.run.num_microbatches
+        if cp > 1:  # replica r's chunks joined, micro-batch by micro-batch
+            with tf.device(HOST):
+                outs = [joined([outs[(r * cp + c) * m + k] for c in range(cp)], self._sequence)
+                        for r in range(len(outs) // (cp * m)) for k in range(m)]
         n = _rows(inputs)  # a padded batch's outputs cut back to its rows
         with tf.device(HOST):
             return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0)[:n], *outs)

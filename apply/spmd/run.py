@@ -54,6 +54,10 @@ class RunDescription:
     schedule: str = "none"  # "gpipe", "1f1b", "interleaved" where there are chunks
     virtual_stages: int = 1
     sequence_parallel: bool = False  # apply.spmd.layout (tp > 1)
+    # context parallelism (apply.spmd.context): replica q = r cp + c runs chunk c of data-
+    # parallel rank r's sequences (``replicas`` lists every dp x cp replica, so their
+    # gradients meet in the dp groups)
+    cp: int = 1
 
     @property
     def chunks(self) -> int:
@@ -97,7 +101,8 @@ class RunDescription:
 
     @property
     def parts(self) -> int:
-        """P: the parts a batch is cut into, dp x micro-batches."""
+        """P: the parts a batch is cut into, dp x micro-batches (x cp chunks: ``dp``
+        counts every dp x cp replica)."""
         return self.dp * self.num_microbatches
 
     @property
@@ -126,7 +131,7 @@ class RunDescription:
                 "stages": [[list(r) for r in grid] for grid in self.stages],
                 "stage_of_entry": [list(e) for e in self.stage_of_entry],
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "sequence_parallel": self.sequence_parallel}
+                "sequence_parallel": self.sequence_parallel, "cp": self.cp}
 
 
 def refusal(plan: Plan) -> str:
@@ -138,9 +143,10 @@ def refusal(plan: Plan) -> str:
         return "devices on several workers"
     if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
         return f"ZeRO-{s.zero_stage} with pipeline stages"
-    for name, value in (("cp", s.cp), ("ep", s.ep)):
-        if value > 1:
-            return f"{name} > 1"
+    if s.ep > 1:
+        return "ep > 1"
+    if s.cp > 1 and (s.tp > 1 or len(plan.stages) > 1):
+        return "cp > 1 with tensor or pipeline parallelism"
     if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):
         return "offload of the weights with ZeRO-3"
     return ""
@@ -170,4 +176,5 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           schedule=(s.schedule if s.schedule != "none" else "gpipe")
                           if pipeline else "none",
                           virtual_stages=max(1, s.virtual_stages) if pipeline else 1,
-                          sequence_parallel=bool(s.sequence_parallel) and tp > 1)
+                          sequence_parallel=bool(s.sequence_parallel) and tp > 1,
+                          cp=max(1, s.cp))

@@ -1,7 +1,8 @@
-"""Context parallelism (apply.context_parallel): the sequence cut over cp copies of the
-model, attention over the group's keys and values; training equals one device, every
-copy on its planned device, the causal mask right across chunks, and models or batches
-it cannot run refused."""
+"""Context parallelism: the sequence cut over cp copies of the model, attention over the
+group's keys and values; training equals one device, every copy on its planned device,
+the causal mask right across chunks, and models or batches it cannot run refused. On the
+SPMD engine (apply.spmd.context) for sequences of a static length; the older engine
+(apply.context_parallel) runs lengths known only as they run."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,12 @@ import pytest
 import tensorflow as tf
 
 from tfplan import apply, compat
+from tfplan.apply.audit import audit_step
 from tfplan.apply.context_parallel import ContextParallelModel
+from tfplan.apply.spmd import SpmdModel
+from tfplan.planner.traffic import plan_sent_bytes
+from tfplan.profiler import profile_model
+from tests.apply import helpers
 from tfplan.apply.dimensions import unapplied
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.core.errors import PlanMismatchError, PlannerError
@@ -41,6 +47,10 @@ def _short(device: str) -> str:
 
 def assert_placement(wrapped, plan) -> None:
     """Copy p's every variable on ``devices[p]``; each Adam slot with its variable."""
+    if isinstance(wrapped, SpmdModel):
+        assert len(wrapped.device_models) == plan.strategy.dp * plan.strategy.cp
+        helpers.assert_state_where_planned(wrapped, plan)
+        return
     devices = plan.stages[0].devices
     copies = wrapped.replica_models()
     assert len(copies) == plan.strategy.dp * plan.strategy.cp
@@ -58,8 +68,9 @@ def assert_copies_equal(wrapped) -> None:
     """Every copy updated with the same summed gradients: equal up to float rounding (each
     copy's update runs on its own device; one CI run of dp2 x cp2 differed in the last bit,
     2e-7 relative, in 10 of 256 elements after 10 Adam steps)."""
-    for copy in wrapped.replica_models()[1:]:
-        for mine, theirs in zip(wrapped.weights, copy.weights):
+    copies = getattr(wrapped, "device_models", None) or wrapped.replica_models()
+    for copy in copies[1:]:
+        for mine, theirs in zip(copies[0].weights, copy.weights):
             np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
 
 
@@ -73,7 +84,7 @@ def test_trains_like_one_device_with_copies_on_their_devices(dp, cp, m, devices)
     plan = cp_plan(model, devices, dp=dp, cp=cp, num_microbatches=m)
     assert execution_mode(plan).mode is Mode.CONTEXT_PARALLEL
     wrapped = apply.wrap(model, plan)
-    assert isinstance(wrapped, ContextParallelModel) and wrapped.plan is plan
+    assert isinstance(wrapped, SpmdModel) and wrapped.run_description.cp == cp
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
     assert_losses_match(step_losses(wrapped, batches),
@@ -93,20 +104,28 @@ def _forward_ops(wrapped, x) -> list:
     return graph.get_operations()
 
 
-def test_each_rank_computes_its_chunk_and_gathers_the_keys_it_may_see():
+def test_each_rank_computes_its_chunk_and_gathers_every_chunks_keys_and_values():
     module, model = base_model("tiny_transformer")
     plan = cp_plan(model, cpus(4, 5, 6, 7), cp=4)
     wrapped = apply.wrap(model, plan)
-    x, _ = module.sample_batch(GLOBAL_BATCH)
+    x, y = module.sample_batch(GLOBAL_BATCH)
     ops = _forward_ops(wrapped, x)
     math = Counter(_short(op.device) for op in ops
                    if op.type in ("MatMul", "BatchMatMulV2", "Einsum", "Softmax"))
     assert set(math) == set(cpus(4, 5, 6, 7)) and len(set(math.values())) == 1, math
-    # causal: rank c concatenates the keys (and values) of ranks 0..c, on its own device
-    gathers = Counter((_short(op.device), len(op.inputs) - 1) for op in ops
-                      if op.type == "ConcatV2" and "attention" in op.name)
-    assert gathers == {("/device:CPU:5", 2): 2, ("/device:CPU:6", 3): 2,
-                       ("/device:CPU:7", 4): 2}, gathers
+    # each rank all-gathers the group's keys and values (one collective each) on its device
+    gathers = Counter(_short(op.device) for op in ops
+                      if op.type == "CollectiveGatherV2" and "_cp" in op.name)
+    assert gathers == {d: 2 for d in cpus(4, 5, 6, 7)}, gathers
+    # and sends what the plan prices for them (forward gathers, backward reduce-scatters)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    audit = audit_step(wrapped, x, y, plan=plan)
+    keras.utils.set_random_seed(0)
+    priced = dict(plan_sent_bytes(profile_model(module.build_model(),
+                                                batch_size=GLOBAL_BATCH), plan))
+    for device in plan.devices:
+        assert audit.by_device()[device]["cp"] == pytest.approx(dict(priced[device])["cp"],
+                                                                rel=0.10), device
 
 
 def test_causal_mask_across_chunks():
@@ -143,6 +162,7 @@ def test_attention_without_causal_mask_sees_every_chunk():
     model = _bidirectional()  # any sequence length: a multiple of cp at run time
     x = np.random.default_rng(0).integers(0, 24, size=(4, 12)).astype("int32")
     wrapped = apply.wrap(model, cp_plan(model, cpus(1, 2, 3), cp=3))
+    assert isinstance(wrapped, ContextParallelModel)  # lengths known as they run: older
     np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(PlanMismatchError, match=r"sequences of 7 positions.*cp=3"):
@@ -156,6 +176,16 @@ def test_attention_without_causal_mask_sees_every_chunk():
         output_signature=(tf.TensorSpec((None, None), tf.int32),) * 2)
     with pytest.raises(PlanMismatchError, match=r"not a multiple of cp=3"):
         wrapped.fit(ragged, verbose=0)
+
+
+def test_attention_over_a_static_length_without_causal_mask_runs_spmd():
+    model = _bidirectional(seq=12)
+    x = np.random.default_rng(0).integers(0, 24, size=(4, 12)).astype("int32")
+    wrapped = apply.wrap(model, cp_plan(model, cpus(1, 2, 3), cp=3))
+    assert isinstance(wrapped, SpmdModel)
+    assert [tuple(copy.inputs[0].shape) for copy in wrapped.device_models] == [(None, 4)] * 3
+    np.testing.assert_allclose(wrapped.predict_on_batch(x), model.predict_on_batch(x),
+                               rtol=1e-5, atol=1e-5)
 
 
 def _padded_transformer():
@@ -206,9 +236,8 @@ def test_recomputed_attention_trains_the_same():
     module, model = base_model("tiny_transformer")
     wrapped = apply.wrap(model, cp_plan(model, cpus(0, 1), recompute="selective"))
     # selective: the attention core alone (apply.recompute), inside each rank's attention
-    assert wrapped.recompute_layers == frozenset() and wrapped.recompute_cores == {"attention"}
     assert all(compat.attention_core_is_wrapped(copy.get_layer("attention"))
-               for copy in wrapped.replica_models())
+               for copy in wrapped.device_models)
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, reference_losses("tiny_transformer", STEPS)[:3])
