@@ -280,10 +280,6 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
             return "BatchNormalization inside a nested model"
     if s.cp > 1 and any(len(x.shape) > 1 and x.shape[1] is None for x in view.inputs):
         return "context parallelism over sequences of a length known only as they run"
-    if s.sequence_parallel and any(getattr(layer, "mask_zero", False) or
-                                   isinstance(layer, keras.layers.Masking)
-                                   for _, layer in profiled_layer_paths(view)):
-        return "sequence parallelism with Keras masks"
     if s.tp > 1:
         entries = dict(profiled_layer_paths(view))
         for name, split in plan.tp_splits:

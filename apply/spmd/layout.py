@@ -33,15 +33,19 @@ The activations between split layers and the per-token layers' work are 1/tp per
 under sequence parallelism; the communication is tp's all-reduces' (an all-reduce is a
 reduce-scatter and an all-gather), plus the all-gathers above where a layer mixing
 positions reads a piece. Dropout draws each rank's mask for its own piece, so its random
-masks differ from one device's (losses match without dropout). Keras masks are not
-carried on sequence pieces (``apply.wrap`` leaves such plans to the older engine).
+masks differ from one device's (losses match without dropout). A Keras mask (``[batch,
+seq]``, e.g. an Embedding's ``mask_zero``) stays whole on the pieces: the layers that run
+on pieces pass it on without reading it, f-bar's gathered tensor and every gathered
+output carry it as they are, and a per-token layer that reads it (Softmax) runs gathered.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import keras
 
+from tfplan import compat
 from tfplan.apply.groups import Group
 from tfplan.apply.sequence_parallel import token_wise
 from tfplan.apply.spmd.megatron import (SEQ_AXIS, gather_from_sequence, gather_from_tp,
@@ -58,6 +62,7 @@ class _Layout(keras.layers.Layer):
     def __init__(self, group: Group, device: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.group, self.device = group, device
+        self.supports_masking = True  # a Keras mask passes through whole (module docstring)
         self.built = True
 
 
@@ -138,7 +143,8 @@ class GraphLayout:
         pieces = [self.pieces[id(x)] for x in flat if id(x) in self.pieces]
         if not pieces:
             return layer(*args, **kwargs)
-        if token_wise(layer) and all(len(x.shape) > SEQ_AXIS for x in flat):
+        if token_wise(layer) and all(len(x.shape) > SEQ_AXIS for x in flat) and not (
+                _reads_mask(layer) and any(compat.get_keras_mask(x) is not None for x in flat)):
             args, kwargs = keras.tree.map_structure(lambda x: self._piece(x, pieces[0]),
                                                     (args, kwargs))
             out = layer(*args, **kwargs)
@@ -174,6 +180,12 @@ class GraphLayout:
             if table is self.cut or len(x.shape) > SEQ_AXIS:
                 table[id(x)] = where
                 self._kept.append(x)
+
+
+def _reads_mask(layer: Any) -> bool:
+    """Whether ``layer``'s call takes the Keras mask (Softmax does; LayerNormalization, the
+    merge layers and Dropout pass it on without reading it)."""
+    return "mask" in inspect.signature(layer.call).parameters
 
 
 def _symbolic(values: list[Any]) -> list[Any]:

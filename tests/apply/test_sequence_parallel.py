@@ -1,8 +1,7 @@
 """Sequence parallelism in the older tensor-parallel engine (apply.sequence_parallel,
 Korthikanti et al. 2022, Sec. 4.2.2), which runs what the SPMD engine does not: pieces of
 unequal length (a sequence that does not divide by tp, with splits the SPMD engine does
-not run) and models with Keras masks. Plans the SPMD engine runs are tested in
-tests/apply/spmd/test_sequence.py.
+not run). Plans the SPMD engine runs are tested in tests/apply/spmd/test_sequence.py.
 
 Runs on the 8 logical CPU devices of tests/conftest.py.
 """

@@ -208,3 +208,47 @@ def test_a_smaller_batch_of_sequences_runs_padded_like_one_device(sequence_paral
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     losses = step_losses(wrapped, batches_of(module, STEPS_SP, GLOBAL_BATCH)[:3])
     assert_losses_match(losses, helpers.reference_losses("tiny_transformer", STEPS_SP)[:3])
+
+
+def _masked_transformer():
+    """Padding-masked tokens (Embedding mask_zero): causal attention over the mask, the
+    loss over unmasked tokens only (no residual around attention, which clears its
+    inputs' masks: the mask reaches the output)."""
+    keras.utils.set_random_seed(2)
+    ids = keras.Input(shape=(8,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(24, 16, mask_zero=True, name="embed")(ids)
+    a = keras.layers.MultiHeadAttention(2, 8, name="attention")(x, x, use_causal_mask=True)
+    x = keras.layers.LayerNormalization(name="ln_1")(a)
+    h = keras.layers.Dense(32, activation="gelu", name="up")(x)
+    h = keras.layers.Dense(16, name="down")(h)
+    x = keras.layers.LayerNormalization(name="ln_2")(keras.layers.Add(name="res_2")([x, h]))
+    return keras.Model(ids, keras.layers.Dense(24, name="logits")(x), name="masked")
+
+
+def test_keras_masks_stay_whole_on_the_pieces():
+    """The mask reaches attention and the loss as on one device while the per-token layers
+    run on pieces; sequences padded on the right and on the left."""
+    model = _masked_transformer()
+    splits = (("embed", "vocab"), ("attention", "heads"), ("up", "column"), ("down", "row"),
+              ("logits", "column"))
+    plan = sp_plan(model, [cpus(0, 1, 2, 3)], splits, dp=2)
+    wrapped = apply.wrap(model, plan)
+    assert isinstance(wrapped, SpmdModel)
+    assert _out(wrapped.device_models[0], "ln_1").shape[1] == 4
+    rng = np.random.default_rng(3)
+    x = rng.integers(1, 24, size=(3 * GLOBAL_BATCH, 9)).astype("int32")
+    lengths = rng.integers(2, 10, size=len(x))
+    right = np.arange(9)[None, :] >= lengths[:, None]
+    left = np.arange(9)[None, :] < 9 - lengths[:, None]
+    x[np.where(np.arange(len(x))[:, None] % 2 == 0, right, left)] = 0
+    batches = [(x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, :-1],
+                x[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH, 1:]) for i in range(3)]
+    assert compat.get_keras_mask(model(batches[0][0])) is not None  # the loss skips padding
+    np.testing.assert_allclose(wrapped.predict_on_batch(batches[0][0]),
+                               model.predict_on_batch(batches[0][0]), rtol=1e-5, atol=1e-5)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for target in (reference, wrapped):
+        target.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
