@@ -50,11 +50,11 @@ def unapplied_dimensions(s: Any) -> list[str]:
     if s.sequence_parallel and s.tp == 1:
         out.append("sequence_parallel=True with tp=1 (it cuts the sequence over a "
                    "tensor-parallel group; there is none) runs only with tp > 1")
-    if s.cp > 1 and (s.tp, s.pp, s.zero_stage) != (1, 1, 0):
-        out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with "
-                   f"data parallelism only (tp = pp = 1, zero_stage 0: "
-                   "apply.context_parallel); this plan has "
-                   f"tp={s.tp}, pp={s.pp}, zero_stage={s.zero_stage}")
+    if s.cp > 1 and (s.pp != 1 or s.sequence_parallel):
+        out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with data "
+                   "and tensor parallelism and ZeRO (pp = 1, no sequence parallelism: "
+                   f"apply.spmd.context); this plan has pp={s.pp}, "
+                   f"sequence_parallel={s.sequence_parallel}")
     if s.offload != "none":
         out += _offload_rule(s)
     out += _expert_rule(s)
@@ -142,8 +142,8 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
 
 
 def _context_mode_rule(s: Any, mode: Any) -> list[str]:
-    """Mode ``context_parallel`` (``apply.context_parallel``) runs cp x dp on one host
-    (the strategy-level rule, tp = pp = 1 and zero_stage 0, is ``unapplied_dimensions``')."""
+    """Mode ``context_parallel`` (``apply.spmd.context``) runs cp x dp x tp on one host
+    (the strategy-level rule, pp = 1, is ``unapplied_dimensions``')."""
     if _one_host(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
         return []
     where = ("spans several worker processes" if not _one_host(mode) else

@@ -92,7 +92,7 @@ from tfplan.apply.recompute import (recompute_attention_cores, recomputed_layers
 from tfplan.apply.schedule import SCHEDULED, schedule_of
 from tfplan.apply.tensor_parallel import wrap_tensor_parallel
 from tfplan.core.atomic import write_json
-from tfplan.core.errors import PlannerError
+from tfplan.core.errors import PlanMismatchError, PlannerError
 from tfplan.planner.plan import Plan, load_plan, save_plan
 from tfplan.planner.validate import validate_plan
 from tfplan.profiler.signature import model_signature, output_shapes
@@ -151,6 +151,12 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         if logdir is not None:
             _write_logdir(plan, wrapped, logdir)
         return wrapped
+    s = plan.strategy
+    if s.cp > 1 and (s.tp > 1 or s.zero_stage):  # the older engine: cp x dp alone
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} runs context parallelism with tp={s.tp}, zero_stage="
+            f"{s.zero_stage}, which only the SPMD engine (apply.spmd) runs, and it does not "
+            f"run this plan: {why_not}. Re-plan with cp=1, or with tp=1 and zero_stage=0.")
     if builder is not None and not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a function that builds a {type(model).__name__}; plan "

@@ -66,8 +66,8 @@ class ContextAttention(keras.layers.MultiHeadAttention):
         q = self.query_dense(query)
         k = all_gather_sequence(self.key_dense(key), group, device, "cp")
         v = all_gather_sequence(self.value_dense(value), group, device, "cp")
-        mask = self._mask(ops.shape(q)[1], ops.shape(k)[1], query_mask, value_mask, key_mask,
-                          use_causal_mask)
+        mask = context_mask(group, device, ops.shape(q)[1], ops.shape(k)[1], query_mask,
+                            value_mask, key_mask, use_causal_mask)
         out, scores = compat.attention_scores(self, q, k, v, mask, training,
                                               return_attention_scores)
         y = self.output_dense(out)
@@ -75,24 +75,26 @@ class ContextAttention(keras.layers.MultiHeadAttention):
             compat.set_keras_mask(y, query_mask)
         return (y, scores) if return_attention_scores else y
 
-    def _mask(self, query_len: Any, key_len: Any, query_mask: Any, value_mask: Any,
-              key_mask: Any, causal: bool) -> Any:
-        """[B or 1, query_len, key_len]: Keras' rule (query mask & value mask & key mask &
-        causal) with the keys' masks gathered and the causal mask at global positions."""
-        parts = []
-        if query_mask is not None:
-            parts.append(ops.cast(query_mask, "bool")[:, :, None])
-        for m in (value_mask, key_mask):
-            if m is not None:
-                whole = _gathered_mask(m, self.cp_group, self.cp_device)
-                parts.append(whole[:, None, :])
-        if causal:
-            rows = self.index * query_len + ops.arange(query_len)
-            parts.append((rows[:, None] >= ops.arange(key_len)[None, :])[None])
-        mask = None
-        for part in parts:
-            mask = part if mask is None else ops.logical_and(mask, part)
-        return mask
+
+def context_mask(group: Group, device: str, query_len: Any, key_len: Any, query_mask: Any,
+                 value_mask: Any, key_mask: Any, causal: bool) -> Any:
+    """Rank ``device``'s [B or 1, query_len, key_len] attention mask over every chunk's
+    keys: Keras' rule (query mask & value mask & key mask & causal) with the keys' masks
+    gathered over the cp ``group`` and the causal mask at global positions (query i of
+    chunk c is position c query_len + i); None without masks."""
+    parts = []
+    if query_mask is not None:
+        parts.append(ops.cast(query_mask, "bool")[:, :, None])
+    for m in (value_mask, key_mask):
+        if m is not None:
+            parts.append(_gathered_mask(m, group, device)[:, None, :])
+    if causal:
+        rows = group.devices.index(device) * query_len + ops.arange(query_len)
+        parts.append((rows[:, None] >= ops.arange(key_len)[None, :])[None])
+    mask = None
+    for part in parts:
+        mask = part if mask is None else ops.logical_and(mask, part)
+    return mask
 
 
 def _gathered_mask(mask: Any, group: Group, device: str) -> Any:

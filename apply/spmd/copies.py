@@ -240,7 +240,8 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
         gather = not elementwise(getattr(layer, "activation", None)) if top_level else \
             name not in run.row_fed
         rank = Rank(split, run.chunk_group("tp", own_device), own_device,
-                    gather_output=gather, sequence=run.sequence_parallel and top_level)
+                    gather_output=gather, sequence=run.sequence_parallel and top_level,
+                    cp_group=run.chunk_group("cp", own_device) if run.cp > 1 else None)
         with tf.device(device):
             twin = rank_twin(layer, rank)
             with scopes_of(layer):
@@ -274,10 +275,10 @@ def _context_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
     ``device`` (``apply.spmd.context``; cp > 1)."""
     if run.cp == 1:
         return []
-    group = run.chunk_group("cp", device)
+    group, split = run.chunk_group("cp", device), dict(run.splits)
     return [(own, layer, context_twin(layer, group, device))
-            for own, layer in layers.values()
-            if type(layer) is keras.layers.MultiHeadAttention]
+            for path, (own, layer) in layers.items()
+            if type(layer) is keras.layers.MultiHeadAttention and path not in split]
 
 
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:

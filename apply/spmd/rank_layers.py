@@ -34,10 +34,11 @@ from keras import ops
 
 from tfplan import compat
 from tfplan.apply.groups import Group
-from tfplan.apply.spmd.megatron import (copy_to_tp, gather_from_sequence, gather_from_tp,
-                                        gather_heads_from_tp, gather_sequence_to_tp,
-                                        reduce_from_tp, slice_sizes,
-                                        reduce_scatter_from_tp, scatter_to_tp)
+from tfplan.apply.spmd.context import context_mask
+from tfplan.apply.spmd.megatron import (all_gather_sequence, copy_to_tp, gather_from_sequence,
+                                        gather_from_tp, gather_heads_from_tp,
+                                        gather_sequence_to_tp, reduce_from_tp,
+                                        reduce_scatter_from_tp, scatter_to_tp, slice_sizes)
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.sharded_layers import is_cached_attention
 from tfplan.core.errors import PlannerError
@@ -55,6 +56,9 @@ class Rank:
     device: str
     gather_output: bool = True
     sequence: bool = False
+    # context parallelism: attention split by heads all-gathers its keys and values over
+    # this group (``apply.spmd.context``)
+    cp_group: Group | None = None
 
     @property
     def index(self) -> int:
@@ -379,11 +383,20 @@ class _RankHeads(_RankTwin):
             return copied[id(x)]
 
         query, key, value = f(query, self.seq), f(key, self.kv_seq), f(value, self.kv_seq)
-        attention_mask = compat.attention_mask(  # of the whole sequences
-            self, query, value, query_mask=query_mask, value_mask=value_mask,
-            key_mask=key_mask, attention_mask=attention_mask, use_causal_mask=use_causal_mask)
-        out, scores = self._core(*self._project(query, key, value), attention_mask, training,
-                                 return_attention_scores)
+        q, k, v = self._project(query, key, value)
+        r = self.tp_rank
+        if r.cp_group is not None:  # every chunk's keys and values (apply.spmd.context)
+            k = all_gather_sequence(k, r.cp_group, r.device, "cp")
+            v = all_gather_sequence(v, r.cp_group, r.device, "cp")
+            attention_mask = context_mask(r.cp_group, r.device, ops.shape(q)[1],
+                                          ops.shape(k)[1], query_mask, value_mask, key_mask,
+                                          use_causal_mask)
+        else:
+            attention_mask = compat.attention_mask(  # of the whole sequences
+                self, query, value, query_mask=query_mask, value_mask=value_mask,
+                key_mask=key_mask, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask)
+        out, scores = self._core(q, k, v, attention_mask, training, return_attention_scores)
         dense = compat.attention_projection(self, "output")
         y = self._leave(ops.einsum(dense.equation, out, dense.kernel))
         if dense.bias is not None:
@@ -457,13 +470,9 @@ class RankGroupQueryAttention(_RankHeads, keras.layers.GroupQueryAttention):
         config["num_key_value_heads"] = full_kv_heads // rank.size
         super().__init__(**config)
 
-    def _project(self, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
-        q, k, v = super()._project(query, key, value)
-        return q, ops.repeat(k, self.num_repeats, axis=2), ops.repeat(v, self.num_repeats,
-                                                                      axis=2)
-
     def _core(self, q: Any, k: Any, v: Any, mask: Any, training: Any, scores: bool
               ) -> tuple[Any, Any]:
+        k, v = ops.repeat(k, self.num_repeats, axis=2), ops.repeat(v, self.num_repeats, axis=2)
         return compat.grouped_attention_scores(self, q, k, v, mask, training, scores)
 
 

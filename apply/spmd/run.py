@@ -145,8 +145,8 @@ def refusal(plan: Plan) -> str:
         return f"ZeRO-{s.zero_stage} with pipeline stages"
     if s.ep > 1:
         return "ep > 1"
-    if s.cp > 1 and (s.tp > 1 or len(plan.stages) > 1):
-        return "cp > 1 with tensor or pipeline parallelism"
+    if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):
+        return "cp > 1 with pipeline stages or sequence parallelism"
     if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):
         return "offload of the weights with ZeRO-3"
     return ""

@@ -273,7 +273,10 @@ def test_execution_mode_and_dimensions():
     assert execution_mode(plan).mode is Mode.CONTEXT_PARALLEL
     assert unapplied(plan, execution_mode(plan)) == []
     zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, zero_stage=1))
-    assert any("cp=2" in p and "zero_stage=1" in p for p in unapplied(zero, execution_mode(zero)))
+    assert unapplied(zero, execution_mode(zero)) == []  # the SPMD engine runs cp with ZeRO
+    staged = make_plan(model, [cpus(0, 1), cpus(2, 3)])
+    staged = dataclasses.replace(staged, strategy=dataclasses.replace(staged.strategy, dp=1, cp=2))
+    assert any("cp=2" in p and "pp=2" in p for p in unapplied(staged, execution_mode(staged)))
     workers = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2)]
     spread = cp_plan(model, workers, dp=2, cp=2)
     spread = dataclasses.replace(spread, cluster=dataclasses.replace(
@@ -340,9 +343,37 @@ def test_a_loss_that_is_not_a_mean_over_positions_is_refused_at_compile():
         wrapped.compile(optimizer="adam", loss=loss)
 
 
-def test_cp_with_tensor_parallelism_is_refused():
-    _, model = base_model("tiny_transformer")
-    plan = tp_plan(model, [cpus(0, 1, 2, 3)], (("mlp_up", "column"), ("mlp_down", "row")))
-    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, tp=2, cp=2))
-    with pytest.raises(PlanMismatchError, match=r"cp=2 \(context parallelism\).*tp=2"):
-        apply.wrap(model, plan)
+SPLITS = (("embed", "vocab"), ("attention", "heads"), ("mlp_up", "column"),
+          ("mlp_down", "row"), ("logits", "column"))
+
+
+@pytest.mark.parametrize("dp, tp, zero", [
+    pytest.param(1, 2, 0, marks=pytest.mark.slow), (2, 2, 0),
+    pytest.param(2, 1, 1, marks=pytest.mark.slow), (2, 1, 3)])
+def test_cp_with_tensor_parallelism_and_zero_trains_like_one_device(dp, tp, zero):
+    """Attention split by heads gathers its heads' keys and values over the cp group; ZeRO
+    shards over every dp x cp replica; each device sends what the plan prices."""
+    module, model = base_model("tiny_transformer")
+    devices = cpus(*range(dp * 2 * tp))
+    plan = tp_plan(model, [devices], SPLITS if tp > 1 else (), dp=dp * 2, zero=zero)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, dp=dp, cp=2, microbatch_size=GLOBAL_BATCH // dp))
+    assert unapplied(plan, execution_mode(plan)) == []
+    wrapped = apply.wrap(model, plan)
+    assert isinstance(wrapped, SpmdModel)
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    batches = batches_of(module, STEPS, GLOBAL_BATCH)
+    assert_losses_match(step_losses(wrapped, batches),
+                        reference_losses("tiny_transformer", STEPS))
+    if not zero:
+        helpers.assert_state_where_planned(wrapped, plan)
+    x, y = batches[0]
+    audit = audit_step(wrapped, x, y, plan=plan)
+    keras.utils.set_random_seed(0)
+    priced = plan_sent_bytes(profile_model(module.build_model(), batch_size=GLOBAL_BATCH),
+                             plan)
+    measured = audit.by_device()
+    for device, kinds in priced:
+        for kind, nbytes in kinds:
+            assert measured[device][kind] == pytest.approx(nbytes, rel=0.10, abs=64), (
+                device, kind)
