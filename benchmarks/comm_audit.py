@@ -2,7 +2,8 @@
 plan prices (issue 25).
 
 For the tiny MLP, CNN and transformer of tests/apply and hand-made plans on 8 logical CPUs
-(modes ending in ``-sp``: sequence parallelism, the transformer only),
+(modes ending in ``-sp``: sequence parallelism; modes with ``cp2``: context parallelism
+over 2 chunks of each sequence; both the transformer only),
 ``apply.audit.audit_step`` measures one step of ``apply.wrap(build_model, plan)`` (the
 SPMD engine, ``apply.spmd``, where it runs the plan; ``--built`` wraps the built model
 instead, which runs on the same engine since built models moved there, each device's copy
@@ -43,6 +44,10 @@ MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "tp2-sp": ([[0, 1]], 1, 1, 0),
     "dp2xtp2-sp": ([[0, 1, 2, 3]], 2, 1, 0),
     "tp2xpp2-m2-1f1b-sp": ([[0, 1], [2, 3]], 1, 2, 0, "1f1b"),
+    "cp2": ([[0, 1]], 1, 1, 0),
+    "dp2xcp2": ([[0, 1, 2, 3]], 2, 1, 0),
+    "cp2xtp2": ([[0, 1, 2, 3]], 1, 1, 0),
+    "dp2xcp2-zero1": ([[0, 1, 2, 3]], 2, 1, 1),
 }
 MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer")
 
@@ -79,16 +84,17 @@ def main() -> int:
         module = load_model_file(model_name)
         for mode, (stages, dp, m, zero, *schedule) in ((k, MODES[k]) for k in args.modes):
             sp = mode.endswith("-sp")
-            if sp and model_name != "tiny_transformer":
+            cp = 2 if "cp2" in mode else 1
+            if (sp or cp > 1) and model_name != "tiny_transformer":
                 continue  # no sequence to cut
             keras.utils.set_random_seed(0)
             model = module.build_model()
             plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
                              global_batch=16)
-            tp = len(stages[0]) // dp
+            tp = len(stages[0]) // (dp * cp)
             plan = dataclasses.replace(
                 plan, tp_splits=SPLITS[model_name] if tp > 1 else (),
-                strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, zero_stage=zero,
+                strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, cp=cp, zero_stage=zero,
                                              microbatch_size=16 // (dp * m),
                                              sequence_parallel=sp,
                                              schedule=(schedule or [plan.strategy.schedule])[0]))
