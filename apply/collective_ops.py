@@ -18,7 +18,11 @@ Which op runs where (TensorFlow 2.21):
 * ``reduce_scatter``: ``CollectiveReduceScatterV2`` on GPUs; on CPUs, where it has no
   kernel ("did not find collective implementation"), a stand-in with the same results: an
   all-reduce, each member keeping its 1/n slice of axis 0. It moves 2 (n-1)/n N instead of
-  (n-1)/n N; the audit counts it as the reduce-scatter it stands for.
+  (n-1)/n N; the audit counts it as the reduce-scatter it stands for;
+* ``all_to_all``: ``CollectiveAllToAllV2`` on GPUs; on CPUs, where it has no kernel, a
+  stand-in with the same results: an all-gather of every member's whole input, each
+  member keeping the slices sent to it. It moves (n-1) N instead of (n-1)/n N; the audit
+  counts it as the all-to-all it stands for.
 """
 from __future__ import annotations
 
@@ -180,6 +184,29 @@ def member_reduce_scatter(value: Any, group: Group, device: str, kind: str | Non
     total.set_shape(value.shape)
     with tf.device(device):
         return tf.split(total, group.size, axis=0)[group.devices.index(device)]
+
+
+def member_all_to_all(value: Any, group: Group, device: str, kind: str | None = None) -> Any:
+    """``device``'s part of an all-to-all over ``group``: ``value``'s axis 0 cut into n
+    equal slices, slice i sent to member i; the result is the slices the members sent to
+    ``device``, concatenated along axis 0 in member order (the shape of ``value``; every
+    member's must be the same). ``CollectiveAllToAllV2`` between GPUs; between CPUs the
+    stand-in (module docstring), under the name scope the audit counts as an all-to-all."""
+    import tensorflow as tf
+
+    n = group.size
+    if _hint(device) == "nccl":
+        out = _member("all_to_all", tf.raw_ops.CollectiveAllToAllV2, value, group, device,
+                      kind)
+        out.set_shape(value.shape)
+        return out
+    gathered = _member("all_to_all", tf.raw_ops.CollectiveGatherV2, value, group, device,
+                       kind)  # every member's n slices, member-major
+    gathered.set_shape(_gathered_shape(value, n))
+    with tf.device(device):
+        mine = group.devices.index(device)
+        slices = tf.split(gathered, n * n, axis=0)
+        return tf.concat([slices[i * n + mine] for i in range(n)], axis=0)
 
 
 def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:

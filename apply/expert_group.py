@@ -29,6 +29,14 @@ class ExpertParallelError(PlanMismatchError):
     """An expert-parallel plan this model or strategy cannot run (``apply.expert_parallel``)."""
 
 
+class _Exchange:
+    """The SPMD engine's collectives standing in for ``on_ranks``' placed transfers (a
+    plain object: Keras does not track it)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+
 class _Group:
     """The twins of one ep group, rank order (a plain object: Keras does not track it)."""
 
@@ -50,6 +58,12 @@ class ExpertShards:
         self._init_tp(EXPERT_SPLIT, (device,))  # type: ignore[attr-defined]  # Sharded
         self._group = _Group(())
 
+    def exchange_with(self, fn: Callable[[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]],
+                                         tf.Tensor]) -> None:
+        """Run ``on_ranks`` SPMD: ``fn(xe, run_own_experts)`` exchanges the dispatch buffer
+        over the ep group with collectives (``apply.spmd.experts``); no links to peers."""
+        self._exchange = _Exchange(fn)
+
     def link(self, twins: Sequence["ExpertShards"]) -> None:
         """The group's twins, rank order (this one at ``ep_rank``)."""
         self._group = _Group(twins)
@@ -65,6 +79,9 @@ class ExpertShards:
     def on_ranks(self, xe: tf.Tensor, fn: Callable[[Any, tf.Tensor], tf.Tensor]) -> tf.Tensor:
         """``fn(twin_j, chunk_j)`` for the ep chunks of ``xe`` along its first axis (the
         experts), each under rank j's device; the outputs concatenated here."""
+        exchange = getattr(self, "_exchange", None)
+        if exchange is not None:  # the SPMD engine: this rank's experts, collectives
+            return exchange.fn(xe, lambda rows: fn(self, rows))
         peers = self.peers()
         if len(peers) != self.ep:
             raise ExpertParallelError(

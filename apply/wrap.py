@@ -32,7 +32,8 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
      sharded over their stage's tp devices, one copy per data-parallel replica;
      ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
-   * ``ep > 1`` (expert parallelism; tp = cp = 1, no ZeRO or offload): tensor parallel
+   * ``ep > 1`` (expert parallelism with ZeRO-1/2, keras_hub's MoE blocks, or across
+     workers; the SPMD engine runs the others): tensor parallel
      with every ``tfplan.layers.MixtureOfExperts`` holding 1/ep of its experts per replica
      (``apply.expert_parallel``), on one host or driven by worker 0 across workers;
    * ``cp > 1`` (one host, tp = pp = 1): context parallel (``apply.context_parallel``:
@@ -138,6 +139,9 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             "(moving statistics, random seeds, as attention dropout draws); they keep their "
             "activations instead (apply.recompute).", stacklevel=2)
     why_not = spmd_refusal(plan, mode, view)
+    grouped = moe_group_warning(plan, view)  # MoE capacity / aux loss per token group
+    if grouped:
+        warnings.warn(grouped, stacklevel=2)
     if not why_not:
         if builder is None:  # a built model: each device's copy re-created from its config
             builder, template = _cloner(view)
@@ -157,6 +161,11 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             f"Plan {plan.name!r} runs context parallelism with tp={s.tp}, zero_stage="
             f"{s.zero_stage}, which only the SPMD engine (apply.spmd) runs, and it does not "
             f"run this plan: {why_not}. Re-plan with cp=1, or with tp=1 and zero_stage=0.")
+    if s.ep > 1 and s.tp > 1:  # the older engine: ep without tp
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} runs expert parallelism with tp={s.tp}, which only the SPMD "
+            f"engine (apply.spmd) runs, and it does not run this plan: {why_not}. Re-plan "
+            "with ep=1 or tp=1.")
     if builder is not None and not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a function that builds a {type(model).__name__}; plan "
@@ -165,9 +174,6 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             "API or keras.Sequential, or re-plan without that dimension.")
     m = plan.strategy.num_microbatches
     recompute, cores = split_recompute(plan, recompute)  # whole layers / attention cores
-    grouped = moe_group_warning(plan, view)  # MoE capacity / aux loss per token group
-    if grouped:
-        warnings.warn(grouped, stacklevel=2)
     if mode.mode is Mode.MULTI_WORKER_HYBRID:
         wrapped = wrap_multi_worker_hybrid(view, plan, mode, recompute_layers=recompute)
     elif mode.mode is Mode.MULTI_WORKER:
@@ -258,6 +264,8 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
     import keras
 
+    from tfplan import compat
+    from tfplan.apply.expert_parallel import is_hub_moe_block
     from tfplan.apply.mode import Processes
     from tfplan.apply.spmd import refusal
     from tfplan.apply.spmd.batch_norm import is_batch_norm
@@ -284,6 +292,8 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
         entries = dict(profiled_layer_paths(view))
         if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
             return "BatchNormalization inside a nested model"
+    if s.ep > 1 and any(is_hub_moe_block(layer) for layer in compat.flatten_layers(view)):
+        return "keras_hub's mixture-of-experts blocks under expert parallelism"
     if s.cp > 1 and any(len(x.shape) > 1 and x.shape[1] is None for x in view.inputs):
         return "context parallelism over sequences of a length known only as they run"
     if s.tp > 1:

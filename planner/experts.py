@@ -33,13 +33,15 @@ the ranks holding the same weights (``Strategy.replicas``), ep the expert-parall
   gradients: ALL_TO_ALLS_PER_LAYER = 4, each moving the rank's dispatch payload
   ``dispatch_bytes`` = D x samples / b x c (c = cf when a capacity factor is set: the
   dispatch buffer is padded to C = cf T k / E rows per expert, E C = cf T k rows in all;
-  1 otherwise), of which (ep-1)/ep leaves the rank. They are on the critical path (the
+  E / k otherwise: C = T rows per expert, nothing dropped, ``capacity_scale``), of which
+  (ep-1)/ep leaves the rank. They are on the critical path (the
   experts wait for their tokens, the next layer for the combined output): priced exposed.
   Full recomputation runs the forward's two again (counted as recomputation time).
 - Compute: routing assumed balanced (every expert receives T k / E tokens; GShard's
   auxiliary load-balancing loss aims at this), so a rank computes the same routed expert
-  FLOPs whatever ep is: ``flops_fwd`` unchanged by ep. A capacity factor pads the expert
-  matmuls too: their FLOPs scale by cf (``padded_expert_flops``).
+  FLOPs whatever ep is: ``flops_fwd`` unchanged by ep. The buffer's padding pads the
+  expert matmuls too: their FLOPs scale by c (cf, or E / k without a capacity factor:
+  ``padded_expert_flops``).
 - Tensor parallelism: a MoE layer is not one ``planner.tp_splits`` splits, so, like every
   such layer, it is replicated over the tp group: every tp rank routes its whole
   micro-batch through the ep group of its own tensor rank (devices a stride tp apart), a
@@ -106,8 +108,18 @@ def expert_share(layer: LayerProfile) -> float:
 
 
 def capacity_scale(layer: LayerProfile) -> float:
-    """c: the capacity factor cf when one is set (buffers padded to cf T k rows), else 1."""
-    return layer.moe_capacity_factor if layer.is_moe and layer.moe_capacity_factor > 0 else 1.0
+    """c: the dispatch buffer's rows over the routed T k. The capacity factor cf when one
+    is set (C = cf T k / E rows per expert); without one E / k: the buffer apply runs keeps
+    C = T rows per expert so that no token is dropped (``tfplan.layers.routing.capacity``,
+    the layer on one device and its expert-parallel twins alike; a dense keras_hub block
+    runs every expert on every token, the same E T rows). A dropless exchange of the
+    routed rows alone (Megatron-Core's variable-size all-to-all) would be c = 1; apply
+    has none (``CollectiveAllToAllV2`` exchanges equal shapes)."""
+    if not layer.is_moe:
+        return 1.0
+    if layer.moe_capacity_factor > 0:
+        return layer.moe_capacity_factor
+    return layer.moe_experts / layer.moe_top_k if layer.moe_top_k else 1.0
 
 
 def padded_expert_flops(layer: LayerProfile) -> tuple[float, float]:

@@ -41,6 +41,7 @@ from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.apply.context_layers import check_context_parallel_model
 from tfplan.apply.spmd.context import context_twin
+from tfplan.apply.spmd.experts import expert_twin, is_expert_layer, shard_ids
 from tfplan.apply.spmd.layout import GraphLayout, is_layout_layer
 from tfplan.apply.spmd.megatron import slice_sizes
 from tfplan.apply.spmd.stages import StageProgram, stage_program
@@ -62,6 +63,10 @@ class Copies:
     # ids of the weights read on sequence pieces (their gradients are each rank's
     # piece's: summed over the tp group, ``apply.spmd.layout``)
     sequence_weights: frozenset[int] = frozenset()
+    # expert parallelism (``apply.spmd.experts``): the indices of the user's weights cut
+    # along axis 0 over the ep ranks, and the ids of the copies' variables holding them
+    ep_cut: frozenset[int] = frozenset()
+    expert_weights: frozenset[int] = frozenset()
 
     def weight_devices(self, q: int, t: int) -> list[str]:
         """The device of each trainable weight of copy (q, t) (its chunk's under pipeline
@@ -81,7 +86,9 @@ class Copies:
         a copy's weight's value where the variable does not hold it (ZeRO-3's shards)."""
         read = read or (lambda q, t, v: np.asarray(v.numpy()))
         ranks = [m.weights for m in self.models[0]]
-        return [read(0, 0, ranks[0][j]) if axis is None else
+        ep_ranks = [self.models[q][0].weights for q in range(self.run.ep)]  # ep group 0
+        return [np.concatenate([read(q, 0, w[j]) for q, w in enumerate(ep_ranks)], axis=0)
+                if j in self.ep_cut else read(0, 0, ranks[0][j]) if axis is None else
                 np.concatenate([read(0, t, w[j]) for t, w in enumerate(ranks)], axis=axis)
                 for j, axis in enumerate(self.axes)]
 
@@ -96,6 +103,9 @@ class Copies:
             for t, model in enumerate(replica):
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
                     full = np.asarray(weights[j])
+                    if j in self.ep_cut:  # ep rank q % ep's experts
+                        write(q, t, var, np.split(full, self.run.ep)[self.run.ep_rank(q)])
+                        continue
                     write(q, t, var, full if axis is None else
                           np.array_split(full, len(replica), axis=axis)[t])
 
@@ -117,16 +127,20 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
             with tf.device(device):
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
-            model = _swap_splits(model, layers, run, run.column(q, t), on_pieces)
+            model = _swap_splits(model, layers, run, run.column(q, t), on_pieces,
+                                 run.ep_rank(q))
             _recompute(model, layers, run)
             if run.chunks > 1:
                 cut.append(_place_chunks(model, paths, run, run.column(q, t)))
             row.append(model)
         models.append(row)
         programs.append(cut)
-    copies = Copies(models, _axes(models[0][0], reference, run.tp), run,
-                    programs if run.chunks > 1 else None,
-                    frozenset(id(w) for w in on_pieces))
+    axes, ep_cut = _axes(models[0][0], reference, run.tp, run.ep)
+    copies = Copies(models, axes, run, programs if run.chunks > 1 else None,
+                    frozenset(id(w) for w in on_pieces), frozenset(ep_cut),
+                    frozenset(i for row in models for m in row for layer in
+                              compat.flatten_layers(m) if getattr(layer, "is_expert_twin", False)
+                              for i in shard_ids(layer)))
     copies.set_weights(reference)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
         for model in (m for row in models for m in row):
@@ -203,13 +217,15 @@ def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:
 
 
 def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
-                 column: Sequence[str], on_pieces: list[Any]) -> Any:
+                 column: Sequence[str], on_pieces: list[Any], ep_rank: int = 0) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring);
     ``layers``: ``_layers_by_template_path``'s; ``column``: the copy's device per chunk
     (a twin talks in its chunk's tensor-parallel group); the weights it reads on
-    sequence pieces are added to ``on_pieces``."""
+    sequence pieces are added to ``on_pieces``; ``ep_rank``: the copy's expert-parallel
+    rank (its share of every MoE layer's experts)."""
     device = column[0]
-    twins = _batch_norm_twins(layers, run, device) + _context_twins(layers, run, device)
+    twins = _batch_norm_twins(layers, run, device) + _context_twins(layers, run, device) \
+        + _expert_twins(layers, run, column, ep_rank)
     if not run.splits and not twins and run.cp == 1:
         return model
     entries = dict(layers.values())
@@ -281,6 +297,22 @@ def _context_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
             if type(layer) is keras.layers.MultiHeadAttention and path not in split]
 
 
+def _expert_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
+                  column: Sequence[str], ep_rank: int) -> list[tuple[str, Any, Any]]:
+    """(this copy's path, layer, twin) of every MixtureOfExperts, holding ep rank
+    ``ep_rank``'s experts and exchanging tokens over the ep group of its chunk's device
+    (``apply.spmd.experts``; ep > 1)."""
+    if run.ep == 1:
+        return []
+    out = []
+    for path, (own, layer) in layers.items():
+        if is_expert_layer(layer):
+            device = _device_of(path, run, column)
+            out.append((own, layer, expert_twin(layer, run.ep, ep_rank,
+                                                run.chunk_group("ep", device), device)))
+    return out
+
+
 def _parent(model: Any, name: str, entries: dict[str, Any]) -> Any:
     parts = name.split(SEPARATOR)
     if len(parts) == 1:
@@ -333,26 +365,34 @@ def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
         return keras.Model(rewired.inputs, outputs, name=rewired.name)
 
 
-def _axes(model: Any, reference: Sequence[np.ndarray], tp: int) -> list[int | None]:
-    """For each weight of ``model`` (a copy), the axis the unsplit weight is cut along."""
+def _axes(model: Any, reference: Sequence[np.ndarray], tp: int, ep: int = 1
+          ) -> tuple[list[int | None], list[int]]:
+    """For each weight of ``model`` (a copy), the axis the unsplit weight is cut along over
+    the tensor ranks; and the indices of the weights cut along axis 0 over the ep ranks."""
     axis_of: dict[int, int | None] = {}
+    experts: set[int] = set()
     for layer in compat.flatten_layers(model):
         if is_twin(layer):
             for var, axis in zip(layer.weights, layer.rank_axes()):
                 axis_of[id(var)] = axis
+        if getattr(layer, "is_expert_twin", False):
+            experts |= shard_ids(layer)
     weights = model.weights
     if len(weights) != len(reference):
         raise PlannerError(f"A device's copy of the model has {len(weights)} weights, the "
                            f"model {len(reference)}: the split layers changed its structure. "
                            "Leave them replicated and report this.")
     axes = [axis_of.get(id(w)) for w in weights]
-    for w, axis, full in zip(weights, axes, reference):
+    ep_cut = [j for j, w in enumerate(weights) if id(w) in experts]
+    for j, (w, axis, full) in enumerate(zip(weights, axes, reference)):
         expected = list(np.shape(full))
         if axis is not None:  # rank 0's slice: the first, a larger one where uneven
             expected[axis] = slice_sizes(expected[axis], tp)[0]
+        if j in ep_cut:
+            expected[0] //= ep
         if list(w.shape) != expected:
             raise PlannerError(f"Weight {w.path!r} of a device's copy has shape "
                                f"{tuple(w.shape)}, the model's {np.shape(full)}. Leave its "
                                "layer replicated and report this.")
-    return axes
+    return axes, ep_cut
 

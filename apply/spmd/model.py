@@ -190,7 +190,8 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         with tf.device(HOST), tf.name_scope("tfplan_input"):
             n = _rows(data)  # static where known: every part's shape is then known
             valid = None
-            if run.tp > 1 and not (isinstance(n, int) and n == run.global_batch):
+            if (run.tp > 1 or run.ep > 1) and not (isinstance(n, int)
+                                                   and n == run.global_batch):
                 data, valid = _padded(data, n, run)
                 n = run.global_batch
             cp = run.cp  # each data-parallel part's rows run as cp chunks (apply.spmd.context)
@@ -363,7 +364,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     else:
                         gs = self._on_pieces_summed(_gradients(tape, totals[q][t], vs), vs,
                                                     device)
-                        gs = reduced(gs, vs, run.dp_group(t), device) if run.dp > 1 else gs
+                        gs = self._reduced(gs, vs, device) if run.dp > 1 else gs
                 grads.append(gs)
                 owners.append(vs)
                 variables.append(zero.shards[q][t] if zero is not None else vs)
@@ -398,7 +399,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     for device, (gs, vs) in by_device.items():
                         if run.dp > 1:
                             with tf.device(device):
-                                gs = reduced(gs, vs, run.chunk_group("dp", device), device)
+                                gs = self._reduced(gs, vs, device)
                         entries.append((device, gs, vs, vs))
                     continue
                 of = {id(v): g for gs, vs in by_device.values() for g, v in zip(gs, vs)}
@@ -423,6 +424,25 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     zero.gather(q, t)
         self._track(results, self._weights_of_parts(results, totals), data)
         return self.get_metrics_result()
+
+    def _reduced(self, grads: list[Any], variables: list[Any], device: str) -> list[Any]:
+        """``device``'s gradients summed over its data-parallel group; an expert shard's
+        over its ``edp`` group only, the replicas holding the same experts
+        (``apply.spmd.experts``)."""
+        run, experts = self._copies.run, self._copies.expert_weights
+        mine = [i for i, v in enumerate(variables) if id(v) in experts]
+        if not mine:
+            return reduced(grads, variables, run.chunk_group("dp", device), device)
+        rest = [i for i in range(len(variables)) if i not in set(mine)]
+        out = list(grads)
+        for indices, kind in ((rest, "dp"), (mine, "edp")):
+            group = run.chunk_group(kind, device)
+            if indices and group.size > 1:
+                summed = reduced([grads[i] for i in indices], [variables[i] for i in indices],
+                                 group, device)
+                for i, g in zip(indices, summed):
+                    out[i] = g
+        return out
 
     def _on_pieces_summed(self, grads: list[Any], variables: list[Any], device: str
                           ) -> list[Any]:
@@ -555,15 +575,22 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         staged, sums = [], {}
         for device, gs, vs in zip(devices, grads, variables):
             with tf.device(device):
+                experts = self._copies.expert_weights
                 squares = ops.stack([
-                    _sum_of_squares(g) if id(v) in self._split_vars or rank[device] == 0
-                    else ops.zeros(()) for g, v in zip(gs, vs)])
+                    _sum_of_squares(g) if (id(v) in self._split_vars or rank[device] == 0)
+                    and id(v) not in experts else ops.zeros(()) for g, v in zip(gs, vs)])
                 if self._zero is not None:  # each replica holds a shard of each sum
                     squares = member_all_reduce(squares, run.chunk_group("dp", device),
                                                 device, "dp")
                 if run.tp > 1:
                     squares = member_all_reduce(squares, run.chunk_group("tp", device),
                                                 device, "tp")
+                if any(id(v) in experts for v in vs):  # each expert counted once: the
+                    shards = ops.stack([  # squares of the ep ranks' slices summed
+                        _sum_of_squares(g) if id(v) in experts else ops.zeros(())
+                        for g, v in zip(gs, vs)])
+                    squares = squares + member_all_reduce(
+                        shards, run.chunk_group("ep", device), device, "ep")
                 if scale is not None:
                     squares = squares / ops.square(ops.cast(scale, "float32"))
                 staged.append(squares)

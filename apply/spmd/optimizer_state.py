@@ -9,9 +9,11 @@ Where the engine keeps a weight's slots (each slot made for one variable:
 ``apply.placement.build_optimizer_on_devices`` says which): in every replica's copy of it
 (the replicas' states are equal: they apply the same summed gradients), cut like the weight
 across tensor ranks (``Copies.axes``), and under ZeRO (``apply.spmd.zero``) in the dp shards'
-slots (rows [q r, (q+1) r) of the weight's first axis, padded). One device's slot is replica
-0's, the ranks' pieces joined along the weight's axis, the shards' rows joined and trimmed;
-written back, each piece goes to every replica (or its rows to their shard). The optimizer's
+slots (rows [q r, (q+1) r) of the weight's first axis, padded), and for an expert shard
+(``apply.spmd.experts``) in the replicas of its ep rank. One device's slot is replica
+0's, the ranks' pieces joined along the weight's axis, the shards' rows joined and trimmed,
+the ep ranks' experts (replicas 0..ep-1) joined along axis 0; written back, each piece goes
+to every replica (or its rows to their shard, its experts to their ep rank's replicas). The optimizer's
 other variables (its iteration count, a loss scale) are matched by position: the same class
 and configuration make them in the same order.
 """
@@ -49,6 +51,9 @@ class OptimizerState:
         index = {id(w): i for i, w in enumerate(copy.weights)}
         # the axis each trainable weight is cut along across tensor ranks (None: whole)
         self.axes = [copies.axes[index[id(v)]] for v in copy.trainable_variables]
+        # the trainable weights cut over the ep ranks (expert shards: axis 0)
+        self.ep_cut = {j for j, v in enumerate(copy.trainable_variables)
+                       if index[id(v)] in copies.ep_cut}
         self.engine: SlotTable | None = None
         self.template: SlotTable | None = None
 
@@ -109,6 +114,9 @@ class OptimizerState:
 
     def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
         run = self.copies.run
+        if j in self.ep_cut:  # replica e holds ep rank e's experts (never with ZeRO)
+            return np.concatenate([np.asarray(self.engine.slots(self._holders(e, t, j))[k]
+                                              .numpy()) for e in range(run.ep)], axis=0)
         if self.zero is None:
             return np.asarray(self.engine.slots(self._holders(0, t, j))[k].numpy())
         return self.zero.cuts[0][t][j].unpadded(np.concatenate(
@@ -125,9 +133,12 @@ class OptimizerState:
         axis = self.axes[j]
         pieces = [full] * run.tp if axis is None else np.split(full, run.tp, axis=axis)
         for t, piece in enumerate(pieces):
+            experts = np.split(piece, run.ep, axis=0) if j in self.ep_cut else None
             for q in range(run.dp):
                 slot = self.engine.slots(self._holders(q, t, j))[k]
-                if self.zero is None:
+                if experts is not None:
+                    slot.assign(experts[run.ep_rank(q)])
+                elif self.zero is None:
                     slot.assign(piece)
                 else:
                     slot.assign(self.zero.cuts[q][t][j].shard_of(piece, q))

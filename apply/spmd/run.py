@@ -58,6 +58,12 @@ class RunDescription:
     # parallel rank r's sequences (``replicas`` lists every dp x cp replica, so their
     # gradients meet in the dp groups)
     cp: int = 1
+    # expert parallelism (apply.spmd.experts): replica q holds ep rank q % ep's experts
+    ep: int = 1
+
+    def ep_rank(self, q: int) -> int:
+        """Replica q's expert-parallel rank (its share of every MoE layer's experts)."""
+        return q % self.ep
 
     @property
     def chunks(self) -> int:
@@ -131,7 +137,7 @@ class RunDescription:
                 "stages": [[list(r) for r in grid] for grid in self.stages],
                 "stage_of_entry": [list(e) for e in self.stage_of_entry],
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "sequence_parallel": self.sequence_parallel, "cp": self.cp}
+                "sequence_parallel": self.sequence_parallel, "cp": self.cp, "ep": self.ep}
 
 
 def refusal(plan: Plan) -> str:
@@ -143,8 +149,8 @@ def refusal(plan: Plan) -> str:
         return "devices on several workers"
     if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
         return f"ZeRO-{s.zero_stage} with pipeline stages"
-    if s.ep > 1:
-        return "ep > 1"
+    if s.ep > 1 and (s.zero_stage or s.cp > 1 or s.offload != "none"):
+        return "ep > 1 with ZeRO, context parallelism or offload"
     if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):
         return "cp > 1 with pipeline stages or sequence parallelism"
     if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):
@@ -177,4 +183,4 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           if pipeline else "none",
                           virtual_stages=max(1, s.virtual_stages) if pipeline else 1,
                           sequence_parallel=bool(s.sequence_parallel) and tp > 1,
-                          cp=max(1, s.cp))
+                          cp=max(1, s.cp), ep=max(1, s.ep))

@@ -1,10 +1,12 @@
-"""Expert parallelism (``apply.expert_parallel``): every replica holds 1/ep of the
-mixture-of-experts layers' experts; tokens travel to their experts' replica and back.
+"""Expert parallelism (``apply.spmd.experts``; ``apply.expert_parallel``, the older engine):
+every replica holds 1/ep of the mixture-of-experts layers' experts; tokens travel to their
+experts' replica and back.
 
 The tiny MoE model (``tiny_moe``: 8 experts, top 2, no capacity limit, no aux loss) trains
-10 steps with ep=4 (dp=4), ep=2 x dp=4 (also with ``global_clipnorm``) and ep=2 x pp=2
-(dp=2, 1F1B) like one device (losses and final weights within 1e-4), every expert shard
-and its optimizer slots on its replica's device; ZeRO-1 (dp4 x ep2, dp2 x ep2) and ZeRO-2
+10 steps on the SPMD engine with ep=4 (dp=4), ep=2 x dp=4 (also with ``global_clipnorm``),
+ep=2 x pp=2 (dp=2, 1F1B) and dp2 x tp2 x ep2 like one device (losses and final weights
+within 1e-4), every expert shard and its optimizer slots on its replica's device, each
+device's all-to-all bytes within 10% of the plan's; on the older engine ZeRO-1 (dp4 x ep2, dp2 x ep2) and ZeRO-2
 (dp4 x ep2, 2 micro-batches) likewise, each weight's slots on its one owner (an expert
 shard's among the replicas of its ep rank), with a weight file round trip; ep=2 across two
 local worker processes (worker 0 drives both: ``apply.remote``) likewise, with
@@ -25,6 +27,9 @@ import sys
 if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from tests.apply.helpers import (base_model, batches_of, cpus, fresh_optimizer,  # noqa: E402
                                  load_model_file, make_plan, single_device_copy,
@@ -87,9 +92,16 @@ def _short(device: str) -> str:
     return device.split("device:")[-1]
 
 
+def copies_of(w) -> list:
+    """Each replica's model: the SPMD engine's device copies (tp = 1), or the older
+    engine's replicas."""
+    return list(w.device_models) if hasattr(w, "device_models") else w.replica_models()
+
+
 def assert_experts_placed(w, plan) -> None:
     """Replica r's twin holds experts (r % ep) * E/ep ..; its variables and their optimizer
-    slots are on replica r's device of the MoE layer's stage."""
+    slots are on replica r's device of the MoE layer's stage; on the SPMD engine it
+    exchanges tokens over the plan's ep group of that device."""
     from tfplan.apply.checkpoint import slot_variables
     from tfplan.apply.expert_parallel import ExpertParallelMoE
     from tfplan.apply.placement import tf_variable
@@ -97,11 +109,17 @@ def assert_experts_placed(w, plan) -> None:
     s = plan.strategy
     stage = next(st for st in plan.stages if "moe" in st.layers)
     slots = slot_variables(w.optimizer)
-    for r, replica in enumerate(w.replica_models()):
+    for r, replica in enumerate(copies_of(w)):
         twin = replica.get_layer("moe")
         assert isinstance(twin, ExpertParallelMoE) and twin.ep_rank == r % s.ep
-        assert [t.ep_rank for t in twin.peers()] == list(range(s.ep))
         want = _short(stage.devices[r])
+        exchange = getattr(twin, "_exchange", None)
+        if exchange is not None:  # SPMD: the ep group of its replica's device
+            group = exchange.fn.group
+            assert group.kind == "ep" and group.size == s.ep
+            assert _short(group.devices[r % s.ep]) == want
+        else:
+            assert [t.ep_rank for t in twin.peers()] == list(range(s.ep))
         for v in twin.weights:
             if len(v.shape) > 1 and v is not twin.router_kernel:
                 assert v.shape[0] == 8 // s.ep, v.path
@@ -112,22 +130,53 @@ def assert_experts_placed(w, plan) -> None:
                 assert _short(tf_variable(slot).device) == want, (r, slot.path)
 
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+def assert_sends_what_is_priced(w, plan, module) -> None:
+    """The communication audit of one step: on every device the plan prices all-to-alls
+    for, its ep bytes within 10% of the plan's; every device's total within 10% (or 64 B:
+    the loss scalars the plan leaves out)."""
+    import keras
+
+    from tfplan.apply.audit import audit_step
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    (x, y), = batches_of(module, 1, BATCH)
+    measured = audit_step(w, x, y, plan=plan).by_device()
+    keras.utils.set_random_seed(0)
+    priced = dict(plan_sent_bytes(profile_model(module.build_model(), batch_size=BATCH), plan))
+    assert any(dict(kinds).get("ep", 0) > 0 for kinds in priced.values())
+    for device, kinds in priced.items():
+        kinds = dict(kinds)
+        got = measured[device]
+        if kinds.get("ep", 0) > 0:
+            assert got["ep"] == pytest.approx(kinds["ep"], rel=0.10), device
+        else:
+            assert got.get("ep", 0) == 0, device
+        total = sum(v for k, v in got.items() if k not in ("input", "host"))
+        assert total == pytest.approx(sum(kinds.values()), rel=0.10, abs=64), device
 
 
-@pytest.mark.parametrize("kind", ["ep4", "dp4xep2", "ep2xpp2", "dp4xep2+clip"])
+@pytest.mark.parametrize("kind", ["ep4", "dp4xep2", "ep2xpp2", "dp4xep2+clip",
+                                  "dp2xtp2xep2"])
 def test_expert_parallel_trains_like_one_device(kind):
-    """ep4; dp4 x ep2 (two copies of each expert); ep2 x pp2 (the MoE layer on stage 1, 2
+    """On the SPMD engine (apply.spmd.experts: all-to-alls over the ep groups): ep4;
+    dp4 x ep2 (two copies of each expert); ep2 x pp2 (the MoE layer on stage 1, 2
     micro-batches in 1F1B order); dp4 x ep2 with global_clipnorm (the norm over one copy
-    of the model: each expert once, apply.clipping)."""
+    of the model: each expert once); dp2 x tp2 x ep2 (the MoE layer replicated over tp,
+    each tensor rank routing through its own ep group). Each device sends what the plan
+    prices."""
     import numpy as np
 
     from tfplan.apply.mode import execution_mode
+    from tfplan.apply.spmd import SpmdModel
 
     _, model = base_model("tiny_moe")
     clip = kind.endswith("+clip")
-    if kind == "ep4":
+    if kind == "dp2xtp2xep2":
+        plan = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"), ("head", "row")),
+                       dp=2)
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, ep=2))
+    elif kind == "ep4":
         plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=4)
     elif kind.startswith("dp4xep2"):
         plan = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2)
@@ -138,12 +187,16 @@ def test_expert_parallel_trains_like_one_device(kind):
                                                                       schedule="1f1b"))
     assert execution_mode(plan).mode == "tensor_parallel"
     module, w = wrapped(plan, clip)
+    assert isinstance(w, SpmdModel)
     losses, weights = reference(clip)
     np.testing.assert_allclose(step_losses(w, batches_of(module, STEPS, BATCH)), losses,
                                rtol=1e-4)
     for got, want in zip(w.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert_experts_placed(w, plan)
+    if plan.strategy.tp == 1:
+        assert_experts_placed(w, plan)
+    if kind in ("ep4", "ep2xpp2", "dp2xtp2xep2"):
+        assert_sends_what_is_priced(w, plan, module)
 
 
 def test_the_clip_case_clips():
@@ -282,7 +335,7 @@ def test_weight_files_move_between_the_plain_model_and_an_ep_plan(tmp_path):
     for got, want in zip(other.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     full = plain.get_layer("moe").expert_in_kernel.numpy()
-    shard = other.replica_models()[3].get_layer("moe").expert_in_kernel.numpy()
+    shard = copies_of(other)[3].get_layer("moe").expert_in_kernel.numpy()
     np.testing.assert_allclose(shard, full[4:], rtol=1e-6)  # rank 1 of group 1
     more = batches_of(module, 7, BATCH)[5:]
     np.testing.assert_allclose(step_losses(other, more), step_losses(plain, more), rtol=1e-4)
@@ -346,20 +399,21 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 
     _, model = base_model("tiny_moe")
     s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
-    for change, what in (({"tp": 2}, "tp=2"), ({"cp": 2}, "cp=2"),
-                         ({"zero_stage": 3}, "zero_stage=3"),
+    for change, what in (({"tp": 2, "zero_stage": 1}, "tp=2 with zero_stage=1"),
+                         ({"cp": 2}, "cp=2"), ({"zero_stage": 3}, "zero_stage=3"),
                          ({"offload": "optimizer"}, "offload='optimizer'")):
         (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, **change))
                       if p.startswith("ep=2")]
-        assert what in problem and "expected tp = cp = 1, zero_stage 0, 1 or 2" in problem
+        assert what in problem and "expected cp = 1, zero_stage 0, 1 or 2" in problem
     for stage in (1, 2):  # ZeRO-1/2 run (apply.zero: owners per ep rank)
         assert unapplied_dimensions(dataclasses.replace(s, zero_stage=stage)) == []
+    assert unapplied_dimensions(dataclasses.replace(s, tp=2)) == []  # apply.spmd.experts
     zero3 = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2, zero_stage=3)
     with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has zero_stage=3"):
         apply.wrap(model, zero3)
-    tp = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"),), dp=2)
+    tp = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"),), dp=2, zero=1)
     tp = dataclasses.replace(tp, strategy=dataclasses.replace(tp.strategy, ep=2))
-    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has tp=2"):
+    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has tp=2 with zero_stage"):
         apply.wrap(model, tp)
     _, mlp = base_model("tiny_mlp")
     with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
@@ -411,7 +465,7 @@ def test_experts_inside_blocks_train_like_one_device(name, tmp_path):
     for got, want in zip(w.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     slots = slot_variables(w.optimizer)
-    for r, replica in enumerate(w.replica_models()):
+    for r, replica in enumerate(copies_of(w)):
         shards = [layer for layer in replica._flatten_layers(recursive=True)
                   if isinstance(layer, ExpertShards)]
         assert len(shards) == {"tiny_moe_block": 2, "tiny_mixtral": 1}[name]

@@ -85,6 +85,18 @@ def test_dispatch_bytes_and_capacity_padding_by_hand():
     assert experts.padded_expert_flops(p.layers[0]) == (0.0, 0.0)
 
 
+def test_without_a_capacity_factor_the_buffer_apply_runs_is_priced():
+    """No capacity factor: the dispatch buffer keeps C = T rows per expert (nothing
+    dropped), E T rows for the routed T k: c = E / k = 4 for 8 experts, top 2 -- in the
+    all-to-all bytes and the expert FLOPs alike."""
+    p = _tiny_moe(capacity_factor=0.0, top_k=2)
+    moe = p.layers[[l.name for l in p.layers].index("moe_0")]
+    assert experts.capacity_scale(moe) == 4.0
+    assert experts.dispatch_bytes(moe, 2, 2) == pytest.approx(4 * moe.moe_dispatch_bytes)
+    f_exp = moe.moe_expert_flops_fwd
+    assert experts.padded_expert_flops(moe) == pytest.approx((3 * f_exp, 6 * f_exp))
+
+
 def test_expert_groups_of_a_data_parallel_group():
     group = tuple(range(100, 108))  # dp = 8 replicas, cp = 1
     assert experts.expert_group_devices(group, 4) == ((100, 101, 102, 103), (100, 104))
