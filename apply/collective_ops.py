@@ -32,7 +32,14 @@ from typing import Any, Iterator, Sequence
 
 from tfplan.apply.groups import Group
 
-TIMEOUT_S = 600.0  # a member that never arrives fails the step instead of hanging it
+# No timeout on the collectives (timeout_seconds=0, tf.distribute's default): TensorFlow
+# 2.21 serves a collective's timeout with a thread of its own that sleeps the whole timeout
+# (BaseCollectiveExecutor::CompleteParamsAsync -> Env::SchedClosureAfter), so with one every
+# collective a step launches leaves a thread behind for that long: thousands a minute, until
+# creating a thread fails and the process aborts (measured: 200 steps of a 2-member
+# all-reduce left 808 threads with a 600 s timeout, none without). A member that never
+# arrives is caught by the trace-time checks (``instance_scope``, one group table).
+TIMEOUT_S = 0.0
 # instance keys per (group key, device): the n-th collective a device launches in a group
 # has key n on every member, so members that trace their own programs (one per device,
 # or one per worker) agree without talking, and a key is never reused for another shape
@@ -47,8 +54,8 @@ _scope: list[tuple[int, dict]] = []  # the innermost instance_scope: (base, its 
 def instance_scope() -> Iterator[None]:
     """While a step is traced: instance keys counted afresh from a base of its own, so a
     trace that failed half-way (some devices' collectives made, others not) cannot leave
-    the next trace's members with different keys (they would wait for each other until
-    ``TIMEOUT_S``)."""
+    the next trace's members with different keys (they would wait for each other for
+    ever: ``TIMEOUT_S``)."""
     _scope.append((next(_traces) * KEYS_PER_TRACE, {}))
     try:
         yield

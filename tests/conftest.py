@@ -12,6 +12,9 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# glibc reports heap corruption on the terminal, which CI has none of: say it on stderr, so
+# that a worker that aborts leaves the reason in the log
+os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
 # the CLI's output width comes from COLUMNS where it is set (a terminal's, or pytest-xdist's
 # workers' 80): tests read the piped default (wide) unless they set it themselves
 # (tests/cli/test_terminal.py does, per test)
