@@ -11,8 +11,9 @@ and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
 (``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
 (``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs with dp and
 pp, ZeRO-1 and ZeRO-2 (each expert shard's optimizer state on one of the replicas with
-its ep rank, ``apply.zero``), with tp without ZeRO (``apply.spmd.experts``), not with cp,
-ZeRO-3 or offload (``_expert_rule``).
+its ep rank, ``apply.zero``; on the SPMD engine the shards cut over those replicas,
+``apply.spmd.zero``), with tp (``apply.spmd.experts``), not with cp, ZeRO-3 or offload
+(``_expert_rule``).
 """
 from __future__ import annotations
 
@@ -69,21 +70,20 @@ def _expert_rule(s: Any) -> list[str]:
     ZeRO-3 (``apply.zero3`` keeps one persistent copy of every weight and gathers it onto
     every replica, which an expert shard, different per ep rank, is not) or offload (the
     shards are built on their devices); with tp > 1 on the SPMD engine
-    (``apply.spmd.experts``: each tensor rank routes through its own ep group), without
-    ZeRO."""
+    (``apply.spmd.experts``: each tensor rank routes through its own ep group), ZeRO-1/2
+    there too (pipeline stages with ZeRO-1)."""
     ep = getattr(s, "ep", 1)
     if ep <= 1:
         return []
     clashes = [what for what, on in (
-        (f"tp={s.tp} with zero_stage={s.zero_stage}", s.tp > 1 and s.zero_stage > 0),
         (f"cp={s.cp}", s.cp > 1),
         (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
         (f"offload={s.offload!r}", s.offload != "none")) if on]
     if not clashes:
         return []
     return [f"ep={ep} (expert parallelism, apply.expert_parallel, apply.spmd.experts) runs "
-            "with data and pipeline parallelism, ZeRO-1/2, and tensor parallelism without "
-            "ZeRO (expected cp = 1, zero_stage 0, 1 or 2 (0 with tp > 1), offload 'none'); "
+            "with data, tensor and pipeline parallelism and ZeRO-1/2 (expected cp = 1, "
+            "zero_stage 0, 1 or 2, offload 'none'); "
             f"this plan has {', '.join(clashes)}"]
 
 

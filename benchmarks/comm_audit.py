@@ -3,7 +3,8 @@ plan prices (issue 25).
 
 For the tiny MLP, CNN and transformer of tests/apply and hand-made plans on 8 logical CPUs
 (modes ending in ``-sp``: sequence parallelism; modes with ``cp2``: context parallelism
-over 2 chunks of each sequence; both the transformer only),
+over 2 chunks of each sequence; both the transformer only; modes with ``ep``: expert
+parallelism, the tiny mixture-of-experts model ``tiny_moe`` only, which runs those alone),
 ``apply.audit.audit_step`` measures one step of ``apply.wrap(build_model, plan)`` (the
 SPMD engine, ``apply.spmd``, where it runs the plan; ``--built`` wraps the built model
 instead, which runs on the same engine since built models moved there, each device's copy
@@ -48,8 +49,24 @@ MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "dp2xcp2": ([[0, 1, 2, 3]], 2, 1, 0),
     "cp2xtp2": ([[0, 1, 2, 3]], 1, 1, 0),
     "dp2xcp2-zero1": ([[0, 1, 2, 3]], 2, 1, 1),
+    "ep4": ([[0, 1, 2, 3]], 4, 1, 0),
+    "dp4xep2": ([[0, 1, 2, 3]], 4, 1, 0),
+    "dp2xtp2xep2": ([[0, 1, 2, 3]], 2, 1, 0),
+    "ep2xpp2-m2-1f1b": ([[0, 1], [2, 3]], 2, 2, 0, "1f1b"),
 }
-MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer")
+MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer", "tiny_moe")
+# the tiny MoE model's tensor-parallel splits (its MoE layer replicated over tp) and its
+# stages under pp (the MoE layer on the second)
+MOE_SPLITS = (("embed", "column"), ("head", "row"))
+MOE_STAGES = [("embed",), ("moe", "residual", "pool", "head")]
+
+
+def expert_degree(mode: str) -> int:
+    """The ep of a mode's name (``ep4``, ``dp4xep2``: 4, 2); 1 without one."""
+    import re
+
+    found = re.search(r"ep(\d)", mode)
+    return int(found.group(1)) if found else 1
 
 
 def main() -> int:
@@ -85,16 +102,22 @@ def main() -> int:
         for mode, (stages, dp, m, zero, *schedule) in ((k, MODES[k]) for k in args.modes):
             sp = mode.endswith("-sp")
             cp = 2 if "cp2" in mode else 1
+            ep = expert_degree(mode)
             if (sp or cp > 1) and model_name != "tiny_transformer":
                 continue  # no sequence to cut
+            if (ep > 1) != (model_name == "tiny_moe"):
+                continue  # experts to split: the MoE model, which runs those modes alone
             keras.utils.set_random_seed(0)
             model = module.build_model()
+            staged = {"stage_layers": MOE_STAGES} if ep > 1 and len(stages) > 1 else {}
             plan = make_plan(model, [cpus(*s) for s in stages], num_microbatches=m,
-                             global_batch=16)
+                             global_batch=16, **staged)
             tp = len(stages[0]) // (dp * cp)
+            splits = MOE_SPLITS if model_name == "tiny_moe" else SPLITS[model_name]
             plan = dataclasses.replace(
-                plan, tp_splits=SPLITS[model_name] if tp > 1 else (),
-                strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, cp=cp, zero_stage=zero,
+                plan, tp_splits=splits if tp > 1 else (),
+                strategy=dataclasses.replace(plan.strategy, dp=dp, tp=tp, cp=cp, ep=ep,
+                                             zero_stage=zero,
                                              microbatch_size=16 // (dp * m),
                                              sequence_parallel=sp,
                                              schedule=(schedule or [plan.strategy.schedule])[0]))

@@ -51,7 +51,8 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
   recomputation);
 * ``ep``: per mixture-of-experts layer and micro-batch, ``experts.ALL_TO_ALLS_PER_LAYER``
   all-to-alls (2 more under full recomputation) of its dispatch payload D f c / cp, of
-  which (ep-1)/ep leaves the device; experts' gradients reduce over R / ep copies.
+  which (ep-1)/ep leaves the device; experts' gradients reduce over R / ep copies
+  (under ZeRO their shards are gathered there too, kind ``zero``).
 
 Host transfers (offload) are not device-to-device sends and are not listed.
 """
@@ -101,6 +102,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
+        expert_weights = 0.0
         sparse_weights = sparse_tables = 0.0
         for i in range(lo, hi):
             layer = layers[i]
@@ -142,7 +144,8 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
             grads += g
             dense_grads += g * (1 - x)
             expert_grads += g * x / ep
-            weights += layer.param_bytes / share
+            weights += layer.param_bytes / share * (1 - x)
+            expert_weights += layer.param_bytes / share * x / ep
             gathered += (layer.compute_weight_bytes or layer.param_bytes) / share
         if hi < len(layers):  # the boundary: activation forward, its gradient back
             nbytes = layers[hi - 1].activation_bytes * f / cp
@@ -165,8 +168,10 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
             sent["dp"] += (replicas - 1) * sparse
             if zero in (1, 2):  # the updated shards of sparse-gradient weights, gathered
                 sent["zero"] += ring_half_sent_bytes(sparse_weights, replicas)
-            if zero == 2:
+            if zero == 2:  # an expert shard's over the replicas of its ep rank
                 sent["zero"] += ring_half_sent_bytes(weights, replicas)
+                if ep > 1:
+                    sent["zero"] += ring_half_sent_bytes(expert_weights, replicas // ep)
             elif zero == 3:
                 sent["zero"] += 2 * m * ring_half_sent_bytes(gathered, replicas)
                 sent["zero"] += m * ring_half_sent_bytes(sparse_tables, replicas)

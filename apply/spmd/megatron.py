@@ -53,9 +53,12 @@ def reduce_from_tp(x: Any, group: Group, device: str) -> Any:
 
 
 def gather_from_tp(x: Any, group: Group, device: str) -> Any:
-    """All-gather of the ranks' last-axis slices forward, the rank's slice backward."""
+    """All-gather of the ranks' last-axis slices forward, the rank's slice backward (of
+    the gathered width: a gradient may reach it without a static last axis, as mixed
+    precision's casts of the loss's leave it)."""
+    width = int(x.shape[-1]) * group.size if x.shape[-1] is not None else None
     return _conjugate(x, lambda v: _gather_last(v, group, device),
-                      lambda dy: _own_slice(dy, group, device))
+                      lambda dy: _own_slice(dy, group, device, width))
 
 
 def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
@@ -103,9 +106,10 @@ def slice_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
-def _own_slice(x: Any, group: Group, device: str) -> Any:
-    """This member's slice (``slice_sizes``) of ``x``'s last axis."""
-    sizes = slice_sizes(int(x.shape[-1]), group.size)
+def _own_slice(x: Any, group: Group, device: str, width: int | None = None) -> Any:
+    """This member's slice (``slice_sizes``) of ``x``'s last axis (``width`` of it where
+    its static shape does not say)."""
+    sizes = slice_sizes(int(x.shape[-1]) if x.shape[-1] is not None else width, group.size)
     return tf.split(x, sizes, axis=-1)[group.devices.index(device)]
 
 

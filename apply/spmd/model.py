@@ -575,7 +575,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         staged, sums = [], {}
         for device, gs, vs in zip(devices, grads, variables):
             with tf.device(device):
-                experts = self._copies.expert_weights
+                # an expert shard's squares: under ZeRO summed over dp with the rest (every
+                # replica holds a shard of one ep rank's experts), else over the ep group
+                experts = self._copies.expert_weights if self._zero is None else frozenset()
                 squares = ops.stack([
                     _sum_of_squares(g) if (id(v) in self._split_vars or rank[device] == 0)
                     and id(v) not in experts else ops.zeros(()) for g, v in zip(gs, vs)])

@@ -114,14 +114,20 @@ class OptimizerState:
 
     def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
         run = self.copies.run
-        if j in self.ep_cut:  # replica e holds ep rank e's experts (never with ZeRO)
-            return np.concatenate([np.asarray(self.engine.slots(self._holders(e, t, j))[k]
-                                              .numpy()) for e in range(run.ep)], axis=0)
+        if j in self.ep_cut:  # replica e holds ep rank e's experts
+            return np.concatenate([self._replica_piece(e, t, j, k) for e in range(run.ep)],
+                                  axis=0)
+        return self._replica_piece(0, t, j, k)
+
+    def _replica_piece(self, q: int, t: int, j: int, k: int) -> np.ndarray:
+        """Replica q's state of weight j (tensor rank t): its slot, or under ZeRO the
+        shards of every replica holding the same weight joined."""
         if self.zero is None:
-            return np.asarray(self.engine.slots(self._holders(0, t, j))[k].numpy())
-        return self.zero.cuts[0][t][j].unpadded(np.concatenate(
-            [np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
-             for q in range(run.dp)], axis=0))
+            return np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
+        kind = self.zero.kinds[q][t][j]
+        return self.zero.cuts[q][t][j].unpadded(np.concatenate(
+            [np.asarray(self.engine.slots(self._holders(r, t, j))[k].numpy())
+             for r in self.zero.holders(q, kind)], axis=0))
 
     def _joined(self, j: int, k: int) -> np.ndarray:
         pieces = [self._rank_piece(t, j, k) for t in range(self.copies.run.tp)]
@@ -136,9 +142,10 @@ class OptimizerState:
             experts = np.split(piece, run.ep, axis=0) if j in self.ep_cut else None
             for q in range(run.dp):
                 slot = self.engine.slots(self._holders(q, t, j))[k]
-                if experts is not None:
-                    slot.assign(experts[run.ep_rank(q)])
-                elif self.zero is None:
-                    slot.assign(piece)
+                mine = piece if experts is None else experts[run.ep_rank(q)]
+                if self.zero is None:
+                    slot.assign(mine)
                 else:
-                    slot.assign(self.zero.cuts[q][t][j].shard_of(piece, q))
+                    kind = self.zero.kinds[q][t][j]
+                    slot.assign(self.zero.cuts[q][t][j].shard_of(
+                        mine, self.zero.position(q, kind)))

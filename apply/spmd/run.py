@@ -149,8 +149,8 @@ def refusal(plan: Plan) -> str:
         return "devices on several workers"
     if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
         return f"ZeRO-{s.zero_stage} with pipeline stages"
-    if s.ep > 1 and (s.zero_stage or s.cp > 1 or s.offload != "none"):
-        return "ep > 1 with ZeRO, context parallelism or offload"
+    if s.ep > 1 and (s.zero_stage == 3 or s.cp > 1 or s.offload != "none"):
+        return "ep > 1 with ZeRO-3, context parallelism or offload"
     if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):
         return "cp > 1 with pipeline stages or sequence parallelism"
     if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):

@@ -33,6 +33,12 @@ per-parameter shards cut along the first axis as PyTorch's FSDP2 ``fully_shard``
 * **All-gather.** Each device packs its updated shards per dtype and all-gathers them over
   its data-parallel group (kind ``zero``); every copy of a weight then holds the update.
 
+Expert parallelism (``apply.spmd.experts``): an expert shard is held by the dp / ep replicas
+of its ep rank only, so its ZeRO shards are cut over that ``edp`` group (dp / ep of them,
+replica q holding shard q // ep of its ep rank's experts), its gradients reduce-scattered
+and its shards all-gathered there; every other weight over the whole data-parallel group.
+The planner prices the experts' state likewise (``planner.experts``).
+
 Elementwise optimizers only: the update of each element depends on that element's
 gradient and state alone (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam,
 Ftrl, Lion). Lamb's trust ratio, Adafactor's factored moments and Muon's orthogonalised
@@ -143,8 +149,13 @@ class ZeroShards:
         self.run, self.stage = run, stage
         self.weights = [[list(model.trainable_variables) for model in row]
                         for row in copies.models]
-        self.cuts = [[[Cut(tuple(int(d) for d in v.shape), run.dp) for v in vs] for vs in row]
-                     for row in self.weights]
+        experts = copies.expert_weights
+        # the group each weight is sharded over: "edp" for expert shards, else "dp"
+        self.kinds = [[["edp" if id(v) in experts else "dp" for v in vs] for vs in row]
+                      for row in self.weights]
+        self.cuts = [[[Cut(tuple(int(d) for d in v.shape), self.group_size(kind))
+                       for v, kind in zip(vs, kinds)] for vs, kinds in zip(row, row_kinds)]
+                     for row, row_kinds in zip(self.weights, self.kinds)]
         self._index = [[{id(v): i for i, v in enumerate(vs)} for vs in row]
                        for row in self.weights]
         # each weight's device (its chunk's under pipeline parallelism): its shard's too
@@ -163,6 +174,20 @@ class ZeroShards:
                             name=f"zero{stage}_shard_q{q}_t{t}_{i}"))
                 shard_row.append(shards)
             self.shards.append(shard_row)
+
+    def group_size(self, kind: str) -> int:
+        """Replicas a weight sharded over ``kind`` ("dp", "edp") is cut among."""
+        return self.run.dp // self.run.ep if kind == "edp" else self.run.dp
+
+    def position(self, q: int, kind: str) -> int:
+        """Replica q's shard of a weight sharded over ``kind``."""
+        return q // self.run.ep if kind == "edp" else q
+
+    def holders(self, q: int, kind: str) -> list[int]:
+        """The replicas sharing replica q's weight sharded over ``kind``, in shard order."""
+        if kind == "edp":
+            return list(range(q % self.run.ep, self.run.dp, self.run.ep))
+        return list(range(self.run.dp))
 
     @property
     def variables(self) -> list[Any]:
@@ -195,7 +220,8 @@ class ZeroShards:
         if j is None:
             return np.asarray(variable.numpy())
         return self.cuts[q][t][j].unpadded(np.concatenate(
-            [np.asarray(self.shards[r][t][j].numpy()) for r in range(self.run.dp)], axis=0))
+            [np.asarray(self.shards[r][t][j].numpy())
+             for r in self.holders(q, self.kinds[q][t][j])], axis=0))
 
     def write(self, q: int, t: int, variable: Any, value: Any) -> None:
         """Copy (q, t)'s ``variable`` set to ``value``: its shard where ZeRO-3 trains it."""
@@ -204,14 +230,16 @@ class ZeroShards:
             variable.assign(value)
             return
         cut = self.cuts[q][t][j]
-        self.shards[q][t][j].assign(np.asarray(cut.shard_of(np.asarray(value), q)))
+        self.shards[q][t][j].assign(np.asarray(cut.shard_of(
+            np.asarray(value), self.position(q, self.kinds[q][t][j]))))
 
     def load(self, q: int, t: int) -> None:
         """Copy (q, t)'s shards read from its weights (a local slice on each's device)."""
-        for v, s, cut, device in zip(self.weights[q][t], self.shards[q][t], self.cuts[q][t],
-                                     self.devices[q][t]):
+        for v, s, cut, device, kind in zip(self.weights[q][t], self.shards[q][t],
+                                           self.cuts[q][t], self.devices[q][t],
+                                           self.kinds[q][t]):
             with tf.device(device):
-                s.assign(cut.shard_of(v.value, q))
+                s.assign(cut.shard_of(v.value, self.position(q, kind)))
 
     def reduce(self, per_part: Sequence[Sequence[Any]], q: int, t: int) -> list[Any]:
         """Device (q, t)'s shard of the gradient summed over its data-parallel group:
@@ -224,22 +252,26 @@ class ZeroShards:
 
     def _reduced(self, grads: Sequence[Any], q: int, t: int) -> list[Any]:
         run, cuts, devices = self.run, self.cuts[q][t], self.devices[q][t]
+        kinds = self.kinds[q][t]
         out: list[Any] = [None] * len(grads)
-        packs: dict[tuple[str, Any], list[int]] = {}  # (device, dtype): weights packed
+        packs: dict[tuple[str, Any, str], list[int]] = {}  # (device, dtype, group): packed
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
                 device = devices[i]
                 with tf.device(device):
                     out[i] = cuts[i].rows_of(gathered_slices(
-                        g, run.chunk_group("dp", device), device), q)
+                        g, run.chunk_group(kinds[i], device), device),
+                        self.position(q, kinds[i]))
             else:
-                packs.setdefault((devices[i], g.dtype), []).append(i)
-        for (device, _), indices in packs.items():
+                packs.setdefault((devices[i], g.dtype, kinds[i]), []).append(i)
+        for (device, _, kind), indices in packs.items():
+            group = run.chunk_group(kind, device)
             with tf.device(device):
-                packed = tf.concat([tf.reshape(cuts[i].padded(grads[i]), (run.dp, -1))
+                packed = tf.concat([tf.reshape(cuts[i].padded(grads[i]), (cuts[i].dp, -1))
                                     for i in indices], axis=1)
-                mine = member_reduce_scatter(tf.reshape(packed, [-1]),
-                                             run.chunk_group("dp", device), device, "dp")
+                packed = tf.reshape(packed, [-1])
+                mine = packed if group.size == 1 else member_reduce_scatter(
+                    packed, group, device, "dp")
                 sizes = [cuts[i].per_shard * cuts[i].width for i in indices]
                 for i, piece in zip(indices, tf.split(mine, sizes)):
                     out[i] = tf.reshape(piece, cuts[i].shard_shape)
@@ -263,20 +295,22 @@ class ZeroShards:
         gather = gather or (lambda x, group, device: member_all_gather(x, group, device,
                                                                        "zero"))
         out: list[Any] = [None] * len(indices)
-        packs: dict[tuple[str, Any], list[int]] = {}  # (device, dtype): shards packed
+        packs: dict[tuple[str, Any, str], list[int]] = {}  # (device, dtype, group): packed
         for n, i in enumerate(indices):
-            packs.setdefault((self.devices[q][t][i], self.shards[q][t][i].dtype), []).append(n)
-        for (device, _), ns in packs.items():
+            packs.setdefault((self.devices[q][t][i], self.shards[q][t][i].dtype,
+                              self.kinds[q][t][i]), []).append(n)
+        for (device, _, kind), ns in packs.items():
             cuts = [self.cuts[q][t][indices[n]] for n in ns]
+            group, n_shards = run.chunk_group(kind, device), self.group_size(kind)
             with tf.device(device):
                 packed = tf.concat([tf.reshape(self.shards[q][t][indices[n]].value, [-1])
                                     for n in ns], 0)
-                whole = tf.reshape(gather(packed, run.chunk_group("dp", device), device),
-                                   (run.dp, -1))
+                whole = tf.reshape(packed if group.size == 1 else gather(packed, group, device),
+                                   (n_shards, -1))
                 sizes = [cut.per_shard * cut.width for cut in cuts]
                 for n, piece, cut in zip(ns, tf.split(whole, sizes, axis=1), cuts):
                     out[n] = cut.unpadded(
-                        tf.reshape(piece, (run.dp * cut.per_shard, *cut.row_shape)))
+                        tf.reshape(piece, (n_shards * cut.per_shard, *cut.row_shape)))
         return out
 
 

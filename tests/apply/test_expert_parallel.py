@@ -213,17 +213,22 @@ def test_the_clip_case_clips():
 
 
 def zero_plan(kind: str):
-    """dp4 x ep2 (each expert shard on 2 replicas, an owner between them) or dp2 x ep2 (one
-    copy of each shard: its own owner), ZeRO-1, or ZeRO-2 over 2 micro-batches."""
+    """dp4 x ep2 (each expert shard on 2 replicas, its state cut between them) or dp2 x ep2
+    (one copy of each shard, its state whole), ZeRO-1, or ZeRO-2 over 2 micro-batches;
+    dp2 x tp2 x ep2 ZeRO-1 (the MoE layer replicated over tp)."""
     _, model = base_model("tiny_moe")
-    dp = 4 if kind.startswith("dp4") else 2
     stage = 2 if "+zero2" in kind else 1
+    if kind.startswith("dp2xtp2"):
+        plan = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"), ("head", "row")),
+                       dp=2, zero=stage)
+        return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, ep=2))
+    dp = 4 if kind.startswith("dp4") else 2
     return ep_plan(model, [cpus(*range(dp))], ep=2, zero_stage=stage,
                    num_microbatches=2 if stage == 2 else 1)
 
 
 def assert_slots_on_owners(w, plan) -> None:
-    """Every weight's optimizer slots on exactly one copy among those holding its value:
+    """The older engine's ZeRO (across workers): every weight's optimizer slots on exactly one copy among those holding its value:
     a dense weight's owner among all dp replicas, an expert shard's among the replicas of
     its ep rank (r % ep), each the replica ``planner.zero.owners_by_device_group`` names on
     the plan's devices (dense weights together, expert shards together); no slots on any
@@ -267,19 +272,50 @@ def assert_slots_on_owners(w, plan) -> None:
         assert owning == set(devices), owning
 
 
-@pytest.mark.parametrize("kind", ["dp4xep2+zero1", "dp4xep2+zero2", "dp2xep2+zero1"])
+def assert_shards_where_planned(w, plan) -> None:
+    """ZeRO on the SPMD engine: each device's optimizer state is its shards' -- an expert
+    shard's cut over the dp/ep replicas of its ep rank (replica q holding piece q // ep),
+    every other weight's over all dp replicas -- its Adam slots beside them on its device;
+    no copy's weight has a slot."""
+    from tfplan.apply.spmd import SpmdModel
+
+    assert isinstance(w, SpmdModel)
+    run, zero, opt = w.run_description, w._zero, w.optimizer
+    experts = w._copies.expert_weights
+    assert experts
+    for q, replica in enumerate(run.replicas):
+        for t, device in enumerate(replica):
+            for v, shard, kind in zip(zero.weights[q][t], zero.shards[q][t], zero.kinds[q][t]):
+                expert = id(v) in experts
+                assert kind == ("edp" if expert else "dp"), v.path
+                pieces = run.dp // run.ep if expert else run.dp
+                rows = v.shape[0] if len(v.shape) else 1
+                assert shard.shape[0] == -(-rows // pieces), (v.path, shard.shape)
+                i = opt._get_variable_index(shard)
+                for slot in (opt._momentums[i], opt._velocities[i]):
+                    assert _short(slot.value.device) == _short(device), (slot.path, device)
+    assert len(opt._momentums) == len(zero.variables)
+
+
+@pytest.mark.parametrize("kind", ["dp4xep2+zero1", "dp4xep2+zero2", "dp2xep2+zero1",
+                                  "dp2xtp2xep2+zero1"])
 def test_zero_with_expert_parallelism_trains_like_one_device(kind):
-    """ZeRO-1 (ZeRO-2: the gradients of each of 2 micro-batches reduced onto the owners)
-    with ep=2: 10 steps like one device; each weight's Adam slots only on its owner."""
+    """ZeRO-1 (ZeRO-2: each of 2 micro-batches' gradients reduce-scattered) with ep=2 on
+    the SPMD engine: 10 steps like one device; the expert shards' state cut over the
+    replicas of their ep rank (dp2 x ep2: one each, uncut), the rest over dp; with tp=2
+    too. Each device sends what the plan prices (ZeRO's gathers of the experts over their
+    dp/ep replicas included)."""
     plan = zero_plan(kind)
     module, w = wrapped(plan)
-    assert w.optimizer_sharding and w.zero_stage == plan.strategy.zero_stage
+    assert w.run_description.zero_stage == plan.strategy.zero_stage
     losses, weights = reference()
     np.testing.assert_allclose(step_losses(w, batches_of(module, STEPS, BATCH)), losses,
                                rtol=1e-4)
     for got, want in zip(w.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert_slots_on_owners(w, plan)
+    assert_shards_where_planned(w, plan)
+    if kind in ("dp4xep2+zero1", "dp2xtp2xep2+zero1"):
+        assert_sends_what_is_priced(w, plan, module)
 
 
 def into_plain_model(w, tmp_path):
@@ -399,8 +435,7 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 
     _, model = base_model("tiny_moe")
     s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
-    for change, what in (({"tp": 2, "zero_stage": 1}, "tp=2 with zero_stage=1"),
-                         ({"cp": 2}, "cp=2"), ({"zero_stage": 3}, "zero_stage=3"),
+    for change, what in (({"cp": 2}, "cp=2"), ({"zero_stage": 3}, "zero_stage=3"),
                          ({"offload": "optimizer"}, "offload='optimizer'")):
         (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, **change))
                       if p.startswith("ep=2")]
@@ -408,13 +443,10 @@ def test_what_expert_parallelism_does_not_run_is_refused():
     for stage in (1, 2):  # ZeRO-1/2 run (apply.zero: owners per ep rank)
         assert unapplied_dimensions(dataclasses.replace(s, zero_stage=stage)) == []
     assert unapplied_dimensions(dataclasses.replace(s, tp=2)) == []  # apply.spmd.experts
+    assert unapplied_dimensions(dataclasses.replace(s, tp=2, zero_stage=1)) == []
     zero3 = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2, zero_stage=3)
     with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has zero_stage=3"):
         apply.wrap(model, zero3)
-    tp = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"),), dp=2, zero=1)
-    tp = dataclasses.replace(tp, strategy=dataclasses.replace(tp.strategy, ep=2))
-    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has tp=2 with zero_stage"):
-        apply.wrap(model, tp)
     _, mlp = base_model("tiny_mlp")
     with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
         apply.wrap(mlp, ep_plan(mlp, [cpus(0, 1)], ep=2))
