@@ -53,6 +53,7 @@ MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "dp4xep2": ([[0, 1, 2, 3]], 4, 1, 0),
     "dp2xtp2xep2": ([[0, 1, 2, 3]], 2, 1, 0),
     "ep2xpp2-m2-1f1b": ([[0, 1], [2, 3]], 2, 2, 0, "1f1b"),
+    "dp4xep2-zero1": ([[0, 1, 2, 3]], 4, 1, 1),
 }
 MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer", "tiny_moe")
 # the tiny MoE model's tensor-parallel splits (its MoE layer replicated over tp) and its
