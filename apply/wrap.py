@@ -32,8 +32,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
      sharded over their stage's tp devices, one copy per data-parallel replica;
      ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
-   * ``ep > 1`` (expert parallelism with ZeRO-1/2, keras_hub's MoE blocks, or across
-     workers; the SPMD engine runs the others): tensor parallel
+   * ``ep > 1`` (expert parallelism across workers, or with ZeRO-2 and pipeline stages;
+     the SPMD engine runs the others, keras_hub's MoE blocks and ZeRO-1/2 included):
+     tensor parallel
      with every ``tfplan.layers.MixtureOfExperts`` holding 1/ep of its experts per replica
      (``apply.expert_parallel``), on one host or driven by worker 0 across workers;
    * ``cp > 1`` (one host, tp = pp = 1): context parallel (``apply.context_parallel``:
@@ -264,8 +265,6 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
     import keras
 
-    from tfplan import compat
-    from tfplan.apply.expert_parallel import is_hub_moe_block
     from tfplan.apply.mode import Processes
     from tfplan.apply.spmd import refusal
     from tfplan.apply.spmd.batch_norm import is_batch_norm
@@ -292,8 +291,6 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
         entries = dict(profiled_layer_paths(view))
         if any(entries.get(p) is not None and is_graph_model(entries[p]) for p in nested):
             return "BatchNormalization inside a nested model"
-    if s.ep > 1 and any(is_hub_moe_block(layer) for layer in compat.flatten_layers(view)):
-        return "keras_hub's mixture-of-experts blocks under expert parallelism"
     if s.cp > 1 and any(len(x.shape) > 1 and x.shape[1] is None for x in view.inputs):
         return "context parallelism over sequences of a length known only as they run"
     if s.tp > 1:

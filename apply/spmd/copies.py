@@ -118,6 +118,7 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
         check_context_parallel_model(template, run.cp, run.plan_name)
     reference = template.get_weights()
     paths = [path for path, _ in profiled_layer_paths(template)]
+    originals = dict(profiled_layer_paths(template)) if run.ep > 1 else {}
     models: list[list[Any]] = []
     programs: list[list[StageProgram]] = []
     on_pieces: list[Any] = []
@@ -128,7 +129,7 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
             model = _swap_splits(model, layers, run, run.column(q, t), on_pieces,
-                                 run.ep_rank(q))
+                                 run.ep_rank(q), originals)
             _recompute(model, layers, run)
             if run.chunks > 1:
                 cut.append(_place_chunks(model, paths, run, run.column(q, t)))
@@ -217,23 +218,26 @@ def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:
 
 
 def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
-                 column: Sequence[str], on_pieces: list[Any], ep_rank: int = 0) -> Any:
+                 column: Sequence[str], on_pieces: list[Any], ep_rank: int = 0,
+                 originals: dict[str, Any] | None = None) -> Any:
     """``model`` with each split layer replaced by its rank's twin (module docstring);
     ``layers``: ``_layers_by_template_path``'s; ``column``: the copy's device per chunk
     (a twin talks in its chunk's tensor-parallel group); the weights it reads on
     sequence pieces are added to ``on_pieces``; ``ep_rank``: the copy's expert-parallel
-    rank (its share of every MoE layer's experts)."""
+    rank (its share of every MoE layer's experts); ``originals``: the template's layers
+    by path (the user's, under ep)."""
     device = column[0]
     twins = _batch_norm_twins(layers, run, device) + _context_twins(layers, run, device) \
-        + _expert_twins(layers, run, column, ep_rank)
+        + _expert_twins(layers, run, column, ep_rank, originals or {})
     if not run.splits and not twins and run.cp == 1:
         return model
     entries = dict(layers.values())
     graph = is_graph_model(model)
     top: dict[int, Any] = {}
     for own, layer, twin in twins:
-        with tf.device(device), scopes_of(layer):
-            twin.build(**compat.build_arguments(layer))
+        if not twin.built:  # (a keras_hub block's twin comes built)
+            with tf.device(device), scopes_of(layer):
+                twin.build(**compat.build_arguments(layer))
         if SEPARATOR not in own and graph:
             top[id(layer)] = twin
         else:
@@ -298,18 +302,21 @@ def _context_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
 
 
 def _expert_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
-                  column: Sequence[str], ep_rank: int) -> list[tuple[str, Any, Any]]:
-    """(this copy's path, layer, twin) of every MixtureOfExperts, holding ep rank
-    ``ep_rank``'s experts and exchanging tokens over the ep group of its chunk's device
-    (``apply.spmd.experts``; ep > 1)."""
+                  column: Sequence[str], ep_rank: int, originals: dict[str, Any]
+                  ) -> list[tuple[str, Any, Any]]:
+    """(this copy's path, layer, twin) of every expert layer (``MixtureOfExperts``,
+    keras_hub's MoE blocks), holding ep rank ``ep_rank``'s experts and exchanging tokens
+    over the ep group of its chunk's device (``apply.spmd.experts``; ep > 1);
+    ``originals``: the template's layers by path."""
     if run.ep == 1:
         return []
     out = []
     for path, (own, layer) in layers.items():
         if is_expert_layer(layer):
             device = _device_of(path, run, column)
-            out.append((own, layer, expert_twin(layer, run.ep, ep_rank,
-                                                run.chunk_group("ep", device), device)))
+            out.append((own, layer, expert_twin(layer, originals.get(path, layer), run.ep,
+                                                ep_rank, run.chunk_group("ep", device),
+                                                device)))
     return out
 
 

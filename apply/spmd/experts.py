@@ -4,7 +4,9 @@ mixture-of-experts layer's experts; tokens meet their experts in two all-to-alls
 Pipeline position: ``apply.spmd.copies`` swaps every ``tfplan.layers.MixtureOfExperts`` of a
 copy (top-level, or inside a block) for its expert twin (``apply.expert_parallel``'s
 ``ExpertParallelMoE``: the layer's own routing, ``tfplan.layers.routing``, on E/ep
-experts) and gives it ``exchange``, which replaces the twin's placed transfers with
+experts), and every keras_hub Mixtral or Qwen-MoE block inside its decoder block for the
+routed twin ``apply.expert_parallel_mixtral`` / ``_qwen`` make (its bank cut to E/ep
+experts), and gives the expert shard ``exchange``, which replaces the twin's placed transfers with
 collectives over the plan's ``ep`` group (``apply.groups``). ``SpmdModel`` sums an expert
 shard's gradient over its ``edp`` group (the replicas with the same experts) instead of the
 ``dp`` group, and ``Copies`` reads and writes the unsplit ``[E, ...]`` weights from the ep
@@ -39,7 +41,10 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tfplan.apply.collective_ops import member_all_to_all
-from tfplan.apply.expert_parallel import ExpertParallelMoE, check_expert_parallel, moe_twin
+from tfplan.apply.expert_parallel import (check_expert_parallel,
+                                         is_hub_moe_block, moe_twin)
+from tfplan.apply.expert_parallel_mixtral import is_mixtral_block, mixtral_twin
+from tfplan.apply.expert_parallel_qwen import qwen_moe_twin
 from tfplan.apply.groups import Group
 from tfplan.layers.moe import MixtureOfExperts
 
@@ -88,14 +93,23 @@ class Exchange:
 
 
 def is_expert_layer(layer: Any) -> bool:
-    """A layer the SPMD engine splits by experts (``MixtureOfExperts``, not a twin)."""
-    return isinstance(layer, MixtureOfExperts) and not getattr(layer, "is_expert_twin", False)
+    """A layer the SPMD engine splits by experts (``MixtureOfExperts`` or keras_hub's
+    Mixtral or Qwen-MoE block, not a twin)."""
+    return (isinstance(layer, MixtureOfExperts) or is_hub_moe_block(layer)) \
+        and not getattr(layer, "is_expert_twin", False)
 
 
-def expert_twin(layer: Any, ep: int, rank: int, group: Group, device: str
-                ) -> ExpertParallelMoE:
-    """Rank ``rank``'s unbuilt twin of the ``MixtureOfExperts`` ``layer``, exchanging over
-    ``group`` from ``device``."""
+def expert_twin(layer: Any, original: Any, ep: int, rank: int, group: Group, device: str
+                ) -> Any:
+    """Rank ``rank``'s twin of the expert layer ``layer`` (a copy's; ``original``: the
+    user's, whose aux-loss coefficient a keras_hub block's twin keeps), exchanging over
+    ``group`` from ``device``: a ``MixtureOfExperts``' unbuilt, a keras_hub block's built
+    (its router and other sub-layers reused, its bank's experts cut)."""
+    if is_hub_moe_block(layer):
+        make = mixtral_twin if is_mixtral_block(layer) else qwen_moe_twin
+        twin = make(layer, original, ep, rank, device)
+        twin.expert_bank.exchange_with(Exchange(group, device))
+        return twin
     twin = moe_twin(layer, ep, rank, device)
     twin.exchange_with(Exchange(group, device))
     return twin
@@ -108,5 +122,6 @@ def check_model(plan: Any, template: Any) -> None:
 
 
 def shard_ids(layer: Any) -> set[int]:
-    """The ids of an expert twin's ``[E/ep, ...]`` weights."""
-    return {id(v) for v in layer.shard_variables()}
+    """The ids of an expert twin's ``[E/ep, ...]`` weights (a keras_hub block's: its
+    bank's)."""
+    return {id(v) for v in getattr(layer, "expert_bank", layer).shard_variables()}
