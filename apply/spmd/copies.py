@@ -35,6 +35,7 @@ from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
 from tfplan.apply.offload import host_device
 from tfplan.apply.recompute import attention_layers, recompute_call
+from tfplan.apply.spmd.attention_block import check_split_blocks, is_attention_block, split_block
 from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
 from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
 from tfplan.apply.sequence_parallel import elementwise
@@ -143,6 +144,7 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
                               compat.flatten_layers(m) if getattr(layer, "is_expert_twin", False)
                               for i in shard_ids(layer)))
     copies.set_weights(reference)
+    check_split_blocks(models, template, run)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
         for model in (m for row in models for m in row):
             for v in model.variables:
@@ -262,6 +264,10 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
         rank = Rank(split, run.chunk_group("tp", own_device), own_device,
                     gather_output=gather, sequence=run.sequence_parallel and top_level,
                     cp_group=run.chunk_group("cp", own_device) if run.cp > 1 else None)
+        if split == "heads" and is_attention_block(layer):  # split in place
+            with tf.device(device):
+                split_block(layer, rank, own_device)
+            continue
         with tf.device(device):
             twin = rank_twin(layer, rank)
             with scopes_of(layer):

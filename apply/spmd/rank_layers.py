@@ -261,6 +261,55 @@ class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
         return [self.kernel_axis] + ([None] if self.row_bias is not None else [])
 
 
+class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
+    """One projection of an attention block split by heads (module docstring): ``role``
+    "input" (the kernel's ``heads_axis`` is an output axis: its slice, and the bias's) or
+    "output" (a contracted axis: its slice, g, then the whole bias)."""
+
+    def __init__(self, rank: Rank, role: str, heads_axis: int, **config: Any) -> None:
+        self.tp_rank, self.role, self.heads_axis = rank, role, heads_axis
+        inp, rest = config["equation"].split(",")
+        ker, out = rest.split("->")
+        self._char = ker[heads_axis]
+        self.full_bias_axes = config.get("bias_axes")
+        if role == "input":
+            shape = list(config["output_shape"])  # the output's axes after the batch's
+            shape[out.index(self._char) - 1] //= rank.size
+            config["output_shape"] = shape
+        else:
+            config["bias_axes"] = None  # the whole bias, added after g
+        super().__init__(**config)
+
+    def build(self, input_shape: Any) -> None:
+        inp = self.equation.split(",")[0]
+        if self.role == "output":
+            _, bias_shape, _ = compat.analyze_einsum_string(
+                self.equation, self.full_bias_axes, input_shape, self.partial_output_shape)
+            input_shape = list(input_shape)
+            axis = inp.index(self._char)
+            input_shape[axis] = int(input_shape[axis]) // self.tp_rank.size
+        super().build(tuple(input_shape))
+        self.input_spec = None
+        if self.role == "output" and self.full_bias_axes:
+            self._add_row_bias(bias_shape)
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        y = super().call(inputs)
+        if self.role == "input":
+            return y
+        y = reduce_from_tp(y, self.tp_rank.group, self.tp_rank.device)
+        return y if self.row_bias is None else y + ops.cast(self.row_bias, y.dtype)
+
+    def rank_axes(self) -> list[int | None]:
+        axes: list[int | None] = [self.heads_axis]
+        if self.role == "input" and self.bias is not None:
+            bias_axes = self.bias_axes or ""
+            axes.append(bias_axes.index(self._char) if self._char in bias_axes else None)
+        elif self.role == "output" and self.row_bias is not None:
+            axes.append(None)
+        return axes
+
+
 class _RankConv(_RankTwin):
     """A convolution (channels last, groups 1) split by its filters (column: the kernel's
     last axis and the bias) or its input channels (row: the kernel's axis -2, the input
@@ -482,6 +531,23 @@ def _is_piece(x: Any, seq: int, tp: int) -> bool:
     return len(shape) >= 2 and shape[1] is not None and int(shape[1]) * tp == seq
 
 
+def attention_block_problem(layer: Any, tp: int) -> str | None:
+    """Why the attention block ``layer`` cannot be split by heads over ``tp`` ("" when it
+    can; None when ``layer`` is no such block)."""
+    from tfplan.profiler.attention_blocks import attention_block
+
+    info = attention_block(layer)
+    if info is None:
+        return None
+    if info.query_heads % tp or info.kv_heads % tp:
+        return f"it has {info.query_heads} query and {info.kv_heads} key/value heads"
+    for p in info.projections:
+        if not isinstance(p.layer, keras.layers.EinsumDense) or \
+                p.layer.activation not in (None, keras.activations.linear):
+            return f"its projection {p.layer.name!r} is not an EinsumDense without activation"
+    return ""
+
+
 def split_problem(layer: Any, split: str, tp: int) -> str:
     """Why ``layer`` cannot be split by ``split`` over ``tp`` ranks here ("" when it can).
     A row split's input may cut unequally (its partial sums are whole); a column split's
@@ -495,9 +561,12 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
         heads = (layer.num_query_heads, layer.num_key_value_heads)
         return "" if all(h % tp == 0 for h in heads) else \
             f"its {heads[0]} query and {heads[1]} key/value heads"
+    if split == "heads" and cls is not keras.layers.MultiHeadAttention and \
+            not is_cached_attention(layer):
+        why = attention_block_problem(layer, tp)
+        return f"{cls.__name__} is not an attention block (split by heads here)" \
+            if why is None else why
     if split == "heads":
-        if cls is not keras.layers.MultiHeadAttention and not is_cached_attention(layer):
-            return f"{cls.__name__} is not MultiHeadAttention (split by heads here)"
         settings = compat.attention_settings(layer)
         if settings.use_gate or layer.attention_axes not in (None, (1,), [1]):
             return "gated attention or custom attention_axes"
@@ -563,5 +632,5 @@ def is_twin(layer: Any) -> bool:
     return isinstance(layer, _RankTwin)
 
 
-__all__ = ["Rank", "RankConv1D", "RankConv2D", "RankConv3D", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
+__all__ = ["Rank", "RankHeadsProjection", "attention_block_problem", "RankConv1D", "RankConv2D", "RankConv3D", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
            "RankMultiHeadAttention", "is_twin", "rank_twin", "split_problem"]

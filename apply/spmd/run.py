@@ -140,6 +140,28 @@ class RunDescription:
                 "sequence_parallel": self.sequence_parallel, "cp": self.cp, "ep": self.ep}
 
 
+def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
+    """The column splits a row split reads sliced: a column directly before a row; inside a
+    block, every column of a run of them in the block that a row split of the same block
+    ends (parallel projections that meet in an elementwise product before the row, as
+    SwiGLU's gate and up: Megatron keeps both sliced). Chained columns inside a block are
+    not row-fed this way and fail to build rather than train wrong (the second one's
+    kernel reads the whole width)."""
+    fed = set()
+    for i, (name, split) in enumerate(splits):
+        if split != "column":
+            continue
+        block = name.rpartition("/")[0]
+        for later, kind in splits[i + 1:]:
+            same = block and later.rpartition("/")[0] == block
+            if kind == "column" and same:
+                continue
+            if kind == "row" and (same or later == splits[i + 1][0]):
+                fed.add(name)
+            break
+    return frozenset(fed)
+
+
 def refusal(plan: Plan) -> str:
     """Why the SPMD engine does not run ``plan`` yet ("" when it does)."""
     s = plan.strategy
@@ -168,8 +190,7 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
     replicas = grids[0]
     pipeline = len(grids) > 1
     splits = tuple(plan.tp_splits) if tp > 1 else ()
-    row_fed = frozenset(name for (name, split), (_, after) in zip(splits, splits[1:])
-                        if split == "column" and after == "row")
+    row_fed = row_fed_columns(splits)
     return RunDescription(plan_name=plan.name, replicas=replicas, groups=groups_of(plan),
                           splits=splits, row_fed=row_fed,
                           num_microbatches=s.num_microbatches, global_batch=plan.global_batch,
