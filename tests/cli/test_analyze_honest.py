@@ -101,7 +101,7 @@ def test_absurd_global_batch_gets_a_warning(tmp_path):
 
 
 def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
-    """A plan apply refuses (ep with tp, fixed on purpose) is named as such, with the
+    """A plan apply refuses (ep with ZeRO-3, fixed on purpose) is named as such, with the
     reason, in the text and in --json's apply_refuses; a plan apply runs has none."""
     import json as _json
     import os as _os
@@ -111,11 +111,11 @@ def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
     _os.environ.update(env)
     try:
         code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "cpu:4",
-                              "--global-batch", "8", "--fix", "dp=2,tp=2,ep=2",
+                              "--global-batch", "8", "--fix", "dp=4,ep=2", "--zero-stage", "3",
                               "--out", str(tmp_path / "a")])
         assert code == 0, err
         out = " ".join((out + err).split())
-        assert "apply cannot train this plan yet" in out and "this plan has tp=2" in out
+        assert "apply cannot train this plan yet" in out and "this plan has zero_stage=3" in out
         code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "cpu:4",
                               "--global-batch", "8", "--fix", "dp=4,ep=2", "--zero-stage", "0",
                               "--out", str(tmp_path / "b"), "--json"])
