@@ -221,7 +221,10 @@ def gathered_outputs(layers: Sequence[Any], splits: Sequence[str]) -> frozenset[
     layer other than a row split or such a pass-through reads it, and where it is a
     model output (nothing reads it). Inside blocks, whose graph the profile does not
     hold, a column split is gathered unless the next split layer is a row split
-    (``row_follows``); so is every column where the profile has no layer inputs."""
+    (``row_follows``) or a run of column splits of the same block that a row split of
+    that block ends (``row_ends_block_columns``: parallel projections, SwiGLU's gate and
+    up, as ``apply.spmd.run.row_fed_columns`` keeps them cut); so is every column where the
+    profile has no layer inputs."""
     has_graph = any(l.inputs for l in layers)
     cut: set[str] = set()
     gathered: set[int] = set()
@@ -232,7 +235,8 @@ def gathered_outputs(layers: Sequence[Any], splits: Sequence[str]) -> frozenset[
     for i, l in enumerate(layers):
         split = splits[i] if i < len(splits) else ""
         if split == "column" and (l.block or not has_graph):
-            if not row_follows(splits, i):
+            if not (row_follows(splits, i) or l.block and row_ends_block_columns(
+                    layers, splits, i)):
                 gathered.add(i)
         elif split == "column" or (not split and l.type in PASS_THROUGH_TYPES and l.inputs
                                    and all(x in cut for x in l.inputs)):
@@ -256,6 +260,22 @@ def sequence_cut_outputs(profile: ModelProfile, splits: Sequence[str]) -> frozen
     local = sequence_parallel_layers(profile, splits)
     return frozenset(i for i, l in enumerate(profile.layers)
                      if local[i] or (splits[i] in ("row", "heads", "vocab") and has_sequence(l)))
+
+
+def row_ends_block_columns(layers: Sequence[Any], splits: Sequence[str], i: int) -> bool:
+    """Whether the split layers after layer i (a column split inside a block) are column
+    splits of its block up to a row split of its block."""
+    block = layers[i].block
+    for j in range(i + 1, len(splits)):
+        if not splits[j]:
+            continue
+        if layers[j].block != block:
+            return False
+        if splits[j] == "row":
+            return True
+        if splits[j] != "column":
+            return False
+    return False
 
 
 def row_follows(splits: Sequence[str], i: int) -> bool:

@@ -131,7 +131,9 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
 
 def input_grad_bytes(profile: ModelProfile) -> dict[str, int]:
     """{layer name: bytes of its input whose gradient the backward pass computes}, in one
-    pass over the edges: a layer's recorded input bytes, else the sum of its in-edges; none
+    pass over the edges: a layer's recorded floating-point input bytes (a mask's or token
+    ids' have no gradient; profiles made before that was recorded: all its input bytes),
+    else the sum of its in-edges; none
     for a top-level layer that reads only the model's inputs (nothing upstream trains, so a
     column split's backward all-reduce of that gradient never runs)."""
     names = {layer.name for layer in profile.layers}
@@ -143,8 +145,14 @@ def input_grad_bytes(profile: ModelProfile) -> dict[str, int]:
             from_layers.add(e.dst)
     return {layer.name: 0 if (not layer.block and not layer.inputs and layer.name in into
                               and layer.name not in from_layers)
-            else layer.input_bytes or into.get(layer.name, 0)
+            else _grad_bytes(layer) if layer.input_bytes else into.get(layer.name, 0)
             for layer in profile.layers}
+
+
+def _grad_bytes(layer: LayerProfile) -> int:
+    """A layer's recorded inputs that take a gradient: the floating-point ones (all of them
+    in a profile made before those were recorded apart)."""
+    return layer.float_input_bytes if layer.float_input_bytes >= 0 else layer.input_bytes
 
 
 def profile_comm(profile: ModelProfile) -> tuple[LayerComm, ...]:

@@ -91,6 +91,9 @@ class LayerProfile:
     compute_weight_bytes: int = 0  # low-precision weight copies made for compute
     activation_saved_bytes: int = 0  # forward tensors kept for the backward pass
     input_bytes: int = 0  # tensors the layer's calls receive (each once per call)
+    # of those, the floating-point ones: the inputs a gradient flows back into (a mask or
+    # token ids has none); -1: not recorded (profiles made before it), read as input_bytes
+    float_input_bytes: int = -1
     calls: int = 1  # times the model calls this layer (numbers are summed over calls)
     matmul_flops_fwd: int = 0  # the share of flops_fwd in contractions (MatMul, Einsum, Conv)
     matmul_flops_bwd: int = 0
@@ -182,7 +185,8 @@ class LayerProfile:
             "trainable_param_bytes": self.trainable_param_bytes,
             "compute_weight_bytes": self.compute_weight_bytes,
             "activation_saved_bytes": self.activation_saved_bytes,
-            "input_bytes": self.input_bytes, "calls": self.calls,
+            "input_bytes": self.input_bytes, "float_input_bytes": self.float_input_bytes,
+            "calls": self.calls,
             "matmul_flops_fwd": self.matmul_flops_fwd, "matmul_flops_bwd": self.matmul_flops_bwd,
             "memory_traffic_bytes_fwd": self.memory_traffic_bytes_fwd,
             "memory_traffic_bytes_bwd": self.memory_traffic_bytes_bwd,
@@ -216,6 +220,8 @@ class LayerProfile:
                             default=default)
         ints["groups"] = field(d, "groups", k, int, where=where, minimum=1, optional=True,
                                default=1)
+        ints["float_input_bytes"] = field(d, "float_input_bytes", k, int, where=where,
+                                          minimum=-1, optional=True, default=-1)
         measured = {n: (None if d.get(n) is None else
                         field(d, n, k, float, where=where, minimum=0))
                     for n in ("measured_fwd_s", "measured_bwd_s")}

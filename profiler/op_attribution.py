@@ -86,6 +86,7 @@ class LayerTrace:
     traffic_bytes_bwd: int = 0
     output_bytes: int = 0
     input_bytes: int = 0
+    float_input_bytes: int = 0  # of input_bytes, the floating-point tensors'
     saved_bytes: int = 0
     compute_weight_bytes: int = 0
     # attention cores (``profiler.attention_core``): forward FLOPs, the saved bytes they
@@ -326,6 +327,8 @@ class Accounting:
                         acc.output_bytes += b
                     else:
                         acc.input_bytes += b
+                        if t.dtype.is_floating:
+                            acc.float_input_bytes += b
 
     def _edges(self, fwd: int, loss: int) -> list[tuple[str, str, int]]:
         origins: dict[str, frozenset] = {}

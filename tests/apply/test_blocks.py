@@ -424,8 +424,7 @@ def test_selective_recomputation_reaches_the_attention_inside_blocks(case):
 def test_attention_blocks_split_by_heads_train_like_one_device(kind, case):
     """On the SPMD engine (apply.spmd.attention_block): each rank's copy of the block keeps
     its heads -- its projections' kernels cut along their heads axis, its head counts / tp
-    -- and trains like one device. (Its bytes are not yet what the plan prices: Llama tp=2
-    sends 82,204 B per device against 106,496 priced; see the README.)"""
+    -- and trains like one device; at tp=2 each device sends what the plan prices."""
     from tfplan.apply.spmd.rank_layers import RankHeadsProjection
 
     model, batches, reference = hub(kind)
@@ -444,6 +443,20 @@ def test_attention_blocks_split_by_heads_train_like_one_device(kind, case):
             for p in projections:
                 assert p.kernel.shape[p.heads_axis] in (1, 2), (p.name, p.kernel.shape)
     assert_trains_like_the_backbone(wrapped, model, plan, batches, reference)
+    if case == "tp2":
+        assert_sends_what_is_priced(wrapped, model, plan, batches[0])
+
+
+def assert_sends_what_is_priced(wrapped, model, plan, batch) -> None:
+    """Each device's tp bytes within 10% of the plan's (``planner.traffic``)."""
+    from tfplan.apply.audit import audit_step
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    measured = audit_step(wrapped, *batch, plan=plan).by_device()
+    priced = dict(plan_sent_bytes(profile_model(model, batch_size=len(batch[1])), plan))
+    for device in plan.devices:
+        assert measured[device]["tp"] == pytest.approx(dict(priced[device])["tp"], rel=0.10)
 
 
 def test_a_tp_that_does_not_divide_the_kv_heads_is_refused():
