@@ -29,7 +29,7 @@ own. A block whose ``call`` mixes heads or reads a head count other than its
 replica 0's ranks of every split block, in one traced function (their all-reduces meet),
 on a random input shaped as the block was built (with an all-ones attention mask where its
 call takes one), and refuses the plan unless each rank's
-output equals the user's block's (rtol 1e-5).
+output equals the user's block's (rtol 1e-5; 2e-2 at 16-bit compute).
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def split_block(block: Any, rank: Rank, device: str) -> None:
 
 
 RTOL = 1e-5
+RTOL_16_BIT = 2e-2  # a float16/bfloat16 block: sums in another order (a head mixed: O(1))
 
 
 def check_split_blocks(models: Any, template: Any, run: Any) -> None:
@@ -139,7 +140,8 @@ def check_split_blocks(models: Any, template: Any, run: Any) -> None:
             want = np.asarray(original(x, **kwargs))
             got = [np.asarray(y) for y in ranked()]
         scale = float(np.max(np.abs(want))) if want.size else 0.0
-        if any(g.shape != want.shape or not np.allclose(g, want, rtol=RTOL, atol=RTOL * scale)
+        rtol = RTOL if original.compute_dtype == "float32" else RTOL_16_BIT
+        if any(g.shape != want.shape or not np.allclose(g, want, rtol=rtol, atol=rtol * scale)
                for g in got):
             raise PlannerError(
                 f"{where}, but the sum of its ranks' outputs differs from the unsplit "
