@@ -47,21 +47,6 @@ from tfplan.apply.spmd.rank_layers import Rank, RankHeadsProjection
 from tfplan.profiler.signature import layer_config
 
 
-def is_attention_block(layer: Any) -> bool:
-    """An attention block this module splits: not Keras' MultiHeadAttention or
-    GroupQueryAttention (``apply.spmd.rank_layers``' twins), recognised by
-    ``profiler.attention_blocks``."""
-    import keras
-
-    from tfplan.apply.sharded_layers import is_cached_attention
-    from tfplan.profiler.attention_blocks import attention_block
-
-    if isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)) \
-            or is_cached_attention(layer):
-        return False
-    return attention_block(layer) is not None
-
-
 def split_block(block: Any, rank: Rank, device: str) -> None:
     """``block`` (a rank's copy, built) split by heads in place (module docstring)."""
     import tensorflow as tf

@@ -32,6 +32,7 @@ from keras import ops
 
 from tfplan.apply.collective_ops import member_all_reduce
 from tfplan.apply.groups import Group
+from tfplan.apply.spmd.megatron import conjugate
 from tfplan.core.errors import PlannerError
 
 
@@ -39,14 +40,10 @@ def summed(x: Any, group: Group, device: str) -> Any:
     """The sum of every member's ``x``; its gradient is the sum of every member's gradient
     (each member's loss share depends on the sum)."""
 
-    @tf.custom_gradient
-    def op(v: Any) -> Any:
-        def backward(dy: Any) -> Any:
-            return member_all_reduce(dy, group, device, "dp")
+    def total(v: Any) -> Any:
+        return member_all_reduce(v, group, device, "dp")
 
-        return member_all_reduce(v, group, device, "dp"), backward
-
-    return op(x)
+    return conjugate(x, total, total)
 
 
 class GroupBatchNormalization(keras.layers.BatchNormalization):

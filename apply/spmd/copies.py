@@ -35,9 +35,10 @@ from tfplan.apply.cloning import is_graph_model
 from tfplan.apply.layer_tree import scopes_of
 from tfplan.apply.offload import host_device
 from tfplan.apply.recompute import attention_layers, recompute_call
-from tfplan.apply.spmd.attention_block import check_split_blocks, is_attention_block, split_block
+from tfplan.apply.spmd.attention_block import check_split_blocks, split_block
 from tfplan.apply.spmd.batch_norm import group_batch_norm, is_batch_norm
-from tfplan.apply.spmd.rank_layers import Rank, is_twin, rank_twin, split_problem
+from tfplan.apply.spmd.rank_layers import (Rank, is_attention_block, is_twin, rank_twin,
+                                          split_problem)
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.apply.context_layers import check_context_parallel_model
@@ -68,6 +69,11 @@ class Copies:
     # along axis 0 over the ep ranks, and the ids of the copies' variables holding them
     ep_cut: frozenset[int] = frozenset()
     expert_weights: frozenset[int] = frozenset()
+
+    def reduction_group(self, variable: Any) -> str:
+        """The group a copy's weight's gradient is summed over: "edp" for an expert shard
+        (the replicas holding the same experts), "dp" for every other weight."""
+        return "edp" if id(variable) in self.expert_weights else "dp"
 
     def weight_devices(self, q: int, t: int) -> list[str]:
         """The device of each trainable weight of copy (q, t) (its chunk's under pipeline
@@ -118,8 +124,9 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     if run.cp > 1:  # every layer but attention acts on each position alone
         check_context_parallel_model(template, run.cp, run.plan_name)
     reference = template.get_weights()
-    paths = [path for path, _ in profiled_layer_paths(template)]
-    originals = dict(profiled_layer_paths(template)) if run.ep > 1 else {}
+    entries = profiled_layer_paths(template)
+    paths = [path for path, _ in entries]
+    originals = dict(entries) if run.ep > 1 else {}
     models: list[list[Any]] = []
     programs: list[list[StageProgram]] = []
     on_pieces: list[Any] = []
@@ -137,12 +144,11 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
             row.append(model)
         models.append(row)
         programs.append(cut)
-    axes, ep_cut = _axes(models[0][0], reference, run.tp, run.ep)
+    experts = frozenset(i for row in models for m in row for layer in compat.flatten_layers(m)
+                        if getattr(layer, "is_expert_twin", False) for i in shard_ids(layer))
+    axes, ep_cut = _axes(models[0][0], reference, run.tp, run.ep, experts)
     copies = Copies(models, axes, run, programs if run.chunks > 1 else None,
-                    frozenset(id(w) for w in on_pieces), frozenset(ep_cut),
-                    frozenset(i for row in models for m in row for layer in
-                              compat.flatten_layers(m) if getattr(layer, "is_expert_twin", False)
-                              for i in shard_ids(layer)))
+                    frozenset(id(w) for w in on_pieces), frozenset(ep_cut), experts)
     copies.set_weights(reference)
     check_split_blocks(models, template, run)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
@@ -378,18 +384,16 @@ def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
         return keras.Model(rewired.inputs, outputs, name=rewired.name)
 
 
-def _axes(model: Any, reference: Sequence[np.ndarray], tp: int, ep: int = 1
-          ) -> tuple[list[int | None], list[int]]:
+def _axes(model: Any, reference: Sequence[np.ndarray], tp: int, ep: int = 1,
+          experts: frozenset[int] = frozenset()) -> tuple[list[int | None], list[int]]:
     """For each weight of ``model`` (a copy), the axis the unsplit weight is cut along over
-    the tensor ranks; and the indices of the weights cut along axis 0 over the ep ranks."""
+    the tensor ranks; and the indices of the weights cut along axis 0 over the ep ranks
+    (``experts``: the ids of the copies' expert shards)."""
     axis_of: dict[int, int | None] = {}
-    experts: set[int] = set()
     for layer in compat.flatten_layers(model):
         if is_twin(layer):
             for var, axis in zip(layer.weights, layer.rank_axes()):
                 axis_of[id(var)] = axis
-        if getattr(layer, "is_expert_twin", False):
-            experts |= shard_ids(layer)
     weights = model.weights
     if len(weights) != len(reference):
         raise PlannerError(f"A device's copy of the model has {len(weights)} weights, the "

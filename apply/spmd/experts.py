@@ -46,6 +46,7 @@ from tfplan.apply.expert_parallel import (check_expert_parallel,
 from tfplan.apply.expert_parallel_mixtral import is_mixtral_block, mixtral_twin
 from tfplan.apply.expert_parallel_qwen import qwen_moe_twin
 from tfplan.apply.groups import Group
+from tfplan.apply.spmd.megatron import conjugate
 from tfplan.layers.moe import MixtureOfExperts
 
 
@@ -53,14 +54,10 @@ def all_to_all(x: Any, group: Group, device: str) -> Any:
     """``collective_ops.member_all_to_all`` whose gradient is the all-to-all of the
     gradient (slice i of the result came from member i: its gradient goes back there)."""
 
-    @tf.custom_gradient
-    def op(v: Any) -> Any:
-        def grad(dy: Any) -> Any:
-            return member_all_to_all(dy, group, device, "ep")
+    def exchange(v: Any) -> Any:
+        return member_all_to_all(v, group, device, "ep")
 
-        return member_all_to_all(v, group, device, "ep"), grad
-
-    return op(x)
+    return conjugate(x, exchange, exchange)
 
 
 def exchanged(xe: Any, run_experts: Callable[[Any], Any], group: Group, device: str) -> Any:

@@ -32,8 +32,9 @@ from tfplan.apply.collective_ops import (member_all_gather, member_all_reduce,
 from tfplan.apply.groups import Group
 
 
-def _conjugate(x: Any, forward: Any, backward: Any) -> Any:
-    """``forward(x)``, whose gradient is ``backward(dy)`` (one rank's side of both)."""
+def conjugate(x: Any, forward: Any, backward: Any) -> Any:
+    """``forward(x)``, whose gradient is ``backward(dy)`` (one rank's side of both; also
+    the self-adjoint collectives of ``apply.spmd.experts`` and ``apply.spmd.batch_norm``)."""
 
     @tf.custom_gradient
     def op(x: Any) -> Any:
@@ -44,12 +45,12 @@ def _conjugate(x: Any, forward: Any, backward: Any) -> Any:
 
 def copy_to_tp(x: Any, group: Group, device: str) -> Any:
     """Megatron's f: identity forward, all-reduce of the gradient backward."""
-    return _conjugate(x, tf.identity, lambda dy: member_all_reduce(dy, group, device, "tp"))
+    return conjugate(x, tf.identity, lambda dy: member_all_reduce(dy, group, device, "tp"))
 
 
 def reduce_from_tp(x: Any, group: Group, device: str) -> Any:
     """Megatron's g: all-reduce forward, identity backward."""
-    return _conjugate(x, lambda v: member_all_reduce(v, group, device, "tp"), tf.identity)
+    return conjugate(x, lambda v: member_all_reduce(v, group, device, "tp"), tf.identity)
 
 
 def gather_from_tp(x: Any, group: Group, device: str) -> Any:
@@ -57,14 +58,14 @@ def gather_from_tp(x: Any, group: Group, device: str) -> Any:
     the gathered width: a gradient may reach it without a static last axis, as mixed
     precision's casts of the loss's leave it)."""
     width = int(x.shape[-1]) * group.size if x.shape[-1] is not None else None
-    return _conjugate(x, lambda v: _gather_last(v, group, device),
+    return conjugate(x, lambda v: _gather_last(v, group, device),
                       lambda dy: _own_slice(dy, group, device, width))
 
 
 def scatter_to_tp(x: Any, group: Group, device: str) -> Any:
     """The rank's last-axis slice forward, all-gather of the gradient's slices backward."""
     full = int(x.shape[-1])
-    return _conjugate(x, lambda v: _own_slice(v, group, device),
+    return conjugate(x, lambda v: _own_slice(v, group, device),
                       lambda dy: _gather_last(dy, group, device, full))
 
 
@@ -77,7 +78,7 @@ def gather_heads_from_tp(x: Any, group: Group, device: str) -> Any:
         return tf.transpose(member_all_gather(tf.transpose(v, order), group, device, "tp"),
                             order)
 
-    return _conjugate(x, gather,
+    return conjugate(x, gather,
                       lambda dy: tf.split(dy, group.size, axis=1)[group.devices.index(device)])
 
 
@@ -135,28 +136,28 @@ def all_gather_sequence(x: Any, group: Group, device: str, kind: str,
     "cp"). ``differentiable=False``: the gather alone (a mask)."""
     if not differentiable:
         return _gather_seq(x, group, device, kind)
-    return _conjugate(x, lambda v: _gather_seq(v, group, device, kind),
+    return conjugate(x, lambda v: _gather_seq(v, group, device, kind),
                       lambda dy: _reduce_scatter_seq(dy, group, device, kind))
 
 
 def reduce_scatter_from_tp(x: Any, group: Group, device: str) -> Any:
     """Their g-bar, after a row, heads or vocabulary split: the partial sums
     reduce-scattered into pieces forward, the pieces' gradients all-gathered back."""
-    return _conjugate(x, lambda v: _reduce_scatter_seq(v, group, device),
+    return conjugate(x, lambda v: _reduce_scatter_seq(v, group, device),
                       lambda dy: _gather_seq(dy, group, device))
 
 
 def scatter_to_sequence(x: Any, group: Group, device: str) -> Any:
     """A whole tensor that every rank holds cut to the rank's piece (forward, no
     communication); the pieces' gradients all-gathered back (each rank's whole gradient)."""
-    return _conjugate(x, lambda v: _own_piece(v, group, device),
+    return conjugate(x, lambda v: _own_piece(v, group, device),
                       lambda dy: _gather_seq(dy, group, device))
 
 
 def gather_from_sequence(x: Any, group: Group, device: str) -> Any:
     """The pieces all-gathered for a layer that mixes positions (run whole on every rank);
     the rank's piece of the (replicated) gradient back."""
-    return _conjugate(x, lambda v: _gather_seq(v, group, device),
+    return conjugate(x, lambda v: _gather_seq(v, group, device),
                       lambda dy: _own_piece(dy, group, device))
 
 

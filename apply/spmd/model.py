@@ -429,15 +429,14 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         """``device``'s gradients summed over its data-parallel group; an expert shard's
         over its ``edp`` group only, the replicas holding the same experts
         (``apply.spmd.experts``)."""
-        run, experts = self._copies.run, self._copies.expert_weights
-        mine = [i for i, v in enumerate(variables) if id(v) in experts]
-        if not mine:
-            return reduced(grads, variables, run.chunk_group("dp", device), device)
-        rest = [i for i in range(len(variables)) if i not in set(mine)]
+        run = self._copies.run
+        by_group: dict[str, list[int]] = {}
+        for i, v in enumerate(variables):
+            by_group.setdefault(self._copies.reduction_group(v), []).append(i)
         out = list(grads)
-        for indices, kind in ((rest, "dp"), (mine, "edp")):
+        for kind, indices in by_group.items():
             group = run.chunk_group(kind, device)
-            if indices and group.size > 1:
+            if group.size > 1:
                 summed = reduced([grads[i] for i in indices], [variables[i] for i in indices],
                                  group, device)
                 for i, g in zip(indices, summed):

@@ -531,14 +531,24 @@ def _is_piece(x: Any, seq: int, tp: int) -> bool:
     return len(shape) >= 2 and shape[1] is not None and int(shape[1]) * tp == seq
 
 
-def attention_block_problem(layer: Any, tp: int) -> str | None:
-    """Why the attention block ``layer`` cannot be split by heads over ``tp`` ("" when it
-    can; None when ``layer`` is no such block)."""
+def is_attention_block(layer: Any) -> bool:
+    """An attention block split by heads in place (``apply.spmd.attention_block``): not
+    Keras' MultiHeadAttention or GroupQueryAttention (this module's twins), recognised by
+    ``profiler.attention_blocks``."""
+    from tfplan.profiler.attention_blocks import attention_block
+
+    if isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)) \
+            or is_cached_attention(layer):
+        return False
+    return attention_block(layer) is not None
+
+
+def attention_block_problem(layer: Any, tp: int) -> str:
+    """Why the attention block ``layer`` (``is_attention_block``) cannot be split by heads
+    over ``tp`` ("" when it can)."""
     from tfplan.profiler.attention_blocks import attention_block
 
     info = attention_block(layer)
-    if info is None:
-        return None
     if info.query_heads % tp or info.kv_heads % tp:
         return f"it has {info.query_heads} query and {info.kv_heads} key/value heads"
     for p in info.projections:
@@ -561,12 +571,11 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
         heads = (layer.num_query_heads, layer.num_key_value_heads)
         return "" if all(h % tp == 0 for h in heads) else \
             f"its {heads[0]} query and {heads[1]} key/value heads"
-    if split == "heads" and cls is not keras.layers.MultiHeadAttention and \
-            not is_cached_attention(layer):
-        why = attention_block_problem(layer, tp)
-        return f"{cls.__name__} is not an attention block (split by heads here)" \
-            if why is None else why
+    if split == "heads" and is_attention_block(layer):
+        return attention_block_problem(layer, tp)
     if split == "heads":
+        if cls is not keras.layers.MultiHeadAttention and not is_cached_attention(layer):
+            return f"{cls.__name__} is not MultiHeadAttention (split by heads here)"
         settings = compat.attention_settings(layer)
         if settings.use_gate or layer.attention_axes not in (None, (1,), [1]):
             return "gated attention or custom attention_axes"
@@ -632,5 +641,5 @@ def is_twin(layer: Any) -> bool:
     return isinstance(layer, _RankTwin)
 
 
-__all__ = ["Rank", "RankHeadsProjection", "attention_block_problem", "RankConv1D", "RankConv2D", "RankConv3D", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
+__all__ = ["Rank", "RankHeadsProjection", "attention_block_problem", "is_attention_block", "RankConv1D", "RankConv2D", "RankConv3D", "RankDense", "RankEinsumDense", "RankEmbedding", "RankGroupQueryAttention",
            "RankMultiHeadAttention", "is_twin", "rank_twin", "split_problem"]

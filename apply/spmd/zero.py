@@ -149,9 +149,8 @@ class ZeroShards:
         self.run, self.stage = run, stage
         self.weights = [[list(model.trainable_variables) for model in row]
                         for row in copies.models]
-        experts = copies.expert_weights
-        # the group each weight is sharded over: "edp" for expert shards, else "dp"
-        self.kinds = [[["edp" if id(v) in experts else "dp" for v in vs] for vs in row]
+        # the group each weight is sharded over (its gradient's: "edp" or "dp")
+        self.kinds = [[[copies.reduction_group(v) for v in vs] for vs in row]
                       for row in self.weights]
         self.cuts = [[[Cut(tuple(int(d) for d in v.shape), self.group_size(kind))
                        for v, kind in zip(vs, kinds)] for vs, kinds in zip(row, row_kinds)]
