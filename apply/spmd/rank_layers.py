@@ -268,8 +268,7 @@ class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
 
     def __init__(self, rank: Rank, role: str, heads_axis: int, **config: Any) -> None:
         self.tp_rank, self.role, self.heads_axis = rank, role, heads_axis
-        inp, rest = config["equation"].split(",")
-        ker, out = rest.split("->")
+        ker, out = config["equation"].split(",")[1].split("->")
         self._char = ker[heads_axis]
         self.full_bias_axes = config.get("bias_axes")
         if role == "input":
@@ -303,8 +302,10 @@ class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
     def rank_axes(self) -> list[int | None]:
         axes: list[int | None] = [self.heads_axis]
         if self.role == "input" and self.bias is not None:
-            bias_axes = self.bias_axes or ""
-            axes.append(bias_axes.index(self._char) if self._char in bias_axes else None)
+            # Keras' bias spans the output's axes from its first bias axis on (1 elsewhere)
+            bias_axes, out = self.bias_axes or "", self.equation.split("->")[1]
+            first = min(out.index(c) for c in bias_axes)
+            axes.append(out.index(self._char) - first if self._char in bias_axes else None)
         elif self.role == "output" and self.row_bias is not None:
             axes.append(None)
         return axes
