@@ -222,7 +222,7 @@ def gathered_outputs(layers: Sequence[Any], splits: Sequence[str]) -> frozenset[
     model output (nothing reads it). Inside blocks, whose graph the profile does not
     hold, a column split is gathered unless the next split layer is a row split
     (``row_follows``) or a run of column splits of the same block that a row split of
-    that block ends (``row_ends_block_columns``: parallel projections, SwiGLU's gate and
+    that block ends (``block_columns_end_in_row``: parallel projections, SwiGLU's gate and
     up, as ``apply.spmd.run.row_fed_columns`` keeps them cut); so is every column where the
     profile has no layer inputs."""
     has_graph = any(l.inputs for l in layers)
@@ -235,8 +235,8 @@ def gathered_outputs(layers: Sequence[Any], splits: Sequence[str]) -> frozenset[
     for i, l in enumerate(layers):
         split = splits[i] if i < len(splits) else ""
         if split == "column" and (l.block or not has_graph):
-            if not (row_follows(splits, i) or l.block and row_ends_block_columns(
-                    layers, splits, i)):
+            if not (row_follows(splits, i) or l.block and block_columns_end_in_row(
+                    [(layers[j].block, splits[j]) for j in range(i, len(splits)) if splits[j]])):
                 gathered.add(i)
         elif split == "column" or (not split and l.type in PASS_THROUGH_TYPES and l.inputs
                                    and all(x in cut for x in l.inputs)):
@@ -262,18 +262,18 @@ def sequence_cut_outputs(profile: ModelProfile, splits: Sequence[str]) -> frozen
                      if local[i] or (splits[i] in ("row", "heads", "vocab") and has_sequence(l)))
 
 
-def row_ends_block_columns(layers: Sequence[Any], splits: Sequence[str], i: int) -> bool:
-    """Whether the split layers after layer i (a column split inside a block) are column
-    splits of its block up to a row split of its block."""
-    block = layers[i].block
-    for j in range(i + 1, len(splits)):
-        if not splits[j]:
-            continue
-        if layers[j].block != block:
+def block_columns_end_in_row(splits: Sequence[tuple[str, str]]) -> bool:
+    """Whether the first of ``splits`` ((block, kind) of each split layer in order, a
+    column split inside a block first) is followed by column splits of its block up to a
+    row split of its block: parallel projections that meet before the row split (the
+    planner's pricing and ``apply.spmd.run.row_fed_columns`` share this rule)."""
+    block = splits[0][0]
+    for other, kind in splits[1:]:
+        if other != block:
             return False
-        if splits[j] == "row":
+        if kind == "row":
             return True
-        if splits[j] != "column":
+        if kind != "column":
             return False
     return False
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from tfplan.apply.groups import Group, Groups, groups_of
 from tfplan.planner.plan import Plan
+from tfplan.planner.traffic import block_columns_end_in_row
 
 
 @dataclass(frozen=True)
@@ -143,23 +144,15 @@ class RunDescription:
 def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
     """The column splits a row split reads sliced: a column directly before a row; inside a
     block, every column of a run of them in the block that a row split of the same block
-    ends (parallel projections that meet in an elementwise product before the row, as
-    SwiGLU's gate and up: Megatron keeps both sliced). Chained columns inside a block are
-    not row-fed this way and fail to build rather than train wrong (the second one's
-    kernel reads the whole width)."""
-    fed = set()
-    for i, (name, split) in enumerate(splits):
-        if split != "column":
-            continue
-        block = name.rpartition("/")[0]
-        for later, kind in splits[i + 1:]:
-            same = block and later.rpartition("/")[0] == block
-            if kind == "column" and same:
-                continue
-            if kind == "row" and (same or later == splits[i + 1][0]):
-                fed.add(name)
-            break
-    return frozenset(fed)
+    ends (``planner.traffic.block_columns_end_in_row``: parallel projections that meet in
+    an elementwise product before the row, as SwiGLU's gate and up; Megatron keeps both
+    sliced). Chained columns inside a block are not row-fed this way and fail to build
+    rather than train wrong (the second one's kernel reads the whole width)."""
+    blocks = [(name.rpartition("/")[0], split) for name, split in splits]
+    return frozenset(
+        name for i, (name, split) in enumerate(splits) if split == "column" and (
+            splits[i + 1:i + 2] and splits[i + 1][1] == "row"
+            or blocks[i][0] and block_columns_end_in_row(blocks[i:])))
 
 
 def refusal(plan: Plan) -> str:

@@ -70,3 +70,14 @@ def test_a_pipeline_plans_chunks_columns_and_schedule():
         zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                       zero_stage=stage))
         assert refusal(zero) == f"ZeRO-{stage} with pipeline stages"
+
+
+def test_parallel_columns_inside_a_block_stay_cut_up_to_its_row_split():
+    """SwiGLU's gate and up (both read the block's input) stay cut for the row split that
+    ends their run; a run that another block's row split ends is gathered (only the column
+    right before a row is read sliced there)."""
+    from tfplan.apply.spmd.run import row_fed_columns
+
+    splits = (("b/attn", "heads"), ("b/gate", "column"), ("b/up", "column"),
+              ("b/down", "row"), ("c/up", "column"), ("c/x", "column"), ("d/down", "row"))
+    assert row_fed_columns(splits) == frozenset({"b/gate", "b/up", "c/x"})
