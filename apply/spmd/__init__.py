@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tfplan.apply.spmd.copies import build_copies
-from tfplan.apply.spmd.experts import check_model as check_experts
+from tfplan.apply.expert_parallel import check_expert_parallel
 from tfplan.apply.spmd.model import SpmdModel
 from tfplan.apply.spmd.run import RunDescription, describe, refusal
 from tfplan.planner.plan import Plan
@@ -34,7 +34,7 @@ def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
     ``logdir``: where ``fit`` writes predicted against measured step times
     (``apply.monitor``)."""
     if plan.strategy.ep > 1:  # a MixtureOfExperts to split, E divisible by ep
-        check_experts(plan, template)
+        check_expert_parallel(plan, template)
     run = describe(plan, recomputed)
     return SpmdModel(build_copies(builder, run, template), template, plan,
                      name=name, logdir=logdir)

@@ -41,8 +41,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tfplan.apply.collective_ops import member_all_to_all
-from tfplan.apply.expert_parallel import (check_expert_parallel,
-                                         is_hub_moe_block, moe_twin)
+from tfplan.apply.expert_parallel import is_hub_moe_block, moe_twin
 from tfplan.apply.expert_parallel_mixtral import is_mixtral_block, mixtral_twin
 from tfplan.apply.expert_parallel_qwen import qwen_moe_twin
 from tfplan.apply.groups import Group
@@ -110,12 +109,6 @@ def expert_twin(layer: Any, original: Any, ep: int, rank: int, group: Group, dev
     twin = moe_twin(layer, ep, rank, device)
     twin.exchange_with(Exchange(group, device))
     return twin
-
-
-def check_model(plan: Any, template: Any) -> None:
-    """``ExpertParallelError`` for what an ep plan cannot split (``apply.expert_parallel``'s
-    checks: no MoE layer, E not divisible by ep, a MoE layer of a nested model)."""
-    check_expert_parallel(plan, template)
 
 
 def shard_ids(layer: Any) -> set[int]:
