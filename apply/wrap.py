@@ -151,6 +151,8 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
         wrapped = _wrap_spmd(builder, template, plan, recompute, logdir)
         if batch_norm_layers(view):
             _warn_local_statistics(plan, stacklevel=3)
+        if wrapped.run_description.joined_microbatches > 1:
+            _warn_joined(plan, stacklevel=3)
         if getattr(model, "compiled", False):
             _compile_like(model, wrapped)
         if logdir is not None:
@@ -279,9 +281,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     s = plan.strategy
     norms = [(path, layer) for path, layer in profiled_layer_paths(view)
              if isinstance(layer, keras.layers.BatchNormalization)]
-    if norms and s.num_microbatches > 1:
-        return "BatchNormalization statistics over micro-batches"
-    if norms and s.dp > 1:
+    if norms and (s.dp > 1 or (s.batch_norm == "local" and s.num_microbatches > 1)):
         if s.batch_norm not in ("global", "local"):
             return f"{s.batch_norm} BatchNormalization statistics"
         if any(not is_batch_norm(layer) or getattr(layer, "renorm", False)
@@ -327,6 +327,19 @@ def _apply_batch_norm(plan: Plan, wrapped: Any) -> None:
             "so the micro-batches run in GPipe order (all forwards, then all backwards). "
             "Make the plan with --schedule gpipe, or with --batch-norm local to keep "
             f"{s.schedule}.", stacklevel=3)
+
+
+def _warn_joined(plan: Plan, stacklevel: int) -> None:
+    """Where global batch statistics make a pipeline schedule run in another order."""
+    s = plan.strategy
+    if s.schedule in SCHEDULED:
+        warnings.warn(
+            f"Plan {plan.name!r} has a {s.schedule} schedule, but global batch statistics "
+            "need every micro-batch at each BatchNormalization layer before any continues, "
+            f"so each replica's {s.num_microbatches} micro-batches run as one, stage after "
+            "stage (GPipe order with the barrier planner.batch_stats prices). Make the plan "
+            f"with --schedule gpipe, or with --batch-norm local to keep {s.schedule}.",
+            stacklevel=stacklevel)
 
 
 def _warn_local_statistics(plan: Plan, stacklevel: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from tfplan.apply.spmd.batch_norm import has_batch_norm
 from tfplan.apply.spmd.copies import build_copies
 from tfplan.apply.expert_parallel import check_expert_parallel
 from tfplan.apply.spmd.model import SpmdModel
@@ -35,7 +36,7 @@ def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
     (``apply.monitor``)."""
     if plan.strategy.ep > 1:  # a MixtureOfExperts to split, E divisible by ep
         check_expert_parallel(plan, template)
-    run = describe(plan, recomputed)
+    run = describe(plan, recomputed, batch_norm=has_batch_norm(template))
     return SpmdModel(build_copies(builder, run, template), template, plan,
                      name=name, logdir=logdir)
 

@@ -2,8 +2,9 @@
 over the data-parallel group, as one device computes them (the plan's ``global`` rule).
 
 Pipeline position: ``apply.spmd.copies`` swaps every BatchNormalization layer of a copy for
-a ``GroupBatchNormalization`` over its device's data-parallel group when the run
-description's ``batch_stats`` is set (dp > 1, one micro-batch); ``planner.batch_stats``
+a ``GroupBatchNormalization`` over its device's data-parallel group (on the layer's pipeline
+chunk) when the step has several parts (dp > 1, or micro-batches under ``local``);
+``SpmdModel``'s train step opens ``moving_statistics``; ``planner.batch_stats``
 prices the all-reduces (SyncBatchNorm, as PyTorch's and Keras' ``synchronized=True``).
 
 In training, each device sums its rows' ``x`` (and their count) per channel; one all-reduce
@@ -14,22 +15,34 @@ replica's loss share reaches the statistics, and through them every replica's ro
 moving statistics move once per step with those values, identically on every replica
 (Keras' rule: moving = moving x momentum + batch x (1 - momentum)). Outside training, or
 in a group of one, the layer is Keras' own. Masked inputs and ``renorm`` are refused
-(``apply.spmd.run.refusal`` sends such plans to the older engine first).
+(``apply.wrap.spmd_refusal`` sends ``renorm`` and subclasses to the older engine first).
 
-Under the plan's ``local`` rule (one micro-batch) each replica normalises its rows with their
-own statistics (Keras' layer, GPipe's and MirroredStrategy's rule): no collective in the
-loss or its gradient; the moving statistics move once per step with the mean over the
-replicas of their batch statistics, one forward all-reduce of the 2 C values per layer
-(``planner.traffic``), so every replica keeps one value.
+Over micro-batches the ``global`` rule needs every micro-batch's rows at each layer before any
+continues, forward and backward (``planner.batch_stats``' barrier): the engine runs each
+replica's micro-batches as one (``apply.spmd.run.describe``: ``joined_microbatches``), which
+is the barrier's order (each stage runs all of them before the next starts) and holds what
+it holds (every micro-batch's activations, GPipe's).
+
+Under the plan's ``local`` rule each part (replica and micro-batch) normalises its rows with
+their own statistics (Keras' layer, GPipe's and MirroredStrategy's rule): no collective in
+the loss or its gradient. Inside a step the parts' batch statistics are recorded
+(``moving_statistics``) and the moving statistics move once per step, after the forward,
+with their mean over every part: the micro-batches' on the device, then one all-reduce of
+the 2 C values per layer over the data-parallel group (``planner.traffic``), so every
+replica keeps one value (Keras' rule is linear in the batch value: one update with the
+mean is the mean of the parts' updates).
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
 from keras import ops
 
+from tfplan import compat
 from tfplan.apply.collective_ops import member_all_reduce
 from tfplan.apply.groups import Group
 from tfplan.apply.spmd.megatron import conjugate
@@ -55,10 +68,12 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         super().__init__(**config)
 
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
-        if not training or not self.trainable or self.group.size == 1:
+        if not training or not self.trainable:
             return super().call(inputs, training=training, mask=mask)
         if self.local:
             return self._local_call(inputs, mask)
+        if self.group.size == 1:
+            return super().call(inputs, training=training, mask=mask)
         if mask is not None or self.renorm:
             raise PlannerError(
                 f"BatchNormalization {self.name!r} gets a Keras mask or uses renorm; the SPMD "
@@ -89,21 +104,79 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
 
 
     def _local_call(self, inputs: Any, mask: Any) -> Any:
-        """``local``: normalised with this replica's own statistics (Keras' layer), the
-        moving statistics moved once with the mean of the replicas' (one all-reduce of
-        mean and variance, forward only), so every replica keeps the same values."""
-        out = super().call(inputs, training=True, mask=mask)  # moves them by its own batch
-        # Keras' rule, moving' = moving m + batch (1 - m), is linear in the batch value:
-        # the mean over the replicas of each one's moving' is one update with their mean
-        moving = (self.moving_mean, self.moving_variance)
-        stats = ops.concatenate([ops.cast(ops.convert_to_tensor(v), "float32")
-                                 for v in moving])  # read after the layer's own update
-        mean = member_all_reduce(tf.stop_gradient(stats), self.group, self.device, "dp") \
-            / float(self.group.size)
-        n = int(self.moving_mean.shape[0])
-        for v, value in zip(moving, (mean[:n], mean[n:])):
-            v.assign(ops.cast(value, v.dtype))
-        return out
+        """``local``: normalised with this part's own statistics (Keras' layer); inside a
+        step they are recorded for the one update of the moving statistics
+        (``moving_statistics``), outside one Keras' own update."""
+        step = _STEP.get()
+        if step is None:
+            return super().call(inputs, training=True, mask=mask)
+        x = ops.cast(inputs, "float32")
+        mean, variance = _moments(x, self.axis % len(x.shape), mask)
+        step.record(self, mean, variance)
+        gamma = None if self.gamma is None else ops.cast(self.gamma, "float32")
+        beta = None if self.beta is None else ops.cast(self.beta, "float32")
+        out = ops.batch_normalization(x, mean, variance, axis=self.axis, offset=beta,
+                                      scale=gamma, epsilon=self.epsilon)
+        return ops.cast(out, self.compute_dtype)
+
+
+def _moments(x: Any, axis: int, mask: Any) -> tuple[Any, Any]:
+    """Mean and biased variance of ``x`` over every axis but ``axis``; with a Keras mask
+    (one axis less than ``x``) over its unmasked entries, as Keras' BatchNormalization."""
+    axes = [i for i in range(len(x.shape)) if i != axis]
+    if mask is None:
+        return ops.moments(x, axes=axes)
+    weight = ops.broadcast_to(ops.expand_dims(ops.cast(mask, x.dtype), -1), ops.shape(x))
+    count = ops.sum(weight, axis=axes) + keras.config.epsilon()
+    mean = ops.sum(x * weight, axis=axes) / count
+    shape = [1] * len(x.shape)
+    shape[axis] = -1
+    deviation = (x - ops.reshape(mean, shape)) * weight
+    return mean, ops.sum(ops.square(deviation), axis=axes) / count
+
+
+class MovingStatistics:
+    """The batch statistics a step's parts recorded under ``local``, by layer, and their one
+    update of the moving statistics (module docstring)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, tuple[GroupBatchNormalization, list[Any]]] = {}
+
+    def record(self, layer: GroupBatchNormalization, mean: Any, variance: Any) -> None:
+        stats = tf.stop_gradient(ops.concatenate([mean, variance]))
+        self._parts.setdefault(id(layer), (layer, []))[1].append(stats)
+
+    def update(self) -> None:
+        """Each recorded layer's moving statistics moved once, with the mean of every part's
+        (its micro-batches' on its device, then over its data-parallel group)."""
+        for layer, parts in self._parts.values():
+            with tf.device(layer.device):
+                mean = ops.mean(ops.stack(parts), axis=0)
+                if layer.group.size > 1:
+                    mean = member_all_reduce(mean, layer.group, layer.device, "dp") \
+                        / float(layer.group.size)
+                n = int(layer.moving_mean.shape[0])
+                for v, batch in ((layer.moving_mean, mean[:n]),
+                                 (layer.moving_variance, mean[n:])):
+                    v.assign(v * layer.momentum + ops.cast(batch, v.dtype)
+                             * (1.0 - layer.momentum))
+        self._parts.clear()
+
+
+_STEP: contextvars.ContextVar[MovingStatistics | None] = contextvars.ContextVar(
+    "tfplan_spmd_moving_statistics", default=None)
+
+
+@contextlib.contextmanager
+def moving_statistics() -> Iterator[MovingStatistics]:
+    """Inside a train step: ``local`` layers record their parts' statistics here; call
+    ``update()`` once the step's forwards have run."""
+    step = MovingStatistics()
+    token = _STEP.set(step)
+    try:
+        yield step
+    finally:
+        _STEP.reset(token)
 
 
 def group_batch_norm(layer: Any, group: Group, device: str, local: bool = False
@@ -115,3 +188,9 @@ def group_batch_norm(layer: Any, group: Group, device: str, local: bool = False
 
 def is_batch_norm(layer: Any) -> bool:
     return type(layer) is keras.layers.BatchNormalization
+
+
+def has_batch_norm(model: Any) -> bool:
+    """True when ``model`` has a BatchNormalization layer at any depth."""
+    return any(isinstance(layer, keras.layers.BatchNormalization)
+               for layer in compat.flatten_layers(model))

@@ -221,8 +221,14 @@ def _place_chunks(model: Any, paths: Sequence[str], run: RunDescription,
 
 
 def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:
-    """The device of the plan's layer ``name`` in a column (its chunk's)."""
-    return column[dict(run.stage_of_entry).get(name, 0)] if len(column) > 1 else column[0]
+    """The device of the plan's layer ``name`` (or of the block holding it) in a column
+    (its chunk's)."""
+    if len(column) == 1:
+        return column[0]
+    chunks = dict(run.stage_of_entry)
+    while name not in chunks and "/" in name:  # a block's sub-layer: the block's chunk
+        name = name.rpartition("/")[0]
+    return column[chunks.get(name, 0)]
 
 
 def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescription,
@@ -235,7 +241,7 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
     rank (its share of every MoE layer's experts); ``originals``: the template's layers
     by path (the user's, under ep)."""
     device = column[0]
-    twins = _batch_norm_twins(layers, run, device) + _context_twins(layers, run, device) \
+    twins = _batch_norm_twins(layers, run, column) + _context_twins(layers, run, device) \
         + _expert_twins(layers, run, column, ep_rank, originals or {})
     if not run.splits and not twins and run.cp == 1:
         return model
@@ -289,16 +295,21 @@ def _swap_splits(model: Any, layers: dict[str, tuple[str, Any]], run: RunDescrip
 
 
 def _batch_norm_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,
-                      device: str) -> list[tuple[str, Any, Any]]:
+                      column: Sequence[str]) -> list[tuple[str, Any, Any]]:
     """(this copy's path, layer, twin) of every BatchNormalization layer whose statistics
-    are summed over the data-parallel group of ``device`` (its tensor rank of every
-    replica: ``apply.spmd.batch_norm``; dp > 1; one chunk)."""
-    if run.dp == 1:
-        return []
-    group = run.chunk_group("dp", device)
+    a step of several parts governs (``apply.spmd.batch_norm``): summed over the data-
+    parallel group of the layer's device (its chunk's; dp > 1), or each part's own under
+    ``local`` (dp > 1 or micro-batches)."""
     local = run.batch_norm == "local"
-    return [(own, layer, group_batch_norm(layer, group, device, local))
-            for own, layer in layers.values() if is_batch_norm(layer)]
+    if run.dp == 1 and not (local and run.num_microbatches > 1):
+        return []
+    out = []
+    for name, (own, layer) in layers.items():
+        if is_batch_norm(layer):
+            device = _device_of(name, run, column)
+            out.append((own, layer, group_batch_norm(layer, run.chunk_group("dp", device),
+                                                     device, local)))
+    return out
 
 
 def _context_twins(layers: dict[str, tuple[str, Any]], run: RunDescription,

@@ -71,6 +71,7 @@ from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
+from tfplan.apply.spmd.batch_norm import moving_statistics
 from tfplan.apply.spmd.copies import Copies
 from tfplan.apply.spmd.optimizer_state import OptimizerState
 from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
@@ -330,8 +331,11 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
 
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> Any:
-        with self._shape_checked(data, "A training batch"), instance_scope():
-            return self._train_step(data)
+        with self._shape_checked(data, "A training batch"), instance_scope(), \
+                moving_statistics() as statistics:
+            metrics = self._train_step(data)
+            statistics.update()  # "local" BatchNormalization: once per step
+            return metrics
 
     def _train_step(self, data: Any) -> Any:
         if self._copies.programs is not None:

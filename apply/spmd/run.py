@@ -61,6 +61,9 @@ class RunDescription:
     cp: int = 1
     # expert parallelism (apply.spmd.experts): replica q holds ep rank q % ep's experts
     ep: int = 1
+    # the plan's micro-batches per replica run as one (num_microbatches is then 1): global
+    # batch statistics join them at every BatchNormalization layer (apply.spmd.batch_norm)
+    joined_microbatches: int = 1
 
     def ep_rank(self, q: int) -> int:
         """Replica q's expert-parallel rank (its share of every MoE layer's experts)."""
@@ -138,7 +141,8 @@ class RunDescription:
                 "stages": [[list(r) for r in grid] for grid in self.stages],
                 "stage_of_entry": [list(e) for e in self.stage_of_entry],
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "sequence_parallel": self.sequence_parallel, "cp": self.cp, "ep": self.ep}
+                "sequence_parallel": self.sequence_parallel, "cp": self.cp, "ep": self.ep,
+                "joined_microbatches": self.joined_microbatches}
 
 
 def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
@@ -173,10 +177,15 @@ def refusal(plan: Plan) -> str:
     return ""
 
 
-def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
+def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = False
+             ) -> RunDescription:
     """The run description of a plan (``refusal(plan) == ""``); ``recomputed``: the
-    top-level layers it recomputes (``apply.recompute.recomputed_layers``)."""
+    top-level layers it recomputes (``apply.recompute.recomputed_layers``); ``batch_norm``:
+    the model has BatchNormalization layers (under the plan's ``global`` rule its
+    micro-batches then run as one: ``joined_microbatches``)."""
     s = plan.strategy
+    m = s.num_microbatches
+    joined = m if batch_norm and s.batch_norm == "global" and m > 1 else 1
     tp = max(1, s.tp)
     grids = tuple(tuple(tuple(stage.devices[q * tp:(q + 1) * tp])
                         for q in range(len(stage.devices) // tp)) for stage in plan.stages)
@@ -186,7 +195,7 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
     row_fed = row_fed_columns(splits)
     return RunDescription(plan_name=plan.name, replicas=replicas, groups=groups_of(plan),
                           splits=splits, row_fed=row_fed,
-                          num_microbatches=s.num_microbatches, global_batch=plan.global_batch,
+                          num_microbatches=m // joined, global_batch=plan.global_batch,
                           zero_stage=s.zero_stage if len(replicas) > 1 else 0,
                           recompute=s.recompute if recomputed else "none",
                           recomputed=tuple(recomputed), batch_norm=s.batch_norm,
@@ -197,4 +206,4 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = ()) -> RunDescription:
                           if pipeline else "none",
                           virtual_stages=max(1, s.virtual_stages) if pipeline else 1,
                           sequence_parallel=bool(s.sequence_parallel) and tp > 1,
-                          cp=max(1, s.cp), ep=max(1, s.ep))
+                          cp=max(1, s.cp), ep=max(1, s.ep), joined_microbatches=joined)

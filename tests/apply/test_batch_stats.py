@@ -1,4 +1,5 @@
-"""BatchNormalization under a plan (``apply.batch_stats``, ``apply.joint_forward``).
+"""BatchNormalization under a plan, on the SPMD engine (``apply.spmd.batch_norm``; across
+workers the older engine's ``apply.batch_stats``).
 
 A tiny ResNet with four BatchNormalization layers trains 10 steps under dp=4, a pp=2
 pipeline with 2 micro-batches and dp2 x pp2 with ``batch_norm: global``: the losses and
@@ -64,8 +65,9 @@ def plan_for(model, shape: str, batch_norm: str = "global", schedule: str | None
 
 def _statistics(wrapped):
     """How the wrapped model computes batch statistics: "global" / "local", or None where
-    nothing is installed (no BatchNormalization); on the SPMD engine, "global" where its
-    copies' BatchNormalization layers sum their statistics over the dp group."""
+    nothing is installed (no BatchNormalization); on the SPMD engine, the plan's rule where
+    its copies' BatchNormalization layers follow it (summed over the dp group, or each
+    part's own) or where its micro-batches run joined for them."""
     from tfplan.apply.spmd import SpmdModel
     from tfplan.apply.spmd.batch_norm import GroupBatchNormalization
 
@@ -73,7 +75,8 @@ def _statistics(wrapped):
         return wrapped.batch_norm
     grouped = any(isinstance(layer, GroupBatchNormalization)
                   for copy in wrapped.device_models for layer in copy.layers)
-    return wrapped.run_description.batch_norm if grouped else None
+    run = wrapped.run_description
+    return run.batch_norm if grouped or run.joined_microbatches > 1 else None
 
 
 def moving_statistics(wrapped):
@@ -102,6 +105,7 @@ def test_global_statistics_train_like_one_device(shape, reference, tmp_path):
     ref_losses, ref_weights, one = reference
     module, model = base_model("tiny_resnet_bn")
     wrapped = apply.wrap(fresh_copy(module, model), plan_for(model, shape))
+    assert type(wrapped).__name__ == "SpmdModel"  # every shape on the SPMD engine
     assert _statistics(wrapped) == "global"
     losses = train(wrapped, module)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
@@ -153,6 +157,7 @@ def test_local_statistics_differ_from_one_device_but_stay_one_value(shape, refer
     module, model = base_model("tiny_resnet_bn")
     with pytest.warns(UserWarning, match="per replica and micro-batch"):
         wrapped = apply.wrap(fresh_copy(module, model), plan_for(model, shape, "local"))
+    assert type(wrapped).__name__ == "SpmdModel"
     losses = train(wrapped, module)
     # per-part statistics: the first step's loss already differs
     assert abs(losses[0] - ref_losses[0]) > 1e-3 * abs(ref_losses[0])
