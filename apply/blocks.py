@@ -41,9 +41,8 @@ nested model (a keras_hub backbone called inside a Functional model). Here:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 

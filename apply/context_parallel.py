@@ -43,7 +43,6 @@ processes (``apply.dimensions``), ``GroupedQueryAttention`` and an explicit
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Collection, Sequence
 
 import keras

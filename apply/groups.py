@@ -18,7 +18,8 @@ innermost; "replica" q = r cp + c (data-parallel rank r, context rank c) holds
 * ``ep``: ep consecutive data-parallel ranks r // ep == g (they hold different experts:
   ``planner.plan.Strategy.ep``), the token all-to-alls; ``edp``: the ranks holding the
   same experts, r % ep == e (their gradients' reduction);
-* ``pp``: a device of chunk k and the same position of chunk k + 1 (a pipeline hop).
+* ``pp``: a device of chunk k and the same position of chunk k + 1 (a pipeline hop); in a
+  general placement (one device per stage, layers in any pattern) every pair of its devices.
 
 Groups of one device are left out (nothing to exchange). A group's key is a function of
 its devices alone (``group_key``: ``KEY_BASE`` plus their CRC-32): TensorFlow's collective
@@ -93,8 +94,11 @@ def groups_of(plan: Plan) -> Groups:
     ep = max(1, s.ep)
     replicas = dp * cp
     found: list[tuple[str, tuple[str, ...]]] = []
-    if plan.placement != "stages":  # a general placement: one device per stage, no groups
-        return Groups(())
+    if plan.placement != "stages":  # a general placement: one device per stage, whose
+        # activations may go to any other's (a pipeline hop each: kind pp)
+        devices = [stage.devices[0] for stage in plan.stages if stage.devices]
+        return Groups(tuple(Group(kind, pair, group_key(pair)) for kind, pair in _unique(
+            ("pp", (x, y)) for i, x in enumerate(devices) for y in devices[i + 1:])))
     for stage in plan.stages:
         d = stage.devices
         if len(d) != replicas * tp:

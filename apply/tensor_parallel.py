@@ -81,7 +81,7 @@ from tfplan.apply.gradients import sum_gradients
 from tfplan.apply.mode import Processes, run_processes
 from tfplan.apply.offload import weights_device
 from tfplan.apply.pipeline import PlacedModel
-from tfplan.apply.placement import build_optimizer_on_devices, tf_variable
+from tfplan.apply.placement import tf_variable
 from tfplan.apply.schedule import active_trace, schedule_of
 from tfplan.apply.sequence_parallel import (gathered_layers, sequence_layers,
                                             sequence_sharded, warn_gathered)

@@ -14,8 +14,9 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    (``apply.ensure_devices``);
 2. the plan's shape picks the mode, once (``apply.mode.execution_mode``: a ``Mode``
    and the ``Processes`` that run it). Every plan the SPMD engine runs (``apply.spmd``:
-   one host; single device, dp, tp, pp and their hybrids, ZeRO-1/2/3, recomputation,
-   offload; ``spmd_refusal`` says why not) goes there, each device
+   one host; single device, dp, tp, pp and their hybrids, general placements, ZeRO-1/2/3,
+   recomputation, offload, BatchNormalization; ``spmd_refusal`` says why not) goes there,
+   each device
    building its copy with ``build_model`` or, for a built model, re-creating it from its
    layers' configs (``apply.cloning.clone_graph``). The rest runs on the older engines,
    by mode:
@@ -275,8 +276,8 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
 
     if mode.processes is not Processes.ONE_HOST:
         return "devices on several workers"
-    if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.DATA_PARALLEL,
-                         Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
+    if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.PLACEMENT,
+                         Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
         return f"the {mode.mode.value} mode"
     s = plan.strategy
     norms = [(path, layer) for path, layer in profiled_layer_paths(view)

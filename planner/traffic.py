@@ -180,6 +180,28 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                  for d, v in per_device.items())
 
 
+def placement_sent_bytes(profile: ModelProfile, plan: Any) -> DeviceBytes:
+    """``plan_sent_bytes`` of a general placement (one micro-batch, dp = tp = 1): a layer's
+    output goes once to each other device that runs a layer reading it, and that device
+    sends its gradient back (``apply.spmd.pipeline``: one copy per receiving device), both
+    kind ``pp``, N = the tensor's bytes for the global batch (the profile's edges)."""
+    device_of = plan.device_of_layer()
+    scale = plan.global_batch / profile.batch_size
+    tensor: dict[tuple[str, str], float] = {}  # (producer, receiving device) -> bytes
+    for edge in profile.edges:
+        src, dst = device_of.get(edge.src), device_of.get(edge.dst)
+        if src is None or dst is None or src == dst:
+            continue
+        key = (edge.src, dst)
+        tensor[key] = max(tensor.get(key, 0.0), edge.bytes * scale)
+    per_device: dict[str, dict[str, float]] = {}
+    _add(per_device, [d for stage in plan.stages for d in stage.devices], {})
+    for (producer, dst), nbytes in tensor.items():
+        _add(per_device, [device_of[producer], dst], {"pp": nbytes})
+    return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))
+                 for d, v in per_device.items())
+
+
 def channels(layer: Any) -> int:
     """C: the values of one statistic of a BatchNormalization layer (the output's last
     axis, Keras' default ``axis=-1``; the parameters / 4 when the shape is unknown)."""
@@ -305,11 +327,11 @@ def total_by_kind(sent: DeviceBytes) -> dict[str, int]:
 def plan_sent_bytes(profile: ModelProfile, plan: Any) -> DeviceBytes:
     """``sent_bytes_per_device`` of a stage plan (``planner.plan.Plan``) for ``profile``: its
     stages' layers as chunks (each a run of consecutive layers of the profile) and its
-    ``tp_splits``; () for a general placement. A layer the profile does not name is
+    ``tp_splits`` (a general placement: ``placement_sent_bytes``). A layer the profile does not name is
     skipped. Layers inside an attention block split whole are counted unsplit (the search
     divides their state by tp; the plan file does not name them)."""
     if plan.placement != "stages":
-        return ()
+        return placement_sent_bytes(profile, plan)
     index = {layer.name: i for i, layer in enumerate(profile.layers)}
     bounds = []
     for stage in plan.stages:

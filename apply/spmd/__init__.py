@@ -22,7 +22,9 @@ from tfplan.apply.spmd.copies import build_copies
 from tfplan.apply.expert_parallel import check_expert_parallel
 from tfplan.apply.spmd.model import SpmdModel
 from tfplan.apply.spmd.run import RunDescription, describe, refusal
+from tfplan.apply.spmd.stages import placement_segments
 from tfplan.planner.plan import Plan
+from tfplan.profiler.signature import profiled_layer_paths
 
 
 def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
@@ -36,9 +38,23 @@ def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
     (``apply.monitor``)."""
     if plan.strategy.ep > 1:  # a MixtureOfExperts to split, E divisible by ep
         check_expert_parallel(plan, template)
-    run = describe(plan, recomputed, batch_norm=has_batch_norm(template))
+    run = describe(plan, recomputed, batch_norm=has_batch_norm(template),
+                   segments=_segments(plan, template))
     return SpmdModel(build_copies(builder, run, template), template, plan,
                      name=name, logdir=logdir)
+
+
+def _segments(plan: Plan, template: Any) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+    """A general placement's chunks on the template's graph (``describe``'s ``segments``)."""
+    if plan.placement != "general":
+        return (), ()
+    device_of = plan.device_of_layer()
+    paths = [(path, layer) for path, layer in profiled_layer_paths(template)
+             if path in device_of]
+    chunk_of, devices = placement_segments(
+        template, {id(layer): device_of[path] for path, layer in paths}, plan.name)
+    return tuple((path, chunk_of[id(layer)]) for path, layer in paths
+                 if id(layer) in chunk_of), devices
 
 
 __all__ = ["RunDescription", "SpmdModel", "describe", "refusal", "wrap_spmd"]

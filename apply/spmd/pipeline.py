@@ -17,7 +17,9 @@ cut by ``apply.spmd.stages``.
   the micro-batches in flight.
 * **Hops**: a chunk reads each value an earlier chunk made through one ``tf.identity`` on
   its own device (the activation's one transfer, kind pp, with its Keras mask); the
-  producer keeps its original, so a value read by two later chunks goes to each directly.
+  producer keeps its original, so a value read by two later chunks goes to each directly,
+  once per device (a device's later chunk reads the copy its earlier one received, and
+  the gradients its chunks return for it are added there before going back).
   In training the copy is of the value's ``stop_gradient``, watched by the tape: the
   backward of chunk k ends at the values it received (else the tape would go on into the
   earlier chunks' operations from chunk k's device).
@@ -98,6 +100,7 @@ class ColumnPass:
         self.received: list[list[list[tuple[int, Any]]]] = [
             [[] for _ in range(chunks)] for _ in range(m)]
         self.returned: list[dict[int, list[Any]]] = [{} for _ in range(m)]  # backward hops
+        self.copies: list[dict[tuple[int, str], Any]] = [{} for _ in range(m)]  # (id, device)
         self.aux: list[list[list[Any]]] = [[[] for _ in range(chunks)] for _ in range(m)]
         self.results: list[dict[str, Any] | None] = [None] * m
         self.weights = [_chunk_weights(program, k) for k in range(chunks)]
@@ -120,13 +123,16 @@ class ColumnPass:
             view = dict(self.values[j])
             for i in self.program.received(k):
                 value = view[i]
-                cut = tape is not None and value.dtype.is_floating
-                copy = tf.identity(tf.stop_gradient(value) if cut else value)
-                if cut:
-                    tape.watch(copy)
-                mask = compat.get_keras_mask(value)
-                if mask is not None:
-                    compat.set_keras_mask(copy, tf.identity(mask))
+                copy = self.copies[j].get((i, device))
+                if copy is None:  # one copy per receiving device (a device's later chunks
+                    cut = tape is not None and value.dtype.is_floating  # read it there)
+                    copy = tf.identity(tf.stop_gradient(value) if cut else value)
+                    if cut:
+                        tape.watch(copy)
+                    mask = compat.get_keras_mask(value)
+                    if mask is not None:
+                        compat.set_keras_mask(copy, tf.identity(mask))
+                    self.copies[j][(i, device)] = copy
                 view[i] = copy
                 self.received[j][k].append((i, copy))
             called = self.program.run_chunk(k, view, self.training)
@@ -174,7 +180,7 @@ class ColumnPass:
                 back = self.returned[j].get(i)
                 if back:
                     ys.append(self.values[j][i])
-                    seeds.append(back[0] if len(back) == 1 else tf.add_n(back))
+                    seeds.append(_summed_by_device(back))
         received = [(i, r) for i, r in self.received[j][k] if r.dtype.is_floating]
         weights = self.weights[k]
         with tf.device(device), tape.stop_recording():
@@ -209,6 +215,19 @@ class ColumnPass:
                     gs.append(tf.zeros_like(w) if g is None else g)
                     vs.append(w)
         return out
+
+
+def _summed_by_device(grads: Sequence[Any]) -> Any:
+    """The sum of the gradients chunks returned for one value: those of one device's chunks
+    added there first, so each device sends one gradient back."""
+    by_device: dict[str, list[Any]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    parts = []
+    for device, gs in by_device.items():
+        with tf.device(device):
+            parts.append(gs[0] if len(gs) == 1 else tf.add_n(gs))
+    return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
 
 def _chunk_weights(program: StageProgram, k: int) -> list[Any]:

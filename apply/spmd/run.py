@@ -162,8 +162,6 @@ def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
 def refusal(plan: Plan) -> str:
     """Why the SPMD engine does not run ``plan`` yet ("" when it does)."""
     s = plan.strategy
-    if plan.placement != "stages":
-        return "a general placement"
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
     if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
@@ -177,18 +175,27 @@ def refusal(plan: Plan) -> str:
     return ""
 
 
-def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = False
+def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = False,
+             segments: tuple[tuple[tuple[str, int], ...], tuple[str, ...]] = ((), ())
              ) -> RunDescription:
     """The run description of a plan (``refusal(plan) == ""``); ``recomputed``: the
     top-level layers it recomputes (``apply.recompute.recomputed_layers``); ``batch_norm``:
     the model has BatchNormalization layers (under the plan's ``global`` rule its
-    micro-batches then run as one: ``joined_microbatches``)."""
+    micro-batches then run as one: ``joined_microbatches``); ``segments``: for a general
+    placement, (layer path, chunk) of its layers and each chunk's device
+    (``apply.spmd.stages.placement_segments``: it runs as a pipeline of those chunks, one
+    micro-batch, in GPipe's order)."""
     s = plan.strategy
     m = s.num_microbatches
     joined = m if batch_norm and s.batch_norm == "global" and m > 1 else 1
     tp = max(1, s.tp)
-    grids = tuple(tuple(tuple(stage.devices[q * tp:(q + 1) * tp])
-                        for q in range(len(stage.devices) // tp)) for stage in plan.stages)
+    entries, chunk_devices = segments
+    if plan.placement == "general" and len(chunk_devices) > 1:
+        grids = tuple(((device,),) for device in chunk_devices)
+    else:
+        grids = tuple(tuple(tuple(stage.devices[q * tp:(q + 1) * tp])
+                            for q in range(len(stage.devices) // tp)) for stage in plan.stages)
+        entries = tuple((name, k) for k, stage in enumerate(plan.stages) for name in stage.layers)
     replicas = grids[0]
     pipeline = len(grids) > 1
     splits = tuple(plan.tp_splits) if tp > 1 else ()
@@ -200,8 +207,7 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = Fa
                           recompute=s.recompute if recomputed else "none",
                           recomputed=tuple(recomputed), batch_norm=s.batch_norm,
                           offload=s.offload, stages=grids if pipeline else (),
-                          stage_of_entry=tuple((name, k) for k, stage in enumerate(plan.stages)
-                                               for name in stage.layers) if pipeline else (),
+                          stage_of_entry=entries if pipeline else (),
                           schedule=(s.schedule if s.schedule != "none" else "gpipe")
                           if pipeline else "none",
                           virtual_stages=max(1, s.virtual_stages) if pipeline else 1,

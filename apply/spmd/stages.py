@@ -19,6 +19,12 @@ time, in the schedule's order, on its own device:
   ``sent(k)``: those chunk k makes for later chunks. The model's outputs are read on the
   last chunk (where the loss is).
 
+A general placement (each layer on any device, branches at once) runs as such a program
+too: ``placement_segments`` walks the graph in the same order and starts a new chunk
+wherever the device changes, so its chunks cut the graph in order, one device each (a
+device may hold several), and the pipeline machinery runs them with one micro-batch
+(TensorFlow's executor still runs independent branches on their devices at once).
+
 Only graph models (Functional, or Sequential with an input shape) can be cut: a
 subclassed model's ``call`` is one Python function.
 """
@@ -147,6 +153,53 @@ def _walk(graph: Any, program: StageProgram, chunk_of_layer: Mapping[int, int],
                     "must cut the model's graph in order. Re-plan for this model.")
             _add(program, Step(chunk, inputs, tuple(id(t) for t in node.outputs),
                                _node_call(node, op), op))
+
+
+def placement_segments(model: Any, device_of_layer: Mapping[int, str], plan_name: str
+                       ) -> tuple[dict[int, int], tuple[str, ...]]:
+    """A general placement's chunks (module docstring): {id(layer): chunk} of the planned
+    layers in ``device_of_layer`` ({id(layer): device}) and each chunk's device."""
+    graph = _functional(model)
+    if graph is None:
+        raise PlannerError(
+            f"Plan {plan_name!r} places the model's layers on several devices, which needs "
+            f"its layer graph; a {type(model).__name__} (subclassed) has none. Build the "
+            "model with the Functional API or keras.Sequential (with an Input), or re-plan "
+            "with one device.")
+    chunk_of: dict[int, int] = {}
+    devices: list[str] = []
+    _segment(graph, device_of_layer, chunk_of, devices, plan_name)
+    return chunk_of, tuple(devices) or ("",)
+
+
+def _segment(graph: Any, device_of_layer: Mapping[int, str], chunk_of: dict[int, int],
+             devices: list[str], plan_name: str) -> None:
+    """``placement_segments``' walk, in ``_walk``'s order."""
+    nodes = compat.nodes_by_depth(graph)
+    for depth in sorted(nodes, reverse=True):
+        for node in nodes[depth]:
+            op = node.operation
+            if op is None or node.is_input:
+                continue
+            inner = {device_of_layer[id(layer)] for layer in compat.flatten_layers(op)
+                     if id(layer) in device_of_layer and layer is not op} \
+                if isinstance(op, keras.layers.Layer) else set()
+            if id(op) not in device_of_layer and len(inner) > 1 and is_graph_model(op):
+                _segment(_functional(op), device_of_layer, chunk_of, devices, plan_name)
+                continue
+            own = {device_of_layer[id(op)]} if id(op) in device_of_layer else inner
+            if len(own) > 1:
+                raise PlannerError(
+                    f"Plan {plan_name!r} places the layers inside {op.name!r} on devices "
+                    f"{sorted(own)}; a block runs whole on one device. Re-plan for this "
+                    "model.")
+            if own and (not devices or devices[-1] != next(iter(own))):
+                devices.append(next(iter(own)))
+            if id(op) in device_of_layer:
+                chunk_of[id(op)] = len(devices) - 1
+            for layer in compat.flatten_layers(op) if inner else ():
+                if id(layer) in device_of_layer:
+                    chunk_of[id(layer)] = len(devices) - 1
 
 
 def _walk_nested(node: Any, op: Any, floor: int, program: StageProgram,

@@ -12,7 +12,10 @@ import pytest
 
 from tfplan import apply, compat
 from tfplan.apply import legacy_names
+from tfplan.apply.cloning import to_functional
 from tfplan.apply.legacy_names import LegacyModelFileError
+from tfplan.apply.pipeline import wrap_placed
+from tfplan.apply.placement import top_level_devices
 from tfplan.core.errors import PlannerError
 from tests.apply.helpers import base_model, cpus, make_plan
 
@@ -46,13 +49,14 @@ def _rewrite_config(src: str, dst: str, old: str, new: str) -> None:
 
 
 def test_a_file_saved_under_the_0_1_names_fails_with_the_fix_and_the_fix_works(tmp_path):
-    import dataclasses
 
     module, model = base_model("tiny_mlp")
-    # a general placement: the older placed engine (apply.pipeline) runs it and saves its
-    # registered class; the SPMD engine's files are the user's plain model (apply.spmd)
-    plan = dataclasses.replace(make_plan(model, [cpus(1), cpus(2)]), placement="general")
-    wrapped = apply.wrap(model, plan)
+    # the older placed engine (apply.pipeline, which runs each worker's part across
+    # workers) saves its registered class; the SPMD engine's files are the user's plain
+    # model (apply.spmd)
+    plan = make_plan(model, [cpus(1), cpus(2)])
+    wrapped = wrap_placed(to_functional(model), top_level_devices(plan), plan_name=plan.name,
+                          num_microbatches=1)
     wrapped.compile(optimizer="adam", loss=module.loss)
     saved = str(tmp_path / "wrapped.keras")
     wrapped.save(saved)

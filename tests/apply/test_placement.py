@@ -1,5 +1,7 @@
-"""apply.wrap runs general placements: the searched one and hand-made non-contiguous ones
-train exactly like one device, with every variable, slot and branch op on its device.
+"""apply.wrap runs general placements on the SPMD engine (a pipeline of one-device chunks cut
+where the device changes: apply.spmd.stages.placement_segments): the searched one and
+hand-made non-contiguous ones train exactly like one device, with every variable, slot and
+branch op on its device, and each device sends the bytes planner.traffic prices.
 
 The model is tests/apply/branchy.py (a stem, two wide independent Dense branches, a
 Concatenate, a head), on the 8 logical CPU devices of tests/conftest.py.
@@ -14,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tfplan import apply
-from tfplan.apply.pipeline import PlacedModel
+from tfplan.apply.spmd import SpmdModel
 from tfplan.apply.mode import execution_mode
 from tfplan.core.errors import PlanMismatchError
 from tfplan.core.presets import parse_cluster
@@ -26,23 +28,21 @@ from tests.apply.test_wrap_modes import _short
 
 
 def _assert_placement(model, plan) -> None:
-    """Every layer's weights on its planned device (one device per stage: the placed
-    engine, apply.pipeline), each optimizer slot beside its variable."""
+    """Every layer's weights on its planned device (one device per stage), each optimizer
+    slot beside its variable (``apply.variable_devices``: the SPMD engine's copies)."""
     layer_device = plan.device_of_layer()
-    for layer in model.layers:
-        for v in layer.weights:
-            assert _short(v.value.device) == layer_device[layer.name], (layer.name, v.path)
-    variables = sorted(model.trainable_variables, key=lambda v: -len(v.path))
-    slots: dict[str, list] = {v.path: [] for v in variables}
-    for slot in model.optimizer.variables:
-        for v in variables:  # longest path first: 'dense_in' before 'dense'
-            if slot.name.startswith(v.path.replace("/", "_") + "_"):
-                slots[v.path].append(slot)
-                break
-    for v in model.trainable_variables:
-        assert slots[v.path], f"no optimizer slot found for {v.path}"
-        for slot in slots[v.path]:
-            assert _short(slot.value.device) == _short(v.value.device), (slot.path, v.path)
+    where = apply.variable_devices(model)
+    weights = {path: devices for path, devices in where.items()
+               if path.split("/")[0] in layer_device}
+    assert weights
+    for path, devices in weights.items():
+        assert [_short(d) for d in devices] == [layer_device[path.split("/")[0]]], path
+    prefix = model.optimizer.name + "/"
+    for path, devices in weights.items():
+        slots = [p for p in where if p.startswith(prefix + path.replace("/", "_") + "_")]
+        assert slots, f"no optimizer slot found for {path}"
+        for slot in slots:
+            assert where[slot] == devices, (slot, path)
 
 
 def _cpu(spec: str):
@@ -85,13 +85,31 @@ HAND_MADE = {  # stage layers that are not runs of consecutive layers
 def _train_and_check(plan):
     module, model = base_model(NAME)
     wrapped = apply.wrap(model, plan)
-    assert isinstance(wrapped, PlacedModel) and execution_mode(plan).mode == "placement"
-    assert wrapped.num_microbatches == 1
+    assert isinstance(wrapped, SpmdModel) and execution_mode(plan).mode == "placement"
+    assert wrapped.run_description.num_microbatches == 1
     wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     batches = batches_of(module, STEPS, GLOBAL_BATCH)
+    _assert_priced_bytes(wrapped, plan, module.build_model(), batches[0])
     assert_losses_match(step_losses(wrapped, batches), reference_losses(NAME))
     _assert_placement(wrapped, plan)  # weights, and each optimizer slot with its variable
     return wrapped, batches
+
+
+def _assert_priced_bytes(wrapped, plan, model, batch):
+    """The audit of one step: every device's activation hops (kind pp) within 10% of
+    planner.traffic's price, nothing unattributed."""
+    from tfplan.apply.audit import audit_step
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    priced = {d: dict(kinds) for d, kinds in
+              plan_sent_bytes(profile_model(model, batch_size=GLOBAL_BATCH), plan)}
+    measured = audit_step(wrapped, *batch, plan=plan).by_device()
+    for device, kinds in priced.items():
+        assert kinds["pp"] > 0, device
+        got = measured[device]
+        assert got["pp"] == pytest.approx(kinds["pp"], rel=0.10), (device, got, kinds)
+        assert got["other"] == 0, (device, got)
 
 
 def _ancestors(op) -> set:
@@ -147,3 +165,38 @@ def test_general_placement_with_microbatches_is_refused():
     _, model = base_model(NAME)
     with pytest.raises(PlanMismatchError, match="num_microbatches=2"):
         apply.wrap(model, broken)
+
+
+def test_a_value_read_on_one_device_by_two_of_its_chunks_goes_there_once():
+    """a (device A) feeds b (B) and, later, d (B again: a chunk of its own after c on A):
+    its activation goes to B once and one summed gradient comes back (apply.spmd.pipeline),
+    as planner.traffic prices it; training equals one device."""
+    import keras
+    import numpy as np
+
+    def build():
+        keras.utils.set_random_seed(3)
+        x = keras.Input((16,))
+        a = keras.layers.Dense(32, activation="relu", name="a")(x)
+        b = keras.layers.Dense(32, activation="relu", name="b")(a)
+        c = keras.layers.Dense(32, activation="relu", name="c")(b)
+        d = keras.layers.Add(name="d")([c, a])
+        return keras.Model(x, keras.layers.Dense(4, name="head")(d))
+
+    model = build()
+    A, B = cpus(1)[0], cpus(2)[0]
+    plan = replace(make_plan(model, [[A], [B]], global_batch=GLOBAL_BATCH,
+                             stage_layers=[("a", "c"), ("b", "d", "head")],
+                             name="test placement A B A B"), placement="general")
+    wrapped = apply.wrap(build, plan)
+    assert isinstance(wrapped, SpmdModel)
+    assert [grid[0][0] for grid in wrapped.run_description.stages] == [A, B, A, B]
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(GLOBAL_BATCH, 16)).astype("float32"),
+                rng.normal(size=(GLOBAL_BATCH, 4)).astype("float32")) for _ in range(3)]
+    reference = build()
+    reference.set_weights(wrapped.get_weights())
+    for target in (wrapped, reference):
+        target.compile(optimizer="adam", loss="mse")
+    _assert_priced_bytes(wrapped, plan, build(), batches[0])
+    assert_losses_match(step_losses(wrapped, batches), step_losses(reference, batches))
