@@ -240,10 +240,17 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
     def _column(self, q: int, t: int, parts: list[Any], flags: list[Any], training: bool
                 ) -> ColumnPass:
         """Column (q, t)'s pass over its replica's parts (pipelines)."""
-        run, m = self._copies.run, self._copies.run.num_microbatches
+        run, m, zero = self._copies.run, self._copies.run.num_microbatches, self._zero
+        shard_of = reduce = None
+        if zero is not None and zero.stage >= 2 and training:
+            def shard_of(w: Any) -> Any:  # ZeRO-3: differentiated through the gathers
+                return zero.shard_of(q, t, w)
+        if zero is not None and zero.stage == 2 and training:  # each slot's reduced at once
+            def reduce(weights: list[Any], grads: list[Any]) -> list[Any]:
+                return zero.reduce_some(weights, grads, q, t)
         return ColumnPass(run, self._copies.programs[q][t], run.column(q, t),
                           parts[q * m:(q + 1) * m], flags[q * m:(q + 1) * m], training,
-                          self._loss_terms)
+                          self._loss_terms, shard_of=shard_of, reduce=reduce)
 
     def _loss_terms(self, x: Any, y: Any, y_pred: Any, sw: Any, valid: Any, added: Any
                     ) -> dict[str, Any]:
@@ -390,8 +397,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
     def _pipeline_train_step(self, data: Any) -> Any:
         """A pipeline plan's step: each column's slots in the schedule's order
         (``apply.spmd.pipeline``), each device's gradients summed over its data-parallel
-        group (ZeRO-1: reduce-scattered to its shards, which it updates and all-gathers),
-        one update."""
+        group (ZeRO-1: reduce-scattered to its shards, which it updates and all-gathers;
+        ZeRO-2: each backward slot's reduce-scattered; ZeRO-3: the shards' gradients from
+        the gathers, nothing gathered after), one update."""
         run, zero = self._copies.run, self._zero
         results, totals, columns = self._pipeline_gradients(data)
         entries = []  # (device, gradients, the weights they are of, what is updated)
@@ -408,8 +416,14 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     continue
                 of = {id(v): g for gs, vs in by_device.values() for g, v in zip(gs, vs)}
                 vs = zero.weights[q][t]
-                zero.load(q, t)
-                gs = zero.reduce([[of[id(v)] for v in vs]], q, t)
+                if zero.stage >= 2:  # the shards' gradients: reduce-scattered slot by slot
+                    # (ColumnPass.reduce), or by ZeRO-3's gathers
+                    if zero.stage == 2:
+                        zero.load(q, t)
+                    gs = [of[id(v)] for v in vs]
+                else:
+                    zero.load(q, t)
+                    gs = zero.reduce([[of[id(v)] for v in vs]], q, t)
                 devices = zero.devices[q][t]
                 for device in dict.fromkeys(devices):
                     mine = [i for i, d in enumerate(devices) if d == device]
@@ -422,7 +436,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
-        if zero is not None:
+        if zero is not None and zero.stage < 3:
             for q in range(run.dp):
                 for t in range(run.tp):
                     zero.gather(q, t)
@@ -611,7 +625,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     gs = [_times(g, factor) for g in gs]
                 else:
                     norms = ops.sqrt(squares)
-                    gs = [_times(g, clipnorm / ops.maximum(norms[j], clipnorm))
+                    # Keras' _clip_by_norm keeps a sparse gradient sparse (keras.ops
+                    # multiply and divide act on its rows), unlike clip_by_global_norm
+                    gs = [_times_sparse(g, clipnorm / ops.maximum(norms[j], clipnorm))
                           for j, g in enumerate(gs)]
             out.append(gs)
         return out
@@ -745,9 +761,9 @@ def _sum_of_squares(g: Any) -> Any:
 
 
 def _times(g: Any, factor: Any) -> Any:
-    """A gradient times a scalar, dense as Keras' clipping leaves it: one device's
-    ``clip_by_global_norm`` / ``_clip_by_norm`` multiply a ``tf.IndexedSlices``, which
-    TensorFlow converts to a dense tensor (its duplicate rows summed) before the update."""
+    """A gradient times a scalar, dense as Keras' global clipping leaves it: one device's
+    ``clip_by_global_norm`` multiplies a ``tf.IndexedSlices`` with ``*``, which TensorFlow
+    converts to a dense tensor (its duplicate rows summed) before the update."""
     g = tf.convert_to_tensor(g)
     return g * ops.cast(factor, g.dtype)
 

@@ -27,7 +27,9 @@ cut by ``apply.spmd.stages``.
   k's targets (the values it sent, weighted by the gradients its consumers returned; on
   the last chunk the part's loss; its layers' added losses) with respect to its weights
   and the values it received, whose gradients go back to their producers (the backward
-  hop). Gradients add up per weight across micro-batches on the weight's device.
+  hop). Gradients add up per weight across micro-batches on the weight's device (ZeRO-2:
+  each slot's reduce-scattered first, the shards adding up; ZeRO-3: the gradients of the
+  shards the layers gathered, reduce-scattered by the gathers' backward).
 """
 from __future__ import annotations
 
@@ -91,7 +93,9 @@ class ColumnPass:
 
     def __init__(self, run: RunDescription, program: StageProgram, column: Sequence[str],
                  parts: Sequence[Any], flags: Sequence[Any], training: bool,
-                 loss_terms: Callable[..., dict[str, Any]]) -> None:
+                 loss_terms: Callable[..., dict[str, Any]],
+                 shard_of: Callable[[Any], Any] | None = None,
+                 reduce: Callable[[list[Any], list[Any]], list[Any]] | None = None) -> None:
         self.run, self.program, self.column = run, program, tuple(column)
         self.parts, self.flags, self.training = parts, flags, training
         self.loss_terms = loss_terms
@@ -103,7 +107,14 @@ class ColumnPass:
         self.copies: list[dict[tuple[int, str], Any]] = [{} for _ in range(m)]  # (id, device)
         self.aux: list[list[list[Any]]] = [[[] for _ in range(chunks)] for _ in range(m)]
         self.results: list[dict[str, Any] | None] = [None] * m
-        self.weights = [_chunk_weights(program, k) for k in range(chunks)]
+        # each chunk's weights, and what its backward differentiates: the weights, or under
+        # ZeRO-3 (``shard_of`` without ``reduce``) their shards, read through the gathers;
+        # ``reduce``: each slot's gradients reduced at once (ZeRO-2: reduce-scattered to
+        # this rank's shards, ``shard_of``'s shapes)
+        self.owners = [_chunk_weights(program, k) for k in range(chunks)]
+        self.weights = [[shard_of(w) for w in ws] if shard_of and not reduce else ws
+                        for ws in self.owners]
+        self.shard_of, self.reduce = shard_of, reduce
         self.grads: list[dict[int, Any]] = [{} for _ in range(chunks)]  # id(var) -> sum
         self._chains: list[list[Any]] = [[] for _ in range(run.pp)]
         self._finished: dict[tuple[int, int], list[Any]] = {}
@@ -189,8 +200,12 @@ class ColumnPass:
                 return
             grads = tape.gradient(ys, list(weights) + [r for _, r in received],
                                   output_gradients=seeds)
+            mine = list(grads[:len(weights)])
+            if self.reduce is not None and weights:
+                mine = self.reduce(list(weights), [tf.zeros_like(w) if g is None else g
+                                                   for w, g in zip(weights, mine)])
             done = []
-            for w, g in zip(weights, grads):
+            for w, g in zip(self.owners[k], mine):
                 if g is None:
                     continue
                 before = self.grads[k].get(id(w))
@@ -204,15 +219,18 @@ class ColumnPass:
 
     def weight_grads(self) -> dict[str, tuple[list[Any], list[Any]]]:
         """{device: (gradients, weights)} of this column: every chunk's trainable weights on
-        its device, in chunk order (zeros where no slot reached one)."""
+        its device, in chunk order (zeros where no slot reached one); under ZeRO-2/3 the
+        gradients are of the weights' shards."""
         out: dict[str, tuple[list[Any], list[Any]]] = {}
-        for k, weights in enumerate(self.weights):
+        for k, weights in enumerate(self.owners):
             device = self.column[k]
             gs, vs = out.setdefault(device, ([], []))
             with tf.device(device):
                 for w in weights:
                     g = self.grads[k].get(id(w))
-                    gs.append(tf.zeros_like(w) if g is None else g)
+                    if g is None:
+                        g = tf.zeros_like(self.shard_of(w) if self.shard_of else w)
+                    gs.append(g)
                     vs.append(w)
         return out
 

@@ -164,8 +164,6 @@ def refusal(plan: Plan) -> str:
     s = plan.strategy
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
-    if len(plan.stages) > 1 and s.zero_stage > 1:  # (DeepSpeed refuses ZeRO-2 too)
-        return f"ZeRO-{s.zero_stage} with pipeline stages"
     if s.ep > 1 and (s.zero_stage == 3 or s.cp > 1 or s.offload != "none"):
         return "ep > 1 with ZeRO-3, context parallelism or offload"
     if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):

@@ -26,7 +26,9 @@ per-parameter shards cut along the first axis as PyTorch's FSDP2 ``fully_shard``
   rows (Keras' Adam squares a sparse gradient's rows before summing duplicates), so the
   update is one device's exactly. ZeRO-1 reduces the step's gradient once; ZeRO-2 with m
   micro-batches reduces each micro-batch's gradient as soon as it exists and accumulates
-  only the shard (m reduce-scatters, as ``planner.traffic`` prices).
+  only the shard (m reduce-scatters, as ``planner.traffic`` prices); with pipeline stages,
+  each backward slot's gradients of its chunk's weights (``reduce_some``, the pipeline's
+  ``reduce`` hook), on the chunk's device over its data-parallel group.
 * **Update.** One ``optimizer.apply_gradients`` over every device's (shard gradient, shard)
   pairs: its update math runs beside each shard, and a ``LossScaleOptimizer``'s check for
   non-finite gradients sees every shard of the model at once (all devices skip together).
@@ -232,6 +234,10 @@ class ZeroShards:
         self.shards[q][t][j].assign(np.asarray(cut.shard_of(
             np.asarray(value), self.position(q, self.kinds[q][t][j]))))
 
+    def shard_of(self, q: int, t: int, weight: Any) -> Any:
+        """Copy (q, t)'s shard of ``weight``."""
+        return self.shards[q][t][self._index[q][t][id(weight)]]
+
     def load(self, q: int, t: int) -> None:
         """Copy (q, t)'s shards read from its weights (a local slice on each's device)."""
         for v, s, cut, device, kind in zip(self.weights[q][t], self.shards[q][t],
@@ -249,12 +255,26 @@ class ZeroShards:
             out = _accumulated(out, self._reduced(grads, q, t))
         return out
 
+    def reduce_some(self, weights: Sequence[Any], grads: Sequence[Any], q: int, t: int
+                    ) -> list[Any]:
+        """``reduce`` of the gradients of some of copy (q, t)'s weights (a pipeline slot's
+        chunk, ZeRO-2): their shards, in ``weights``' order."""
+        index = [self._index[q][t][id(w)] for w in weights]
+        full: list[Any] = [None] * len(self.weights[q][t])
+        for i, g in zip(index, grads):
+            full[i] = g
+        out = self._reduced(full, q, t)
+        return [out[i] for i in index]
+
     def _reduced(self, grads: Sequence[Any], q: int, t: int) -> list[Any]:
+        """The shards of ``grads`` (aligned with copy (q, t)'s weights; None: not reduced)."""
         run, cuts, devices = self.run, self.cuts[q][t], self.devices[q][t]
         kinds = self.kinds[q][t]
         out: list[Any] = [None] * len(grads)
         packs: dict[tuple[str, Any, str], list[int]] = {}  # (device, dtype, group): packed
         for i, g in enumerate(grads):
+            if g is None:
+                continue
             if isinstance(g, tf.IndexedSlices):
                 device = devices[i]
                 with tf.device(device):

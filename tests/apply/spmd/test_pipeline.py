@@ -128,6 +128,10 @@ def test_trains_like_one_device_with_each_weight_on_its_stage(name, shape):
     # ZeRO-1 under a pipeline: each chunk's shards on its devices; the global norm over
     # every chunk of the column (an Embedding's sparse gradient made dense, as Keras does)
     ("tiny_transformer", dict(dp=2, m=2, zero=1), dict(global_clipnorm=0.05)),
+    # ZeRO-2: each backward slot's gradients reduce-scattered at once; ZeRO-3: each chunk's
+    # layers gathered from their shards per micro-batch (and tp inside, 1F1B)
+    ("tiny_mlp", dict(dp=2, m=2, zero=2), dict(global_clipnorm=0.05)),
+    ("tiny_transformer", dict(dp=2, tp=2, m=2, zero=3), dict(clipnorm=0.1)),
     # recomputed split layers, the optimizer state on the host, per-weight norms
     ("tiny_mlp", dict(tp=2, m=2, recompute="full", offload="optimizer"), dict(clipnorm=0.1)),
 ])
@@ -165,7 +169,9 @@ def test_mixed_precision_under_a_pipeline_trains_like_one_device(policy):
                                 helpers.step_losses(reference, batches), rtol=2e-2)
 
 
-@pytest.mark.parametrize("name, shape", [("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1))])
+@pytest.mark.parametrize("name, shape", [("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1)),
+                                         ("tiny_mlp", dict(dp=2, m=2, zero=2)),
+                                         ("tiny_mlp", dict(dp=2, m=2, zero=3))])
 def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, shape):
     module, plan, wrapped, _ = _wrapped(name, **shape)
     x, y = module.sample_batch(BATCH)

@@ -69,7 +69,8 @@ def test_a_pipeline_plans_chunks_columns_and_schedule():
     for stage in (2, 3):
         zero = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy,
                                                                       zero_stage=stage))
-        assert refusal(zero) == f"ZeRO-{stage} with pipeline stages"
+        assert refusal(zero) == ""  # ZeRO-2/3 run under pipelines too
+        assert describe(zero).zero_stage == stage
 
 
 def test_parallel_columns_inside_a_block_stay_cut_up_to_its_row_split():
