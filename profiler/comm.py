@@ -56,8 +56,6 @@ HEAD_SPLIT_TYPES = ("MultiHeadAttention", "GroupedQueryAttention")
 # the split kind of a custom attention block (``LayerProfile.attention_heads`` > 0:
 # ``profiler.attention_blocks``), split by heads as a whole
 ATTENTION_BLOCK = "AttentionBlock"
-# a heads split of these needs the degree to divide the key/value heads
-KV_HEAD_GROUPED_TYPES = ("GroupedQueryAttention", ATTENTION_BLOCK)
 VOCAB_SPLIT_TYPES = ("Embedding",)
 # subclasses of those Keras layers that ``apply`` splits as their Keras class (their
 # training call is the base class's): keras_hub's attention with a key/value cache
@@ -99,6 +97,12 @@ class TensorSplit:
                 **({"degree_divides": self.degree_divides} if self.degree_divides else {})}
 
 
+def _last_axis(layer: LayerProfile) -> int:
+    """The size of the layer's output's last axis (0: unknown)."""
+    shape = layer.output_shape
+    return int(shape[-1]) if shape and shape[-1] else 0
+
+
 @dataclass(frozen=True)
 class LayerComm:
     name: str
@@ -116,13 +120,19 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
     """The communication ``layer`` implies under each strategy (see the module docstring)."""
     out = layer.activation_bytes
     kind = split_kind(layer)
+    width = _last_axis(layer)
     if kind in COLUMN_ROW_TYPES:
-        splits = (TensorSplit("column", 0, input_bytes), TensorSplit("row", out, 0))
+        if layer.groups != 1:  # a grouped convolution's channels do not cut by rank
+            splits = ()
+        else:  # a column split's output cuts equally over the ranks (apply.spmd.rank_layers)
+            splits = (TensorSplit("column", 0, input_bytes, width),
+                      TensorSplit("row", out, 0))
     elif kind in HEAD_SPLIT_TYPES or kind == ATTENTION_BLOCK:
-        kv_heads = layer.attention_kv_heads if kind in KV_HEAD_GROUPED_TYPES else 0
-        splits = (TensorSplit("heads", out, input_bytes, kv_heads),)
+        # the key/value heads (MultiHeadAttention's are its heads) cut over the ranks
+        splits = (TensorSplit("heads", out, input_bytes, layer.attention_kv_heads),)
     elif kind in VOCAB_SPLIT_TYPES:
-        splits = (TensorSplit("vocab", out, 0),)
+        rows = layer.params // width if width and layer.params % width == 0 else 0
+        splits = (TensorSplit("vocab", out, 0, rows),)  # the vocabulary cuts equally
     else:
         splits = ()
     return LayerComm(name=layer.name, dp_allreduce_bytes=layer.grad_bytes, tp_splits=splits,

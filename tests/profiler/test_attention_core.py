@@ -169,16 +169,16 @@ def _attention(kind: str, kv_heads: int) -> LayerProfile:
                         flops_bwd=0, attention_kv_heads=kv_heads)
 
 
-def test_heads_split_of_group_query_attention_needs_the_degree_to_divide_its_kv_heads():
+def test_a_heads_split_needs_the_degree_to_divide_the_key_value_heads():
     (gqa,) = layer_comm(_attention("GroupedQueryAttention", 8), input_bytes=64).tp_splits
     assert (gqa.split, gqa.fwd_allreduce_bytes, gqa.bwd_allreduce_bytes,
             gqa.degree_divides) == ("heads", 64, 64, 8)
     assert [t for t in range(1, 17) if gqa.allows(t)] == [1, 2, 4, 8]
     assert gqa.to_dict()["degree_divides"] == 8
-    # MultiHeadAttention: apply deals heads out as evenly as they go, any degree
+    # MultiHeadAttention: its heads cut equally over the ranks too (apply.spmd)
     (mha,) = layer_comm(_attention("MultiHeadAttention", 6), input_bytes=64).tp_splits
-    assert mha.degree_divides == 0 and all(mha.allows(t) for t in (1, 4, 5, 16))
-    assert "degree_divides" not in mha.to_dict()
+    assert mha.degree_divides == 6 and [t for t in range(1, 17) if mha.allows(t)] == \
+        [1, 2, 3, 6]
 
 
 def test_attention_fields_round_trip_and_default_to_zero():

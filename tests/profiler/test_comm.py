@@ -44,3 +44,21 @@ def test_profile_comm_takes_input_bytes_from_edges_when_not_recorded():
     assert [c.name for c in comm] == ["a", "b"]
     assert dict((s.split, s.bwd_allreduce_bytes) for s in comm[1].tp_splits)["column"] == 40
     assert sum(c.dp_allreduce_bytes for c in comm) == 4 * (3 + 5)
+
+
+def test_splits_need_the_degree_to_divide_what_they_cut_equally():
+    """What apply.spmd cuts into equal shards: a column split's output units (a row split's
+    inputs may cut unequally), an Embedding's vocabulary; a grouped convolution is not split."""
+    from dataclasses import replace
+
+    dense = replace(_layer("fc", "Dense", params=33 * 12, act=8 * 12 * 4), output_shape=(12,))
+    by = {s.split: s for s in layer_comm(dense, input_bytes=8 * 33 * 4).tp_splits}
+    assert [t for t in range(1, 9) if by["column"].allows(t)] == [1, 2, 3, 4, 6]
+    assert all(by["row"].allows(t) for t in range(1, 9))
+    emb = replace(_layer("tok", "Embedding", params=1000 * 16, act=2048), output_shape=(8, 16))
+    (vocab,) = layer_comm(emb, input_bytes=64).tp_splits
+    assert vocab.degree_divides == 1000 and vocab.allows(8) and not vocab.allows(3)
+    grouped = replace(_layer("conv", "Conv2D", params=100, act=100), groups=2)
+    assert layer_comm(grouped, input_bytes=100).tp_splits == ()
+    unknown = _layer("fc", "Dense", params=10, act=40)  # no output shape: any degree
+    assert all(s.allows(5) for s in layer_comm(unknown, input_bytes=4).tp_splits)
