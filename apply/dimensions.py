@@ -9,11 +9,10 @@ One rule per dimension, each naming the modes that run it; a dimension gains mod
 when an engine for it lands. Offload runs on one host (``apply.offload``). ZeRO-2
 and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
 (``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
-(``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs with dp and
-pp, ZeRO-1 and ZeRO-2 (each expert shard's optimizer state on one of the replicas with
-its ep rank, ``apply.zero``; on the SPMD engine the shards cut over those replicas,
-``apply.spmd.zero``), with tp (``apply.spmd.experts``), not with cp, ZeRO-3 or offload
-(``_expert_rule``).
+(``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs on one host
+with dp, tp, pp, ZeRO-1/2/3 and offload (``apply.spmd.experts``; ZeRO shards of an expert
+cut over the replicas of its ep rank, ``apply.spmd.zero``), not with cp (``_expert_rule``);
+across workers without tp, ZeRO-3 or offload (``_expert_mode_rule``).
 """
 from __future__ import annotations
 
@@ -38,7 +37,22 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
         out += _offload_mode_rule(s, mode)
     if s.cp > 1 and mode is not None and not out:
         out += _context_mode_rule(s, mode)
+    if getattr(s, "ep", 1) > 1 and mode is not None and not _one_host(mode):
+        out += _expert_mode_rule(s)
     return out
+
+
+def _expert_mode_rule(s: Any) -> list[str]:
+    """Across workers expert parallelism runs on the older engine (worker 0 driving every
+    device: ``apply.expert_parallel``), without tp, ZeRO-3 or offload."""
+    clashes = [what for what, on in ((f"tp={s.tp}", s.tp > 1),
+                                      (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
+                                      (f"offload={s.offload!r}", s.offload != "none")) if on]
+    if not clashes:
+        return []
+    return [f"ep={s.ep} across worker processes runs with data and pipeline parallelism and "
+            f"ZeRO-1/2 (apply.expert_parallel); this plan has {', '.join(clashes)}, which "
+            "run on one host (apply.spmd.experts)"]
 
 
 def unapplied_dimensions(s: Any) -> list[str]:
@@ -64,27 +78,17 @@ def unapplied_dimensions(s: Any) -> list[str]:
 
 
 def _expert_rule(s: Any) -> list[str]:
-    """Expert parallelism (``apply.expert_parallel``): on ``apply.tensor_parallel``'s
-    data-parallel copies with tp = 1 and cp = 1, with ZeRO-0, 1 or 2 (``apply.zero``: an
-    expert shard's copies are the replicas of its ep rank, one owner among them), not
-    ZeRO-3 (``apply.zero3`` keeps one persistent copy of every weight and gathers it onto
-    every replica, which an expert shard, different per ep rank, is not) or offload (the
-    shards are built on their devices); with tp > 1 on the SPMD engine
-    (``apply.spmd.experts``: each tensor rank routes through its own ep group), ZeRO-1/2
-    there too (pipeline stages with ZeRO-1)."""
+    """Expert parallelism (``apply.spmd.experts``, each tensor rank routing through its own
+    ep group) with data, tensor and pipeline parallelism, ZeRO-1/2/3 and offload; not with
+    context parallelism. Across workers only what the older engine runs (``_expert_mode_rule``)."""
     ep = getattr(s, "ep", 1)
     if ep <= 1:
         return []
-    clashes = [what for what, on in (
-        (f"cp={s.cp}", s.cp > 1),
-        (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
-        (f"offload={s.offload!r}", s.offload != "none")) if on]
-    if not clashes:
+    if s.cp <= 1:
         return []
-    return [f"ep={ep} (expert parallelism, apply.expert_parallel, apply.spmd.experts) runs "
-            "with data, tensor and pipeline parallelism and ZeRO-1/2 (expected cp = 1, "
-            "zero_stage 0, 1 or 2, offload 'none'); "
-            f"this plan has {', '.join(clashes)}"]
+    return [f"ep={ep} (expert parallelism, apply.spmd.experts) runs with data, tensor and "
+            "pipeline parallelism, ZeRO and offload, not with context parallelism "
+            f"(expected cp = 1); this plan has cp={s.cp}"]
 
 
 def _offload_rule(s: Any) -> list[str]:

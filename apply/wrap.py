@@ -165,11 +165,12 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             f"Plan {plan.name!r} runs context parallelism with tp={s.tp}, zero_stage="
             f"{s.zero_stage}, which only the SPMD engine (apply.spmd) runs, and it does not "
             f"run this plan: {why_not}. Re-plan with cp=1, or with tp=1 and zero_stage=0.")
-    if s.ep > 1 and s.tp > 1:  # the older engine: ep without tp
-        raise PlanMismatchError(
-            f"Plan {plan.name!r} runs expert parallelism with tp={s.tp}, which only the SPMD "
-            f"engine (apply.spmd) runs, and it does not run this plan: {why_not}. Re-plan "
-            "with ep=1 or tp=1.")
+    if s.ep > 1 and (s.tp > 1 or s.zero_stage == 3 or s.offload != "none"):
+        raise PlanMismatchError(  # the older engine: ep without tp, ZeRO-3 or offload
+            f"Plan {plan.name!r} runs expert parallelism with tp={s.tp}, zero_stage="
+            f"{s.zero_stage}, offload={s.offload!r}, which only the SPMD engine (apply.spmd) "
+            f"runs, and it does not run this plan: {why_not}. Re-plan with ep=1, or with "
+            "tp=1, zero_stage at most 2 and offload 'none'.")
     if builder is not None and not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a function that builds a {type(model).__name__}; plan "

@@ -44,7 +44,8 @@ m micro-batches of f = mbs / b of the profile batch, a chunk of layers L on a de
 * ``zero``: what ZeRO adds, the all-gathers: of the updated weights after the step,
   (R-1)/R G under ZeRO-1 (priced at the gradients' size, as ``pricing`` does) and
   (R-1)/R P under ZeRO-2; of each layer's compute weights W before its forward and its
-  backward under ZeRO-3, 2 m (R-1)/R W (Rajbhandari et al., SC'20, Sec. 5 and 7);
+  backward under ZeRO-3, 2 m (R-1)/R W (Rajbhandari et al., SC'20, Sec. 5 and 7); an
+  expert shard's over the R / ep replicas of its ep rank;
 * ``cp``: per attention layer and micro-batch, the all-gather of the whole sequence's
   keys and values (kv f / k, k = tp for a head-split layer) in the forward and its
   reduce-scatter in the backward, 2 (cp-1)/cp each (and the forward again under full
@@ -102,7 +103,7 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
     for k, (lo, hi) in enumerate(bounds):
         sent = dict.fromkeys(KINDS, 0.0)
         grads = dense_grads = expert_grads = weights = gathered = sparse = 0.0
-        expert_weights = 0.0
+        expert_weights = expert_gathered = 0.0
         sparse_weights = sparse_tables = 0.0
         for i in range(lo, hi):
             layer = layers[i]
@@ -146,7 +147,9 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
             expert_grads += g * x / ep
             weights += layer.param_bytes / share * (1 - x)
             expert_weights += layer.param_bytes / share * x / ep
-            gathered += (layer.compute_weight_bytes or layer.param_bytes) / share
+            w = (layer.compute_weight_bytes or layer.param_bytes) / share
+            gathered += w * (1 - x)
+            expert_gathered += w * x / ep
         if hi < len(layers):  # the boundary: activation forward, its gradient back
             nbytes = layers[hi - 1].activation_bytes * f / cp
             if hi - 1 in sequence_cut:  # each rank sends its piece of the sequence
@@ -172,8 +175,11 @@ def sent_bytes_per_device(profile: ModelProfile, strategy: Any, bounds: Sequence
                 sent["zero"] += ring_half_sent_bytes(weights, replicas)
                 if ep > 1:
                     sent["zero"] += ring_half_sent_bytes(expert_weights, replicas // ep)
-            elif zero == 3:
+            elif zero == 3:  # an expert shard's over the replicas of its ep rank
                 sent["zero"] += 2 * m * ring_half_sent_bytes(gathered, replicas)
+                if ep > 1:
+                    sent["zero"] += 2 * m * ring_half_sent_bytes(expert_gathered,
+                                                                 replicas // ep)
                 sent["zero"] += m * ring_half_sent_bytes(sparse_tables, replicas)
         _add(per_device, chunk_devices[k], sent)
     return tuple((d, tuple((kind, int(round(v.get(kind, 0.0)))) for kind in KINDS))

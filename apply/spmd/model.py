@@ -30,12 +30,14 @@ and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
   ``global_clipnorm`` / ``clipnorm`` is applied to the one-device norms (each split
   weight's squares summed over its tensor ranks by one small all-reduce, and over the
   data-parallel group where ZeRO holds shards), not the norm over the copies the optimizer
-  sees; a clipped sparse gradient becomes dense, as one device's clipping makes it.
+  sees; a sparse gradient clipped by ``global_clipnorm`` becomes dense and one clipped by
+  ``clipnorm`` stays sparse, as one device's clipping leaves them.
 * **Offload** (``"optimizer"``: ZeRO-Offload, ``apply.offload``): the optimizer state (each
   copy's, or under ZeRO each shard's) lives on the device's host CPU; each reduced gradient
   is copied there, the update runs there, and the new value is written back to the
-  device. Under ``"optimizer+weights"`` (no ZeRO) each copy's weights live there too
-  (``apply.spmd.copies``), read by its layers' ops on the device.
+  device. Under ``"optimizer+weights"`` each copy's weights live there too
+  (``apply.spmd.copies``), read by its layers' ops on the device; under ZeRO-3 the shards
+  (``apply.spmd.zero3``).
 * **Pipelines** (``_pipeline_train_step``, ``apply.spmd.pipeline``): each column runs its
   slots in the schedule's order, each backward slot one gradient on its stage's device;
   under 1F1B a part's loss is weighted by the batch's rows before every count is known
@@ -53,6 +55,7 @@ and in any plan of it; once compiled, with one device's optimizer state
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -241,13 +244,11 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 ) -> ColumnPass:
         """Column (q, t)'s pass over its replica's parts (pipelines)."""
         run, m, zero = self._copies.run, self._copies.run.num_microbatches, self._zero
-        shard_of = reduce = None
-        if zero is not None and zero.stage >= 2 and training:
-            def shard_of(w: Any) -> Any:  # ZeRO-3: differentiated through the gathers
-                return zero.shard_of(q, t, w)
-        if zero is not None and zero.stage == 2 and training:  # each slot's reduced at once
-            def reduce(weights: list[Any], grads: list[Any]) -> list[Any]:
-                return zero.reduce_some(weights, grads, q, t)
+        stage = zero.stage if zero is not None and training else 0
+        # ZeRO-2: each slot's gradients reduced at once; ZeRO-3: the shards differentiated
+        # through the gathers
+        shard_of = functools.partial(zero.shard_of, q, t) if stage >= 2 else None
+        reduce = functools.partial(zero.reduce_some, q=q, t=t) if stage == 2 else None
         return ColumnPass(run, self._copies.programs[q][t], run.column(q, t),
                           parts[q * m:(q + 1) * m], flags[q * m:(q + 1) * m], training,
                           self._loss_terms, shard_of=shard_of, reduce=reduce)

@@ -164,12 +164,10 @@ def refusal(plan: Plan) -> str:
     s = plan.strategy
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
-    if s.ep > 1 and (s.zero_stage == 3 or s.cp > 1 or s.offload != "none"):
-        return "ep > 1 with ZeRO-3, context parallelism or offload"
+    if s.ep > 1 and s.cp > 1:
+        return "ep > 1 with context parallelism"
     if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):
         return "cp > 1 with pipeline stages or sequence parallelism"
-    if s.offload not in ("none", "optimizer") and (s.zero_stage == 3 and s.dp > 1):
-        return "offload of the weights with ZeRO-3"
     return ""
 
 

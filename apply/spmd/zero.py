@@ -59,6 +59,7 @@ import tensorflow as tf
 from tfplan import compat
 from tfplan.apply.collective_ops import member_all_gather, member_reduce_scatter
 from tfplan.apply.gradients import sum_gradients
+from tfplan.apply.offload import host_device
 from tfplan.apply.placement import inner_optimizer
 from tfplan.apply.spmd.reduction import gathered_slices
 from tfplan.core.errors import PlannerError
@@ -169,6 +170,8 @@ class ZeroShards:
                 shards = []
                 for i, (v, cut, device) in enumerate(zip(vs, self.cuts[q][t],
                                                          self.devices[q][t])):
+                    if stage == 3 and run.offload == "optimizer+weights":
+                        device = host_device(device)  # the weights trained live there
                     with tf.init_scope(), tf.device(device):
                         shards.append(keras.Variable(
                             np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,

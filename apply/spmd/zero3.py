@@ -30,6 +30,10 @@ Layers holding non-trainable variables (BatchNormalization's moving statistics, 
 seed state) would update them in a stateless call not at all, and twice in the
 recomputation: ``install`` refuses them, naming the layer.
 
+Under ``offload="optimizer+weights"`` the shards (the weights trained) live on the
+device's host CPU with their optimizer state and update; each gather reads its shard from
+there (ZeRO-Infinity's parameter offload, Rajbhandari et al., SC'21, Sec. 5).
+
 The copies' own variables of the gathered weights give up their storage
 (``compat.free_storage``): every read of them in a step goes through the gather, and the
 weights read and write as the user's model's through the shards (``ZeroShards.read`` /

@@ -6,9 +6,10 @@ The tiny MoE model (``tiny_moe``: 8 experts, top 2, no capacity limit, no aux lo
 10 steps on the SPMD engine with ep=4 (dp=4), ep=2 x dp=4 (also with ``global_clipnorm``),
 ep=2 x pp=2 (dp=2, 1F1B) and dp2 x tp2 x ep2 like one device (losses and final weights
 within 1e-4), every expert shard and its optimizer slots on its replica's device, each
-device's all-to-all bytes within 10% of the plan's; on the older engine ZeRO-1 (dp4 x ep2, dp2 x ep2) and ZeRO-2
-(dp4 x ep2, 2 micro-batches) likewise, each weight's slots on its one owner (an expert
-shard's among the replicas of its ep rank), with a weight file round trip; ep=2 across two
+device's all-to-all bytes within 10% of the plan's; ZeRO-1 (dp4 x ep2, dp2 x ep2, with
+the weights offloaded), ZeRO-2 (dp4 x ep2, 2 micro-batches) and ZeRO-3 (dp4 x ep2)
+likewise, each expert shard's state cut over the replicas of its ep rank, with a weight
+file round trip; ep=2 across two
 local worker processes (worker 0 drives both: ``apply.remote``) likewise, with
 fit/evaluate/predict and a weight file, and dp4 x ep2 ZeRO-1 there too. A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
 Mixtral MoE blocks inside a MixtralBackbone (``tiny_mixtral``) train like one device under
@@ -217,14 +218,19 @@ def zero_plan(kind: str):
     (one copy of each shard, its state whole), ZeRO-1, or ZeRO-2 over 2 micro-batches;
     dp2 x tp2 x ep2 ZeRO-1 (the MoE layer replicated over tp)."""
     _, model = base_model("tiny_moe")
-    stage = 2 if "+zero2" in kind else 1
+    stage = int(kind.rpartition("+zero")[2][0])
     if kind.startswith("dp2xtp2"):
         plan = tp_plan(model, [cpus(0, 1, 2, 3)], (("embed", "column"), ("head", "row")),
                        dp=2, zero=stage)
         return dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, ep=2))
     dp = 4 if kind.startswith("dp4") else 2
-    return ep_plan(model, [cpus(*range(dp))], ep=2, zero_stage=stage,
-                   num_microbatches=2 if stage == 2 else 1)
+    offload = kind.endswith("+offload")  # on devices apart from the host (CPU:0)
+    plan = ep_plan(model, [cpus(*range(int(offload), dp + int(offload)))], ep=2,
+                   zero_stage=stage, num_microbatches=2 if stage == 2 else 1)
+    if offload:
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+            plan.strategy, offload="optimizer+weights"))
+    return plan
 
 
 def assert_slots_on_owners(w, plan) -> None:
@@ -298,13 +304,16 @@ def assert_shards_where_planned(w, plan) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dp4xep2+zero1", "dp4xep2+zero2", "dp2xep2+zero1",
-                                  "dp2xtp2xep2+zero1"])
+                                  "dp2xtp2xep2+zero1", "dp4xep2+zero3",
+                                  "dp2xep2+zero1+offload"])
 def test_zero_with_expert_parallelism_trains_like_one_device(kind):
-    """ZeRO-1 (ZeRO-2: each of 2 micro-batches' gradients reduce-scattered) with ep=2 on
-    the SPMD engine: 10 steps like one device; the expert shards' state cut over the
-    replicas of their ep rank (dp2 x ep2: one each, uncut), the rest over dp; with tp=2
-    too. Each device sends what the plan prices (ZeRO's gathers of the experts over their
-    dp/ep replicas included)."""
+    """ZeRO-1 (ZeRO-2: each of 2 micro-batches' gradients reduce-scattered; ZeRO-3: each
+    layer gathered from its shards, an expert shard's over the replicas of its ep rank)
+    with ep=2 on the SPMD engine: 10 steps like one device; the expert shards' state cut
+    over the replicas of their ep rank (dp2 x ep2: one each, uncut), the rest over dp; with
+    tp=2 too, and with the weights and optimizer state offloaded to the host. Each device
+    sends what the plan prices (ZeRO's gathers of the experts over their dp/ep replicas
+    included)."""
     plan = zero_plan(kind)
     module, w = wrapped(plan)
     assert w.run_description.zero_stage == plan.strategy.zero_stage
@@ -313,8 +322,12 @@ def test_zero_with_expert_parallelism_trains_like_one_device(kind):
                                rtol=1e-4)
     for got, want in zip(w.get_weights(), weights, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert_shards_where_planned(w, plan)
-    if kind in ("dp4xep2+zero1", "dp2xtp2xep2+zero1"):
+    if kind.endswith("+offload"):  # the state on the host, not beside the shards
+        assert {_short(s.value.device) for s in w.optimizer.variables} == {"CPU:0"}
+    else:
+        assert_shards_where_planned(w, plan)
+    if kind in ("dp4xep2+zero1", "dp2xtp2xep2+zero1", "dp4xep2+zero3",
+                "dp2xep2+zero1+offload"):
         assert_sends_what_is_priced(w, plan, module)
 
 
@@ -435,18 +448,16 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 
     _, model = base_model("tiny_moe")
     s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
-    for change, what in (({"cp": 2}, "cp=2"), ({"zero_stage": 3}, "zero_stage=3"),
-                         ({"offload": "optimizer"}, "offload='optimizer'")):
-        (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, **change))
-                      if p.startswith("ep=2")]
-        assert what in problem and "expected cp = 1, zero_stage 0, 1 or 2" in problem
-    for stage in (1, 2):  # ZeRO-1/2 run (apply.zero: owners per ep rank)
-        assert unapplied_dimensions(dataclasses.replace(s, zero_stage=stage)) == []
-    assert unapplied_dimensions(dataclasses.replace(s, tp=2)) == []  # apply.spmd.experts
-    assert unapplied_dimensions(dataclasses.replace(s, tp=2, zero_stage=1)) == []
-    zero3 = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2, zero_stage=3)
-    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has zero_stage=3"):
-        apply.wrap(model, zero3)
+    (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, cp=2))
+                  if p.startswith("ep=2")]
+    assert "cp=2" in problem and "expected cp = 1" in problem
+    for change in ({"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"tp": 2},
+                   {"tp": 2, "zero_stage": 1}, {"offload": "optimizer"}):
+        assert unapplied_dimensions(dataclasses.replace(s, **change)) == []  # apply.spmd
+    cp = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2)
+    cp = dataclasses.replace(cp, strategy=dataclasses.replace(cp.strategy, dp=2, cp=2))
+    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has cp=2"):
+        apply.wrap(model, cp)
     _, mlp = base_model("tiny_mlp")
     with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
         apply.wrap(mlp, ep_plan(mlp, [cpus(0, 1)], ep=2))

@@ -2,7 +2,8 @@
 host CPU (each copy's, or under ZeRO each shard's), training equal to one device's, and
 the copies to and from the host counted apart (kind ``host``) from the plan's sends; with
 the weights offloaded too (``optimizer+weights``, without ZeRO and with ZeRO-1/2) every
-copy's weights on the host, read by its layers on their device."""
+copy's weights on the host, read by its layers on their device; under ZeRO-3 the shards
+trained there, each layer's gather reading them."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,8 @@ def test_the_optimizer_state_lives_on_the_host_and_training_is_one_devices(case,
 
 
 @pytest.mark.parametrize("offload, zero", [("optimizer", 0), ("optimizer+weights", 0),
-                                          ("optimizer+weights", 1), ("optimizer+weights", 2)])
+                                          ("optimizer+weights", 1), ("optimizer+weights", 2),
+                                          ("optimizer+weights", 3)])
 def test_host_copies_are_counted_apart_from_the_plans_sends(offload, zero):
     if offload == "optimizer":
         module, plan, wrapped, _ = _wrapped("tiny_mlp", "dp4", offload=offload)
@@ -47,6 +49,8 @@ def test_host_copies_are_counted_apart_from_the_plans_sends(offload, zero):
         assert {_device(v.value.device) for m in wrapped.device_models
                 for v in m.variables} == {HOST}  # every copy's weights on the host
         assert {_device(v.value.device) for v in wrapped.optimizer.variables} == {HOST}
+        if zero == 3:  # the weights trained: the shards, on the host
+            assert {_device(v.value.device) for v in wrapped._zero.variables} == {HOST}
         batches = helpers.batches_of(module, STEPS, BATCH)
         helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
                                     helpers.step_losses(reference, batches))

@@ -41,10 +41,9 @@ def test_one_device_group_launches_nothing():
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(offload="optimizer+weights", zero_stage=3), "offload of the weights with ZeRO-3"),
     (dict(cp=2, sequence_parallel=True),
      "cp > 1 with pipeline stages or sequence parallelism"),
-    (dict(ep=2, zero_stage=3), "ep > 1 with ZeRO-3, context parallelism or offload")])
+    (dict(ep=2, cp=2), "ep > 1 with context parallelism")])
 def test_refusal_names_the_dimension(change, reason):
     plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **change))
