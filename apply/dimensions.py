@@ -66,11 +66,6 @@ def unapplied_dimensions(s: Any) -> list[str]:
     if s.sequence_parallel and s.tp == 1:
         out.append("sequence_parallel=True with tp=1 (it cuts the sequence over a "
                    "tensor-parallel group; there is none) runs only with tp > 1")
-    if s.cp > 1 and (s.pp != 1 or s.sequence_parallel):
-        out.append(f"cp={s.cp} (context parallelism) runs in apply on one host with data "
-                   "and tensor parallelism and ZeRO (pp = 1, no sequence parallelism: "
-                   f"apply.spmd.context); this plan has pp={s.pp}, "
-                   f"sequence_parallel={s.sequence_parallel}")
     if s.offload != "none":
         out += _offload_rule(s)
     out += _expert_rule(s)
@@ -151,8 +146,8 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
 
 
 def _context_mode_rule(s: Any, mode: Any) -> list[str]:
-    """Mode ``context_parallel`` (``apply.spmd.context``) runs cp x dp x tp on one host
-    (the strategy-level rule, pp = 1, is ``unapplied_dimensions``')."""
+    """Mode ``context_parallel`` (``apply.spmd.context``) runs cp with dp, tp (sequence
+    parallelism too), pp and ZeRO on one host."""
     if _one_host(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
         return []
     where = ("spans several worker processes" if not _one_host(mode) else

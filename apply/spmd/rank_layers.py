@@ -86,11 +86,14 @@ class _RankTwin:
 
     def _sequence_of(self, shape: Any) -> int | None:
         """The sequence length this twin cuts under sequence parallelism (None: it cuts
-        none), from an input's build shape; it must divide by tp."""
+        none), from an input's build shape (the whole model's: under context parallelism
+        the copy runs its 1/cp chunk of it); it must divide by tp."""
         shape = tuple(shape)
         if not self.tp_rank.sequence or len(shape) < self._SEQ_MIN_RANK or shape[1] is None:
             return None
         seq = int(shape[1])
+        if self.tp_rank.cp_group is not None:
+            seq //= self.tp_rank.cp_group.size
         if seq % self.tp_rank.size:
             raise PlannerError(
                 f"Layer {self.name!r} runs under sequence parallelism, which cuts its "

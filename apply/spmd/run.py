@@ -166,8 +166,6 @@ def refusal(plan: Plan) -> str:
         return "devices on several workers"
     if s.ep > 1 and s.cp > 1:
         return "ep > 1 with context parallelism"
-    if s.cp > 1 and (len(plan.stages) > 1 or s.sequence_parallel):
-        return "cp > 1 with pipeline stages or sequence parallelism"
     return ""
 
 

@@ -276,7 +276,7 @@ def test_execution_mode_and_dimensions():
     assert unapplied(zero, execution_mode(zero)) == []  # the SPMD engine runs cp with ZeRO
     staged = make_plan(model, [cpus(0, 1), cpus(2, 3)])
     staged = dataclasses.replace(staged, strategy=dataclasses.replace(staged.strategy, dp=1, cp=2))
-    assert any("cp=2" in p and "pp=2" in p for p in unapplied(staged, execution_mode(staged)))
+    assert unapplied(staged, execution_mode(staged)) == []  # the SPMD engine runs cp x pp
     workers = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2)]
     spread = cp_plan(model, workers, dp=2, cp=2)
     spread = dataclasses.replace(spread, cluster=dataclasses.replace(
@@ -374,6 +374,38 @@ def test_cp_with_tensor_parallelism_and_zero_trains_like_one_device(dp, tp, zero
                              plan)
     measured = audit.by_device()
     for device, kinds in priced:
+        for kind, nbytes in kinds:
+            assert measured[device][kind] == pytest.approx(nbytes, rel=0.10, abs=64), (
+                device, kind)
+
+
+@pytest.mark.parametrize("shape", ["cp2xpp2-1f1b", "cp2xtp2-sp"])
+def test_cp_with_pipeline_stages_or_sequence_parallelism_trains_like_one_device(shape):
+    """cp x pp (1F1B, 2 micro-batches: each stage's copies run their chunk of every
+    sequence) and cp x tp with sequence parallelism (each rank holds 1/tp of its 1/cp
+    chunk between the split layers) on the SPMD engine: like one device, each device
+    sending what the plan prices."""
+    module, model = base_model("tiny_transformer")
+    if shape.startswith("cp2xpp2"):
+        plan = tp_plan(model, [cpus(0, 1), cpus(2, 3)], (), dp=2, num_microbatches=2)
+        change = dict(dp=1, cp=2, microbatch_size=GLOBAL_BATCH // 2, schedule="1f1b")
+    else:
+        plan = tp_plan(model, [cpus(0, 1, 2, 3)], SPLITS, dp=2)
+        change = dict(dp=1, cp=2, microbatch_size=GLOBAL_BATCH, sequence_parallel=True)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **change))
+    assert unapplied(plan, execution_mode(plan)) == []
+    wrapped = apply.wrap(model, plan)
+    assert isinstance(wrapped, SpmdModel) and wrapped.run_description.cp == 2
+    wrapped.compile(optimizer=fresh_optimizer(module), loss=module.loss)
+    batches = batches_of(module, 5, GLOBAL_BATCH)
+    assert_losses_match(step_losses(wrapped, batches), reference_losses("tiny_transformer", 5))
+    x, y = batches[0]
+    measured = audit_step(wrapped, x, y, plan=plan).by_device()
+    keras.utils.set_random_seed(0)
+    priced = plan_sent_bytes(profile_model(module.build_model(), batch_size=GLOBAL_BATCH),
+                             plan)
+    for device, kinds in priced:
+        assert dict(kinds)["cp"] > 0 or device not in plan.stages[0].devices
         for kind, nbytes in kinds:
             assert measured[device][kind] == pytest.approx(nbytes, rel=0.10, abs=64), (
                 device, kind)
