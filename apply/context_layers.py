@@ -56,6 +56,7 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.layers.moe import MixtureOfExperts
 from tfplan.core.errors import PlannerError
 
 ELEMENTWISE = (
@@ -147,6 +148,10 @@ def _check_layer(layer: Any, plan_name: str) -> None:
         _check_attention(layer, nodes, refuse)
         return
     if isinstance(layer, ELEMENTWISE):
+        return
+    if isinstance(layer, MixtureOfExperts):  # routes each token alone; its capacity and
+        if min(ranks, default=3) < 3:  # aux loss per group of tokens (apply.wrap warns)
+            refuse(f"routes the positions of a rank-{min(ranks)} input, not tokens")
         return
     if not isinstance(layer, LAST_AXIS):
         refuse("is not known to act on each position alone; it may mix positions along "

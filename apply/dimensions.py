@@ -11,8 +11,8 @@ and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
 (``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
 (``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs on one host
 with dp, tp, pp, ZeRO-1/2/3 and offload (``apply.spmd.experts``; ZeRO shards of an expert
-cut over the replicas of its ep rank, ``apply.spmd.zero``), not with cp (``_expert_rule``);
-across workers without tp, ZeRO-3 or offload (``_expert_mode_rule``).
+cut over the replicas of its ep rank, ``apply.spmd.zero``) and cp; across workers without
+tp, ZeRO-3 or offload (``_expert_mode_rule``).
 """
 from __future__ import annotations
 
@@ -68,22 +68,7 @@ def unapplied_dimensions(s: Any) -> list[str]:
                    "tensor-parallel group; there is none) runs only with tp > 1")
     if s.offload != "none":
         out += _offload_rule(s)
-    out += _expert_rule(s)
     return out
-
-
-def _expert_rule(s: Any) -> list[str]:
-    """Expert parallelism (``apply.spmd.experts``, each tensor rank routing through its own
-    ep group) with data, tensor and pipeline parallelism, ZeRO-1/2/3 and offload; not with
-    context parallelism. Across workers only what the older engine runs (``_expert_mode_rule``)."""
-    ep = getattr(s, "ep", 1)
-    if ep <= 1:
-        return []
-    if s.cp <= 1:
-        return []
-    return [f"ep={ep} (expert parallelism, apply.spmd.experts) runs with data, tensor and "
-            "pipeline parallelism, ZeRO and offload, not with context parallelism "
-            f"(expected cp = 1); this plan has cp={s.cp}"]
 
 
 def _offload_rule(s: Any) -> list[str]:

@@ -16,8 +16,9 @@ innermost; "replica" q = r cp + c (data-parallel rank r, context rank c) holds
   gradient reduction, ZeRO's scatters and gathers; context ranks hold the same weights);
 * ``cp``: the context ranks of one data-parallel rank and tensor rank (keys and values);
 * ``ep``: ep consecutive data-parallel ranks r // ep == g (they hold different experts:
-  ``planner.plan.Strategy.ep``), the token all-to-alls; ``edp``: the ranks holding the
-  same experts, r % ep == e (their gradients' reduction);
+  ``planner.plan.Strategy.ep``), the token all-to-alls (one group per context rank); ``edp``:
+  the replicas holding the same experts, r % ep == e, every context rank (their gradients'
+  reduction);
 * ``pp``: a device of chunk k and the same position of chunk k + 1 (a pipeline hop); in a
   general placement (one device per stage, layers in any pattern) every pair of its devices.
 
@@ -110,8 +111,11 @@ def groups_of(plan: Plan) -> Groups:
         if ep > 1:
             found += [("ep", tuple(d[(r * cp + c) * tp + t] for r in range(g * ep, (g + 1) * ep)))
                       for g in range(dp // ep) for c in range(cp) for t in range(tp)]
-            found += [("edp", tuple(d[(r * cp + c) * tp + t] for r in range(e, dp, ep)))
-                      for e in range(ep) for c in range(cp) for t in range(tp)]
+            # every replica holding the same experts: ep rank e of every dp rank's group,
+            # every context rank (they hold the same weights)
+            found += [("edp", tuple(d[(r * cp + c) * tp + t] for r in range(e, dp, ep)
+                                    for c in range(cp)))
+                      for e in range(ep) for t in range(tp)]
     for a, b in zip(plan.stages, plan.stages[1:]):
         found += [("pp", (x, y)) for x, y in zip(a.devices, b.devices) if x != y]
     return Groups(tuple(Group(kind, devices, group_key(devices))

@@ -160,12 +160,12 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             _write_logdir(plan, wrapped, logdir)
         return wrapped
     s = plan.strategy
-    if s.cp > 1 and (s.tp > 1 or s.zero_stage or s.pp > 1):  # the older engine: cp x dp
+    if s.cp > 1 and (s.tp > 1 or s.zero_stage or s.pp > 1 or s.ep > 1):  # older: cp x dp
         raise PlanMismatchError(
             f"Plan {plan.name!r} runs context parallelism with tp={s.tp}, pp={s.pp}, "
-            f"zero_stage={s.zero_stage}, which only the SPMD engine (apply.spmd) runs, and "
-            f"it does not run this plan: {why_not}. Re-plan with cp=1, or with tp=1, pp=1 "
-            "and zero_stage=0.")
+            f"ep={s.ep}, zero_stage={s.zero_stage}, which only the SPMD engine (apply.spmd) "
+            f"runs, and it does not run this plan: {why_not}. Re-plan with cp=1, or with "
+            "tp=pp=ep=1 and zero_stage=0.")
     if s.ep > 1 and (s.tp > 1 or s.zero_stage == 3 or s.offload != "none"):
         raise PlanMismatchError(  # the older engine: ep without tp, ZeRO-3 or offload
             f"Plan {plan.name!r} runs expert parallelism with tp={s.tp}, zero_stage="

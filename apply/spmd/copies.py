@@ -93,8 +93,8 @@ class Copies:
         a copy's weight's value where the variable does not hold it (ZeRO-3's shards)."""
         read = read or (lambda q, t, v: np.asarray(v.numpy()))
         ranks = [m.weights for m in self.models[0]]
-        ep_ranks = [self.models[q][0].weights for q in range(self.run.ep)]  # ep group 0
-        return [np.concatenate([read(q, 0, w[j]) for q, w in enumerate(ep_ranks)], axis=0)
+        ep_ranks = [(q, self.models[q][0].weights) for q in self.run.ep_replicas]
+        return [np.concatenate([read(q, 0, w[j]) for q, w in ep_ranks], axis=0)
                 if j in self.ep_cut else read(0, 0, ranks[0][j]) if axis is None else
                 np.concatenate([read(0, t, w[j]) for t, w in enumerate(ranks)], axis=axis)
                 for j, axis in enumerate(self.axes)]
@@ -110,7 +110,7 @@ class Copies:
             for t, model in enumerate(replica):
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
                     full = np.asarray(weights[j])
-                    if j in self.ep_cut:  # ep rank q % ep's experts
+                    if j in self.ep_cut:  # replica q's ep rank's experts
                         write(q, t, var, np.split(full, self.run.ep)[self.run.ep_rank(q)])
                         continue
                     write(q, t, var, full if axis is None else

@@ -114,8 +114,8 @@ class OptimizerState:
 
     def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
         run = self.copies.run
-        if j in self.ep_cut:  # replica e holds ep rank e's experts
-            return np.concatenate([self._replica_piece(e, t, j, k) for e in range(run.ep)],
+        if j in self.ep_cut:  # the experts of every ep rank, each from a replica holding it
+            return np.concatenate([self._replica_piece(q, t, j, k) for q in run.ep_replicas],
                                   axis=0)
         return self._replica_piece(0, t, j, k)
 

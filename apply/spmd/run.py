@@ -59,15 +59,22 @@ class RunDescription:
     # parallel rank r's sequences (``replicas`` lists every dp x cp replica, so their
     # gradients meet in the dp groups)
     cp: int = 1
-    # expert parallelism (apply.spmd.experts): replica q holds ep rank q % ep's experts
+    # expert parallelism (apply.spmd.experts): replica q holds ep rank ep_rank(q)'s experts
     ep: int = 1
     # the plan's micro-batches per replica run as one (num_microbatches is then 1): global
     # batch statistics join them at every BatchNormalization layer (apply.spmd.batch_norm)
     joined_microbatches: int = 1
 
     def ep_rank(self, q: int) -> int:
-        """Replica q's expert-parallel rank (its share of every MoE layer's experts)."""
-        return q % self.ep
+        """Replica q's expert-parallel rank (its share of every MoE layer's experts): its
+        data-parallel rank's (q = r cp + c) modulo ep."""
+        return (q // self.cp) % self.ep
+
+    @property
+    def ep_replicas(self) -> tuple[int, ...]:
+        """The replica holding each ep rank's experts in the first ep group (dp ranks
+        0..ep-1, context rank 0): where the whole layer's experts are read."""
+        return tuple(e * self.cp for e in range(self.ep))
 
     @property
     def chunks(self) -> int:
@@ -164,8 +171,6 @@ def refusal(plan: Plan) -> str:
     s = plan.strategy
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
-    if s.ep > 1 and s.cp > 1:
-        return "ep > 1 with context parallelism"
     return ""
 
 

@@ -185,12 +185,13 @@ class ZeroShards:
 
     def position(self, q: int, kind: str) -> int:
         """Replica q's shard of a weight sharded over ``kind``."""
-        return q // self.run.ep if kind == "edp" else q
+        return self.holders(q, kind).index(q)
 
     def holders(self, q: int, kind: str) -> list[int]:
-        """The replicas sharing replica q's weight sharded over ``kind``, in shard order."""
+        """The replicas sharing replica q's weight sharded over ``kind``, in shard order
+        (an expert shard's: those of q's ep rank, ``apply.groups``' edp group)."""
         if kind == "edp":
-            return list(range(q % self.run.ep, self.run.dp, self.run.ep))
+            return [p for p in range(self.run.dp) if self.run.ep_rank(p) == self.run.ep_rank(q)]
         return list(range(self.run.dp))
 
     @property

@@ -448,16 +448,16 @@ def test_what_expert_parallelism_does_not_run_is_refused():
 
     _, model = base_model("tiny_moe")
     s = ep_plan(model, [cpus(0, 1)], ep=2).strategy
-    (problem,) = [p for p in unapplied_dimensions(dataclasses.replace(s, cp=2))
-                  if p.startswith("ep=2")]
-    assert "cp=2" in problem and "expected cp = 1" in problem
     for change in ({"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"tp": 2},
-                   {"tp": 2, "zero_stage": 1}, {"offload": "optimizer"}):
+                   {"tp": 2, "zero_stage": 1}, {"offload": "optimizer"}, {"cp": 2}):
         assert unapplied_dimensions(dataclasses.replace(s, **change)) == []  # apply.spmd
-    cp = ep_plan(model, [cpus(0, 1, 2, 3)], ep=2)
-    cp = dataclasses.replace(cp, strategy=dataclasses.replace(cp.strategy, dp=2, cp=2))
-    with pytest.raises(PlanMismatchError, match="ep=2 .*this plan has cp=2"):
-        apply.wrap(model, cp)
+    workers = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2)]
+    spread = ep_plan(model, [workers], ep=2, zero_stage=3)  # across workers: older engine
+    spread = dataclasses.replace(spread, cluster=dataclasses.replace(
+        spread.cluster, num_nodes=2, devices_per_node=2,
+        inter_node_link=spread.cluster.intra_node_link))
+    with pytest.raises(PlanMismatchError, match="ep=2 across worker processes.*zero_stage=3"):
+        apply.wrap(model, spread)
     _, mlp = base_model("tiny_mlp")
     with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
         apply.wrap(mlp, ep_plan(mlp, [cpus(0, 1)], ep=2))
@@ -665,3 +665,60 @@ def test_ep2_across_two_workers_trains_like_one_device(tmp_path):
 
 if __name__ == "__main__":
     worker_main(sys.argv[1])
+
+
+def _attention_moe():
+    """Tokens through causal attention and a MixtureOfExperts (residuals), logits per token:
+    a model context parallelism can cut (every layer but attention per token)."""
+    import keras
+
+    from tfplan.layers import MixtureOfExperts
+
+    keras.utils.set_random_seed(5)
+    ids = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(32, 16, name="embed")(ids)
+    a = keras.layers.MultiHeadAttention(2, 8, name="attention")(x, x, use_causal_mask=True)
+    x = keras.layers.Add(name="res1")([x, a])
+    m = MixtureOfExperts(num_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.0,
+                         name="moe")(x)
+    x = keras.layers.Add(name="res2")([x, m])
+    return keras.Model(ids, keras.layers.Dense(32, name="logits")(x))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_expert_with_context_parallelism_trains_like_one_device(zero):
+    """dp2 x cp2 x ep2: each context rank's tokens go to the experts of its dp ranks (an ep
+    group per context rank), an expert's gradients summed over every replica holding it,
+    context ranks included (the edp group); ZeRO-3's expert shards cut over those. Like
+    one device; without ZeRO each device sends what the plan prices."""
+    import keras
+
+    from tfplan import apply
+    from tfplan.apply.audit import audit_step
+    from tfplan.planner.traffic import plan_sent_bytes
+    from tfplan.profiler import profile_model
+
+    plan = make_plan(_attention_moe(), [cpus(0, 1, 2, 3)], global_batch=8)
+    plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+        plan.strategy, dp=2, cp=2, ep=2, microbatch_size=4, zero_stage=zero))
+    w = apply.wrap(_attention_moe, plan)
+    assert [w.run_description.ep_rank(q) for q in range(4)] == [0, 0, 1, 1]
+    one = _attention_moe()
+    one.set_weights(w.get_weights())
+    for target in (w, one):
+        target.compile(optimizer=keras.optimizers.Adam(1e-2),
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 32, (8, 8)).astype("int32"),
+             rng.integers(0, 32, (8, 8)).astype("int32")) for _ in range(4)]
+    np.testing.assert_allclose(step_losses(w, data), step_losses(one, data), rtol=1e-4)
+    for got, want in zip(w.get_weights(), one.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    if zero:
+        return
+    measured = audit_step(w, *data[0], plan=plan).by_device()
+    priced = plan_sent_bytes(profile_model(_attention_moe(), batch_size=8), plan)
+    for device, kinds in priced:
+        for kind, nbytes in kinds:
+            assert measured[device][kind] == pytest.approx(nbytes, rel=0.10, abs=64), (
+                device, kind)

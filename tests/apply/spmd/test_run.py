@@ -40,13 +40,18 @@ def test_one_device_group_launches_nothing():
     assert run.tp == 1 and run.tp_group(0).size == 1 and run.splits == ()
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(cp=2, sequence_parallel=True), ""),  # runs (tests/apply/test_context_parallel.py)
-    (dict(ep=2, cp=2), "ep > 1 with context parallelism")])
-def test_refusal_names_the_dimension(change, reason):
+@pytest.mark.parametrize("change", [dict(cp=2, sequence_parallel=True), dict(ep=2, cp=2),
+                                    dict(ep=2, zero_stage=3),
+                                    dict(offload="optimizer+weights", zero_stage=3)])
+def test_every_dimension_runs_on_one_host(change):
     plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **change))
-    assert refusal(plan) == reason
+    assert refusal(plan) == ""
+    workers = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(stage, devices=tuple(f"/job:worker/task:{i}/device:CPU:0"
+                                                 for i in range(len(stage.devices))))
+        for stage in plan.stages))
+    assert refusal(workers) == "devices on several workers"
     assert refusal(helpers.make_plan(_mlp(), [helpers.cpus(0)], num_microbatches=1)) == ""
 
 
