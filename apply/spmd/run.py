@@ -167,8 +167,8 @@ def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
 
 
 def refusal(plan: Plan) -> str:
-    """Why the SPMD engine does not run ``plan`` yet ("" when it does)."""
-    s = plan.strategy
+    """Why the SPMD engine does not run ``plan`` yet ("" when it does): every strategy
+    dimension runs on one host; across workers is the one-program-per-worker issue's."""
     if any("/job:" in d for stage in plan.stages for d in stage.devices):
         return "devices on several workers"
     return ""
