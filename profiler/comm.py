@@ -135,6 +135,7 @@ def layer_comm(layer: LayerProfile, input_bytes: int) -> LayerComm:
         splits = (TensorSplit("vocab", out, 0, rows),)  # the vocabulary cuts equally
     else:
         splits = ()
+    splits = tuple(x for x in splits if x.split not in layer.refused_splits)
     return LayerComm(name=layer.name, dp_allreduce_bytes=layer.grad_bytes, tp_splits=splits,
                      pp_send_bytes=out)
 

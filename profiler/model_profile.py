@@ -100,6 +100,10 @@ class LayerProfile:
     memory_traffic_bytes_fwd: int = 0  # bytes read + written by the other ops
     memory_traffic_bytes_bwd: int = 0
     groups: int = 1  # a convolution's feature groups (1 for every other layer)
+    # the tensor-parallel splits this layer's configuration rules out at any degree
+    # (``profiler.split_rules``: channels-first convolutions, an EinsumDense without a
+    # single kernel axis to cut, gated attention, LoRA or quantized weights)
+    refused_splits: tuple[str, ...] = ()
     # measured forward/backward seconds for ModelProfile.measured_batch_size samples
     # on ModelProfile.measured_device (``profiler.calibrate``); None: not measured
     measured_fwd_s: float | None = None
@@ -197,6 +201,7 @@ class LayerProfile:
             "attention_kv_bytes": self.attention_kv_bytes,
             "attention_kv_heads": self.attention_kv_heads,
             **({"attention_heads": self.attention_heads} if self.attention_heads else {}),
+            **({"refused_splits": list(self.refused_splits)} if self.refused_splits else {}),
             **({} if self.output_shape is None else {"output_shape": list(self.output_shape)}),
             **{n: getattr(self, n) for n in ("base_type", "block", "opaque") if getattr(self, n)},
             **({n: getattr(self, n) for n in MOE_FIELDS} if self.is_moe else {}),
@@ -232,6 +237,9 @@ class LayerProfile:
                                   default=[]), f"{k}.{where}.inputs"),
             not_counted=_strings(field(d, "not_counted", k, list, where=where, optional=True,
                                        default=[]), f"{k}.{where}.not_counted"),
+            refused_splits=_strings(field(d, "refused_splits", k, list, where=where,
+                                          optional=True, default=[]),
+                                    f"{k}.{where}.refused_splits"),
             output_shape=_output_shape_from(d, where),
             **{n: field(d, n, k, str, where=where, optional=True, default="")
                for n in ("base_type", "block", "opaque")},

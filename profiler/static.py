@@ -51,6 +51,7 @@ from tfplan.profiler.repeats import (find_repeats, replicate_edges, skip_map, so
                                      with_block_entries)
 from tfplan.profiler.signature import (block_of, is_block, keras_base_type, output_shape,
                                        own_weights, profiled_layer_paths)
+from tfplan.profiler.split_rules import refused_splits
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "float64")
 REPEAT_BLOCKS_MIN_LAYERS = 200
@@ -284,6 +285,7 @@ def _layer_profile(key: str, layer: Any, got: Any, not_counted: list[str],
         attention_core_saved_bytes=got.attention_core_saved_bytes,
         attention_kv_bytes=got.attention_kv_bytes, attention_kv_heads=_kv_heads(layer),
         attention_heads=attention.query_heads if attention else 0,
+        refused_splits=refused_splits(layer, attention_block=attention is not None),
         base_type=_base_type(layer), block=block, opaque=_opaque(layer, weights, got))
 
 

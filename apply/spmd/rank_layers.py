@@ -40,9 +40,9 @@ from tfplan.apply.spmd.megatron import (all_gather_sequence, copy_to_tp, gather_
                                         gather_sequence_to_tp, reduce_from_tp,
                                         reduce_scatter_from_tp, scatter_to_tp, slice_sizes)
 from tfplan.apply.sequence_parallel import elementwise
-from tfplan.apply.sharded_layers import is_cached_attention
 from tfplan.core.errors import PlannerError
 from tfplan.profiler.signature import layer_config
+from tfplan.profiler.split_rules import einsum_split_axis, is_cached_attention, split_refusal
 
 
 @dataclass(frozen=True)
@@ -549,73 +549,47 @@ def is_attention_block(layer: Any) -> bool:
 
 def attention_block_problem(layer: Any, tp: int) -> str:
     """Why the attention block ``layer`` (``is_attention_block``) cannot be split by heads
-    over ``tp`` ("" when it can)."""
+    over ``tp`` ("" when it can; its projections: ``profiler.split_rules``)."""
     from tfplan.profiler.attention_blocks import attention_block
 
     info = attention_block(layer)
     if info.query_heads % tp or info.kv_heads % tp:
         return f"it has {info.query_heads} query and {info.kv_heads} key/value heads"
-    for p in info.projections:
-        if not isinstance(p.layer, keras.layers.EinsumDense) or \
-                p.layer.activation not in (None, keras.activations.linear):
-            return f"its projection {p.layer.name!r} is not an EinsumDense without activation"
-    return ""
+    return split_refusal(layer, "heads")
 
 
 def split_problem(layer: Any, split: str, tp: int) -> str:
-    """Why ``layer`` cannot be split by ``split`` over ``tp`` ranks here ("" when it can).
-    A row split's input may cut unequally (its partial sums are whole); a column split's
-    output must cut equally (its slices are gathered or read as they are)."""
+    """Why ``layer`` cannot be split by ``split`` over ``tp`` ranks here ("" when it can):
+    its configuration (``profiler.split_rules.split_refusal``, the rule the planner's
+    profile records), then the degree. A row split's input may cut unequally (its partial
+    sums are whole); a column split's output must cut equally (its slices are gathered
+    or read as they are)."""
+    why = split_refusal(layer, split)
+    if why:
+        return why
     cls = type(layer)
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return "LoRA or quantized layers are not split"
     if split == "heads" and cls is keras.layers.GroupQueryAttention:
-        if layer.use_gate:
-            return "gated attention"
         heads = (layer.num_query_heads, layer.num_key_value_heads)
         return "" if all(h % tp == 0 for h in heads) else \
             f"its {heads[0]} query and {heads[1]} key/value heads"
     if split == "heads" and is_attention_block(layer):
         return attention_block_problem(layer, tp)
     if split == "heads":
-        if cls is not keras.layers.MultiHeadAttention and not is_cached_attention(layer):
-            return f"{cls.__name__} is not MultiHeadAttention (split by heads here)"
-        settings = compat.attention_settings(layer)
-        if settings.use_gate or layer.attention_axes not in (None, (1,), [1]):
-            return "gated attention or custom attention_axes"
         return "" if layer.num_heads % tp == 0 else f"its {layer.num_heads} heads"
     if split == "vocab":
-        if cls is not keras.layers.Embedding:
-            return f"{cls.__name__} is not an Embedding"
         return "" if layer.input_dim % tp == 0 else f"its vocabulary of {layer.input_dim}"
     if cls is keras.layers.Dense:
         n = layer.units if split == "column" else int(layer.kernel.shape[0])
         return "" if n % tp == 0 or (split == "row" and n >= tp) else \
             f"its {'units' if split == 'column' else 'inputs'} ({n})"
     if cls in CONV_TYPES:
-        if layer.data_format != "channels_last" or layer.groups != 1 or \
-                getattr(layer, "lora_enabled", False):
-            return "channels_first, grouped or LoRA convolutions"
         n = layer.filters if split == "column" else int(layer.kernel.shape[-2])
         return "" if n % tp == 0 or (split == "row" and n >= tp) else \
             f"its {'filters' if split == 'column' else 'input channels'} ({n})"
-    if cls is keras.layers.EinsumDense:
-        inp, rest = layer.equation.split(",")
-        ker, out = rest.split("->")
-        char = out[-1] if split == "column" else inp[-1]
-        if "." in layer.equation or char not in ker or (
-                char in inp if split == "column" else char in out):
-            return f"equation {layer.equation!r} cannot be cut by {split}"
-        # the kernel's output (column) or contracted (row) axes: with several, as attention
-        # projections' heads x head_dim ("bqm,muh->bquh"), the last is within each head,
-        # which per-head ops (rotary embeddings, norms) read whole
-        kernel_axes = [c for c in ker if (c in out if split == "column" else c in inp)]
-        if len(kernel_axes) > 1:
-            return (f"equation {layer.equation!r} has {len(kernel_axes)} "
-                    f"{'output' if split == 'column' else 'contracted'} kernel axes")
-        n = int(layer.kernel.shape[ker.index(char)])
-        return "" if n % tp == 0 else f"its split axis ({n})"
-    return f"{cls.__name__} layers are not split by {split!r} here"
+    char, _ = einsum_split_axis(layer.equation, split)  # an EinsumDense (split_refusal)
+    ker = layer.equation.split(",")[1].split("->")[0]
+    n = int(layer.kernel.shape[ker.index(char)])
+    return "" if n % tp == 0 else f"its split axis ({n})"
 
 
 def rank_twin(layer: Any, rank: Rank) -> Any:

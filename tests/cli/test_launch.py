@@ -186,6 +186,10 @@ index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 attempt = int(os.environ["PLAN_LAUNCH_ATTEMPT"])
 with open(os.path.join(sys.argv[1], f"started-{index}-{attempt}"), "w") as f:
     f.write(os.environ["TF_CONFIG"])
+deadline = time.time() + 30  # worker 0 started too before worker 1 dies (a loaded machine
+while index == 1 and time.time() < deadline and not os.path.exists(  # starts it late)
+        os.path.join(sys.argv[1], f"started-0-{attempt}")):
+    time.sleep(0.05)
 if index == 1 and attempt < int(sys.argv[2]):
     os.kill(os.getpid(), signal.SIGKILL)  # killed, as by the OOM killer or a lost machine
 if index == 1 and sys.argv[3] == "error":
