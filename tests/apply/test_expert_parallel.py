@@ -685,7 +685,7 @@ def _attention_moe():
     return keras.Model(ids, keras.layers.Dense(32, name="logits")(x))
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_expert_with_context_parallelism_trains_like_one_device(zero):
     """dp2 x cp2 x ep2: each context rank's tokens go to the experts of its dp ranks (an ep
     group per context rank), an expert's gradients summed over every replica holding it,

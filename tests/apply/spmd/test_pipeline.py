@@ -170,7 +170,8 @@ def test_mixed_precision_under_a_pipeline_trains_like_one_device(policy):
 
 
 @pytest.mark.parametrize("name, shape", [("tiny_mlp", dict(dp=2, tp=2, m=2, zero=1)),
-                                         ("tiny_mlp", dict(dp=2, m=2, zero=2)),
+                                         pytest.param("tiny_mlp", dict(dp=2, m=2, zero=2),
+                                                      marks=pytest.mark.slow),
                                          ("tiny_mlp", dict(dp=2, m=2, zero=3))])
 def test_each_device_sends_what_the_plan_prices_and_no_device_is_a_hub(name, shape):
     module, plan, wrapped, _ = _wrapped(name, **shape)
