@@ -54,6 +54,11 @@ MODES = {  # name: (stage devices, dp, micro-batches, ZeRO stage[, schedule])
     "dp2xtp2xep2": ([[0, 1, 2, 3]], 2, 1, 0),
     "ep2xpp2-m2-1f1b": ([[0, 1], [2, 3]], 2, 2, 0, "1f1b"),
     "dp4xep2-zero1": ([[0, 1, 2, 3]], 4, 1, 1),
+    "dp4xep2-zero3": ([[0, 1, 2, 3]], 4, 1, 3),
+    "dp2xpp2-m2-1f1b-zero2": ([[0, 1], [2, 3]], 2, 2, 2, "1f1b"),
+    "dp2xpp2-m2-1f1b-zero3": ([[0, 1], [2, 3]], 2, 2, 3, "1f1b"),
+    "cp2xpp2-m2-1f1b": ([[0, 1], [2, 3]], 1, 2, 0, "1f1b"),
+    "cp2xtp2-sp": ([[0, 1, 2, 3]], 1, 1, 0),
 }
 MODELS = ("tiny_mlp", "tiny_cnn", "tiny_transformer", "tiny_moe")
 # the tiny MoE model's tensor-parallel splits (its MoE layer replicated over tp) and its
