@@ -11,7 +11,10 @@ per-parameter shards cut along the first axis as PyTorch's FSDP2 ``fully_shard``
 
 * **Shards.** A weight of shape [d0, ...] (a scalar counts as [1]) is padded to dp r
   rows, r = ceil(d0 / dp); replica q's shard is rows [q r, (q+1) r), a variable on each of
-  that replica's devices (tensor rank t holds the shard of its own slice of a split
+  that replica's devices. Where d0 does not divide by dp, the rows are the positions of
+  the fewest leading axes that do (``lead_axes``: a 3x3 kernel [3, 3, c, k] over 2
+  replicas is cut as [9 c, k]), so no bytes are padding (an Embedding's table keeps its
+  rows: its sparse gradient's ids name them) (tensor rank t holds the shard of its own slice of a split
   weight). The optimizer is built on the shards only: each device holds 1/dp of its
   copy's optimizer state (``planner.pricing`` divides it by dp). The padding rows get zero
   gradients and are never read back.
@@ -70,14 +73,16 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax
 
 @dataclass(frozen=True)
 class Cut:
-    """How one weight is cut into dp shards along its first axis (module docstring)."""
+    """How one weight is cut into dp shards: along its leading ``lead`` axes taken as one
+    (module docstring)."""
 
     shape: tuple[int, ...]  # the weight's (in the device's copy)
     dp: int
+    lead: int = 1  # the leading axes whose positions are the rows (``lead_axes``)
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return int(np.prod(self.shape[:self.lead], dtype=np.int64)) if self.shape else 1
 
     @property
     def per_shard(self) -> int:
@@ -86,7 +91,7 @@ class Cut:
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
+        return self.shape[self.lead:]
 
     @property
     def width(self) -> int:
@@ -125,6 +130,21 @@ class Cut:
                                 tf.constant(self.shard_shape, tf.int64))
 
 
+def lead_axes(shape: tuple[int, ...], dp: int) -> int:
+    """The fewest leading axes of ``shape`` whose positions divide into dp equal rows (a
+    3x3 convolution's kernel [3, 3, c, k] over 2 replicas: 3, its 9 c rows), so no shard
+    is padded; 1 (the first axis, padded) where none does."""
+    for k in range(1, len(shape) + 1):
+        if int(np.prod(shape[:k], dtype=np.int64)) % dp == 0:
+            return k
+    return 1
+
+
+def _cut(variable: Any, dp: int, table: bool) -> Cut:
+    shape = tuple(int(d) for d in variable.shape)
+    return Cut(shape, dp, 1 if table else lead_axes(shape, dp))
+
+
 def check_optimizer(optimizer: Any, plan_name: str) -> None:
     """Refuse an optimizer whose update reads a whole weight (module docstring)."""
     opt = inner_optimizer(optimizer)
@@ -155,7 +175,12 @@ class ZeroShards:
         # the group each weight is sharded over (its gradient's: "edp" or "dp")
         self.kinds = [[[copies.reduction_group(v) for v in vs] for vs in row]
                       for row in self.weights]
-        self.cuts = [[[Cut(tuple(int(d) for d in v.shape), self.group_size(kind))
+        # an Embedding's table is cut by its rows (its sparse gradient's ids), others along
+        # the leading axes that cut without padding
+        tables = {id(layer.embeddings) for row in copies.models for model in row
+                  for layer in compat.flatten_layers(model)
+                  if isinstance(layer, keras.layers.Embedding)}
+        self.cuts = [[[_cut(v, self.group_size(kind), id(v) in tables)
                        for v, kind in zip(vs, kinds)] for vs, kinds in zip(row, row_kinds)]
                      for row, row_kinds in zip(self.weights, self.kinds)]
         self._index = [[{id(v): i for i, v in enumerate(vs)} for vs in row]

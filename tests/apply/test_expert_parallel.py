@@ -291,12 +291,14 @@ def assert_shards_where_planned(w, plan) -> None:
     assert experts
     for q, replica in enumerate(run.replicas):
         for t, device in enumerate(replica):
-            for v, shard, kind in zip(zero.weights[q][t], zero.shards[q][t], zero.kinds[q][t]):
+            for v, shard, kind, cut in zip(zero.weights[q][t], zero.shards[q][t],
+                                           zero.kinds[q][t], zero.cuts[q][t]):
                 expert = id(v) in experts
                 assert kind == ("edp" if expert else "dp"), v.path
                 pieces = run.dp // run.ep if expert else run.dp
-                rows = v.shape[0] if len(v.shape) else 1
-                assert shard.shape[0] == -(-rows // pieces), (v.path, shard.shape)
+                size = int(np.prod(v.shape))  # 1/pieces of it each, up to a row's padding
+                assert cut.dp == pieces and tuple(shard.shape) == cut.shard_shape, v.path
+                assert size <= pieces * int(np.prod(shard.shape)) < size + pieces * cut.width
                 i = opt._get_variable_index(shard)
                 for slot in (opt._momentums[i], opt._velocities[i]):
                     assert _short(slot.value.device) == _short(device), (slot.path, device)
