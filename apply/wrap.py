@@ -18,29 +18,15 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    recomputation, offload, BatchNormalization; ``spmd_refusal`` says why not) goes there,
    each device
    building its copy with ``build_model`` or, for a built model, re-creating it from its
-   layers' configs (``apply.cloning.clone_graph``). The rest runs on the older engines,
+   layers' configs (``apply.cloning.clone_graph``). On one host the older engines
+   below run only what ``spmd_refusal`` names (BatchNormalization subclasses or
+   ``renorm`` under dp, context parallelism over sequences of a length known only as
+   they run, a hand-made plan's split the SPMD twins refuse): ``apply.pipeline`` (one
+   stage, pipelines, general placements), ``apply.data_parallel``,
+   ``apply.tensor_parallel`` (with ``apply.zero``, ``apply.zero3``,
+   ``apply.expert_parallel``) and ``apply.context_parallel`` (cp x dp). Across workers,
    by mode:
 
-   * one stage, one device: single device (``apply.pipeline``, one stage);
-   * one stage, ``dp`` devices: data parallel (``apply.data_parallel``; a model with
-     BatchNormalization layers under global statistics runs its replicas as copies in
-     one graph instead, ``apply.tensor_parallel`` with tp = 1: ``apply.batch_stats``);
-   * ``pp`` stages of one device each: pipeline (``apply.pipeline``);
-   * a general placement (``plan.placement == "general"``: each stage is one
-     device's layers, in any pattern, one micro-batch): placement
-     (``apply.pipeline`` too; independent branches run at the same time);
-   * ``tp > 1`` (any ``dp`` on one host, any ``pp``), dp x pp, or dp > 1 with
-     ZeRO-1: tensor parallel (``apply.tensor_parallel``: ``plan.tp_splits``' layers
-     sharded over their stage's tp devices, one copy per data-parallel replica;
-     ZeRO-1 keeps each weight's optimizer state on one replica, ``apply.zero``);
-   * ``ep > 1`` (expert parallelism across workers, or with ZeRO-2 and pipeline stages;
-     the SPMD engine runs the others, keras_hub's MoE blocks and ZeRO-1/2 included):
-     tensor parallel
-     with every ``tfplan.layers.MixtureOfExperts`` holding 1/ep of its experts per replica
-     (``apply.expert_parallel``), on one host or driven by worker 0 across workers;
-   * ``cp > 1`` (one host, tp = pp = 1): context parallel (``apply.context_parallel``:
-     each sample's sequence cut over cp copies of the model, attention exchanging keys
-     and values; ``dp`` copies of that);
    * one stage on one device of each of several workers (``/job:worker/task:w/...``,
      a ``Wxcpu:N`` or multi-node cluster): multi-worker data parallel
      (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
@@ -51,7 +37,7 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
      modes within each; ZeRO-1 over the job, ``apply.zero_workers``);
    * a replica spanning workers (pipeline stages or tp ranks on several workers),
      or a general placement across workers: worker 0 drives every worker's devices
-     (``apply.remote``) and the mode is the one-host mode above for the plan's shape;
+     (``apply.remote``) and the mode is the one-host mode of the plan's shape (older engines);
 
 3. the model is re-created with the plan's placement and the user's current
    weights (a block whole on its stage, its split sub-layers swapped in place, a
