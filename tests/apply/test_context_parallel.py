@@ -347,8 +347,9 @@ SPLITS = (("embed", "vocab"), ("attention", "heads"), ("mlp_up", "column"),
           ("mlp_down", "row"), ("logits", "column"))
 
 
-@pytest.mark.parametrize("dp, tp, zero", [
-    pytest.param(1, 2, 0, marks=pytest.mark.slow), (2, 2, 0),
+@pytest.mark.parametrize("dp, tp, zero", [  # cp x tp by default: the sequence-parallel
+    pytest.param(1, 2, 0, marks=pytest.mark.slow),  # case below
+    pytest.param(2, 2, 0, marks=pytest.mark.slow),
     pytest.param(2, 1, 1, marks=pytest.mark.slow), (2, 1, 3)])
 def test_cp_with_tensor_parallelism_and_zero_trains_like_one_device(dp, tp, zero):
     """Attention split by heads gathers its heads' keys and values over the cp group; ZeRO
