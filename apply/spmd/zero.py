@@ -175,12 +175,13 @@ class ZeroShards:
         # the group each weight is sharded over (its gradient's: "edp" or "dp")
         self.kinds = [[[copies.reduction_group(v) for v in vs] for vs in row]
                       for row in self.weights]
-        # an Embedding's table is cut by its rows (its sparse gradient's ids), others along
-        # the leading axes that cut without padding
-        tables = {id(layer.embeddings) for row in copies.models for model in row
-                  for layer in compat.flatten_layers(model)
-                  if isinstance(layer, keras.layers.Embedding)}
-        self.cuts = [[[_cut(v, self.group_size(kind), id(v) in tables)
+        # an Embedding's table (``tables``: their ids; ZeRO-3 gathers them on their own) is
+        # cut by its rows (its sparse gradient's ids), others along the leading axes that
+        # cut without padding
+        self.tables = frozenset(id(layer.embeddings) for row in copies.models for model in row
+                                for layer in compat.flatten_layers(model)
+                                if isinstance(layer, keras.layers.Embedding))
+        self.cuts = [[[_cut(v, self.group_size(kind), id(v) in self.tables)
                        for v, kind in zip(vs, kinds)] for vs, kinds in zip(row, row_kinds)]
                      for row, row_kinds in zip(self.weights, self.kinds)]
         self._index = [[{id(v): i for i, v in enumerate(vs)} for vs in row]

@@ -60,8 +60,6 @@ def install(copies: Any, zero: Any) -> None:
     for q, row in enumerate(copies.models):
         for t, model in enumerate(row):
             index = {id(v): i for i, v in enumerate(zero.weights[q][t])}
-            sparse = {id(layer.embeddings) for layer in compat.flatten_layers(model)
-                      if isinstance(layer, keras.layers.Embedding)}
             for layer in _units(model):
                 mine = [index[id(v)] for v in layer.trainable_variables if id(v) in index]
                 if not mine:
@@ -74,7 +72,7 @@ def install(copies: Any, zero: Any) -> None:
                         "recomputed call would update not at all or twice. Re-plan with "
                         "--zero-stage 2 (or 1).")
                 layer.call = recompute_call(
-                    _gathered(layer, layer.call, mine, zero, q, t, sparse), tape_only=True)
+                    _gathered(layer, layer.call, mine, zero, q, t), tape_only=True)
                 for i in mine:  # read only through the gathers from now on
                     compat.free_storage(zero.weights[q][t][i])
 
@@ -91,26 +89,25 @@ def _units(model: Any) -> list[Any]:
 
 
 def _gathered(layer: Any, call: Callable[..., Any], mine: Sequence[int], zero: Any, q: int,
-              t: int, sparse: set[int]) -> Callable[..., Any]:
+              t: int) -> Callable[..., Any]:
     """``layer``'s ``call`` on its weights gathered from the shards ``mine`` (indices into
-    copy (q, t)'s trainable weights; ``sparse``: ids of Embedding tables)."""
+    copy (q, t)'s trainable weights)."""
     weights = [zero.weights[q][t][i] for i in mine]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        full = gather_weights(zero, q, t, mine, sparse)
+        full = gather_weights(zero, q, t, mine)
         with keras.StatelessScope(state_mapping=list(zip(weights, full))):
             return call(*args, **kwargs)
     return run
 
 
-def gather_weights(zero: Any, q: int, t: int, indices: Sequence[int], sparse: set[int]
-                   ) -> list[Any]:
+def gather_weights(zero: Any, q: int, t: int, indices: Sequence[int]) -> list[Any]:
     """Copy (q, t)'s weights ``indices``, whole, from every rank's shards: one all-gather per
-    device and dtype (``ZeroShards.wholes``; an Embedding's table, id in ``sparse``, on its
-    own), each the gradient's reduce-scatter."""
+    device and dtype (``ZeroShards.wholes``; an Embedding's table, in ``zero.tables``, on
+    its own), each the gradient's reduce-scatter."""
     run = zero.run
     out: list[Any] = [None] * len(indices)
-    dense = [n for n, i in enumerate(indices) if id(zero.weights[q][t][i]) not in sparse]
+    dense = [n for n, i in enumerate(indices) if id(zero.weights[q][t][i]) not in zero.tables]
     for n, whole in zip(dense, zero.wholes(q, t, [indices[n] for n in dense],
                                            _gather_dense_grad)):
         out[n] = whole
