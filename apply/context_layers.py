@@ -56,8 +56,9 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
-from tfplan.layers.moe import MixtureOfExperts
 from tfplan.core.errors import PlannerError
+from tfplan.layers.moe import MixtureOfExperts
+from tfplan.profiler.split_rules import einsum_specs
 
 ELEMENTWISE = (
     keras.layers.InputLayer, keras.layers.Activation, keras.layers.ReLU, keras.layers.ELU,
@@ -170,8 +171,7 @@ def _check_layer(layer: Any, plan_name: str) -> None:
 
 
 def _check_einsum(layer: Any, refuse: Callable[[str], None]) -> None:
-    inputs, rest = layer.equation.split(",")
-    kernel, output = rest.split("->")
+    inputs, kernel, output = einsum_specs(layer.equation)
     if "..." in inputs:
         if "..." not in output:
             refuse(f"has equation {layer.equation!r}, which drops the leading axes")

@@ -84,8 +84,7 @@ def einsum_split_axis(equation: str, split: str) -> tuple[str, str]:
     whole)."""
     if split not in ("column", "row"):
         return "", f"an EinsumDense is not split by {split!r}"
-    inp, rest = equation.split(",")
-    ker, out = rest.split("->")
+    inp, ker, out = einsum_specs(equation)
     char = out[-1] if split == "column" else inp[-1]
     if "." in equation or char not in ker or (
             char in inp if split == "column" else char in out):
@@ -95,6 +94,14 @@ def einsum_split_axis(equation: str, split: str) -> tuple[str, str]:
         return "", (f"equation {equation!r} has {len(kernel_axes)} "
                     f"{'output' if split == 'column' else 'contracted'} kernel axes")
     return char, ""
+
+
+def einsum_specs(equation: str) -> tuple[str, str, str]:
+    """An EinsumDense equation's (input, kernel, output) subscripts: ``"abc,cd->abd"`` ->
+    ``("abc", "cd", "abd")``."""
+    inp, rest = equation.split(",")
+    ker, out = rest.split("->")
+    return inp, ker, out
 
 
 def is_cached_attention(layer: Any) -> bool:

@@ -42,7 +42,8 @@ from tfplan.apply.spmd.megatron import (all_gather_sequence, copy_to_tp, gather_
 from tfplan.apply.sequence_parallel import elementwise
 from tfplan.core.errors import PlannerError
 from tfplan.profiler.signature import layer_config
-from tfplan.profiler.split_rules import einsum_split_axis, is_cached_attention, split_refusal
+from tfplan.profiler.split_rules import (einsum_specs, einsum_split_axis, is_cached_attention,
+                                        split_refusal)
 
 
 @dataclass(frozen=True)
@@ -212,9 +213,7 @@ def _column_out(layer: Any, y: Any) -> Any:
 class RankEinsumDense(_RankTwin, keras.layers.EinsumDense):
     def __init__(self, rank: Rank, **config: Any) -> None:
         self.tp_rank = rank
-        inp, rest = config["equation"].split(",")
-        ker, out = rest.split("->")
-        self._specs = (inp, ker, out)
+        self._specs = einsum_specs(config["equation"])
         self.full_bias_axes = config.get("bias_axes")
         if rank.split == "column":
             shape = config["output_shape"]
@@ -271,7 +270,7 @@ class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
 
     def __init__(self, rank: Rank, role: str, heads_axis: int, **config: Any) -> None:
         self.tp_rank, self.role, self.heads_axis = rank, role, heads_axis
-        ker, out = config["equation"].split(",")[1].split("->")
+        _, ker, out = einsum_specs(config["equation"])
         self._char = ker[heads_axis]
         self.full_bias_axes = config.get("bias_axes")
         if role == "input":
@@ -283,7 +282,7 @@ class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
         super().__init__(**config)
 
     def build(self, input_shape: Any) -> None:
-        inp = self.equation.split(",")[0]
+        inp = einsum_specs(self.equation)[0]
         if self.role == "output":
             _, bias_shape, _ = compat.analyze_einsum_string(
                 self.equation, self.full_bias_axes, input_shape, self.partial_output_shape)
@@ -306,7 +305,7 @@ class RankHeadsProjection(_RankTwin, keras.layers.EinsumDense):
         axes: list[int | None] = [self.heads_axis]
         if self.role == "input" and self.bias is not None:
             # Keras' bias spans the output's axes from its first bias axis on (1 elsewhere)
-            bias_axes, out = self.bias_axes or "", self.equation.split("->")[1]
+            bias_axes, out = self.bias_axes or "", einsum_specs(self.equation)[2]
             first = min(out.index(c) for c in bias_axes)
             axes.append(out.index(self._char) - first if self._char in bias_axes else None)
         elif self.role == "output" and self.row_bias is not None:
@@ -587,8 +586,7 @@ def split_problem(layer: Any, split: str, tp: int) -> str:
         return "" if n % tp == 0 or (split == "row" and n >= tp) else \
             f"its {'filters' if split == 'column' else 'input channels'} ({n})"
     char, _ = einsum_split_axis(layer.equation, split)  # an EinsumDense (split_refusal)
-    ker = layer.equation.split(",")[1].split("->")[0]
-    n = int(layer.kernel.shape[ker.index(char)])
+    n = int(layer.kernel.shape[einsum_specs(layer.equation)[1].index(char)])
     return "" if n % tp == 0 else f"its split axis ({n})"
 
 

@@ -181,9 +181,7 @@ def _segment(graph: Any, device_of_layer: Mapping[int, str], chunk_of: dict[int,
             op = node.operation
             if op is None or node.is_input:
                 continue
-            inner = {device_of_layer[id(layer)] for layer in compat.flatten_layers(op)
-                     if id(layer) in device_of_layer and layer is not op} \
-                if isinstance(op, keras.layers.Layer) else set()
+            inner = _chunks_inside(op, device_of_layer)  # the devices of its planned layers
             if id(op) not in device_of_layer and len(inner) > 1 and is_graph_model(op):
                 _segment(_functional(op), device_of_layer, chunk_of, devices, plan_name)
                 continue
@@ -248,8 +246,9 @@ def _node_call(node: Any, op: Any) -> Callable[[dict[int, Any], bool], None]:
     return run
 
 
-def _chunks_inside(op: Any, chunk_of_layer: Mapping[int, int]) -> set[int]:
-    """The chunks of the plan's layers inside ``op`` (a block or nested model)."""
+def _chunks_inside(op: Any, chunk_of_layer: Mapping[int, Any]) -> set[Any]:
+    """The chunks (or devices: ``placement_segments``) of the plan's layers inside ``op``
+    (a block or nested model)."""
     if not isinstance(op, keras.layers.Layer):
         return set()
     return {chunk_of_layer[id(layer)] for layer in compat.flatten_layers(op)
