@@ -546,6 +546,15 @@ def conv_causal_padding(layer: Any) -> Any:
     return _method(layer, "_compute_causal_padding", "a causal Conv1D's padding")()
 
 
+def batch_norm_moments(layer: Any, inputs: Any, mask: Any = None) -> tuple[Any, Any]:
+    """``BatchNormalization._moments(inputs, mask)``: the batch mean and biased variance a
+    training call normalises with (over the reduction axes; with a Keras mask over its
+    unmasked entries), without moving the moving statistics. Checked on Keras 3.15.1.
+    ``apply.spmd.batch_norm`` records them per part under the ``local`` rule and moves the
+    moving statistics once per step itself."""
+    return _method(layer, "_moments", "a BatchNormalization's batch statistics")(inputs, mask)
+
+
 class AttentionSettings(NamedTuple):
     """What a MultiHeadAttention was configured with that has no public property
     (``output_shape`` normalized to a tuple or None; the weight arguments as the

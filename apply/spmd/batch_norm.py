@@ -111,28 +111,13 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         if step is None:
             return super().call(inputs, training=True, mask=mask)
         x = ops.cast(inputs, "float32")
-        mean, variance = _moments(x, self.axis % len(x.shape), mask)
+        mean, variance = compat.batch_norm_moments(self, x, mask)  # Keras' own
         step.record(self, mean, variance)
         gamma = None if self.gamma is None else ops.cast(self.gamma, "float32")
         beta = None if self.beta is None else ops.cast(self.beta, "float32")
         out = ops.batch_normalization(x, mean, variance, axis=self.axis, offset=beta,
                                       scale=gamma, epsilon=self.epsilon)
         return ops.cast(out, self.compute_dtype)
-
-
-def _moments(x: Any, axis: int, mask: Any) -> tuple[Any, Any]:
-    """Mean and biased variance of ``x`` over every axis but ``axis``; with a Keras mask
-    (one axis less than ``x``) over its unmasked entries, as Keras' BatchNormalization."""
-    axes = [i for i in range(len(x.shape)) if i != axis]
-    if mask is None:
-        return ops.moments(x, axes=axes)
-    weight = ops.broadcast_to(ops.expand_dims(ops.cast(mask, x.dtype), -1), ops.shape(x))
-    count = ops.sum(weight, axis=axes) + keras.config.epsilon()
-    mean = ops.sum(x * weight, axis=axes) / count
-    shape = [1] * len(x.shape)
-    shape[axis] = -1
-    deviation = (x - ops.reshape(mean, shape)) * weight
-    return mean, ops.sum(ops.square(deviation), axis=axes) / count
 
 
 class MovingStatistics:
@@ -143,7 +128,8 @@ class MovingStatistics:
         self._parts: dict[int, tuple[GroupBatchNormalization, list[Any]]] = {}
 
     def record(self, layer: GroupBatchNormalization, mean: Any, variance: Any) -> None:
-        stats = tf.stop_gradient(ops.concatenate([mean, variance]))
+        stats = tf.stop_gradient(ops.concatenate([ops.reshape(mean, (-1,)),  # (Keras
+                                                  ops.reshape(variance, (-1,))]))  # squeezes)
         self._parts.setdefault(id(layer), (layer, []))[1].append(stats)
 
     def update(self) -> None:

@@ -825,3 +825,18 @@ def test_called_function_graphs_keep_the_shapes_tracing_set():
     assert shapes["Reshape"].as_list() == [12] and shapes["mul"].as_list() == [12]
     assert compat.called_function_graphs(next(op for op in graph.get_operations()
                                               if not compat.called_function_names(op))) == []
+
+
+def test_batch_norm_moments_are_the_training_statistics_and_move_nothing():
+    import numpy as np
+
+    layer = keras.layers.BatchNormalization()
+    x = np.random.default_rng(0).normal(size=(4, 3, 5)).astype("float32")
+    layer.build(x.shape)
+    mean, variance = compat.batch_norm_moments(layer, keras.ops.convert_to_tensor(x))
+    np.testing.assert_allclose(mean, x.mean(axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(variance, x.var(axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(layer.moving_mean.numpy(), np.zeros(5))  # untouched
+    mask = np.array([[1, 1, 0]] * 4, bool)  # the masked positions left out
+    mean, _ = compat.batch_norm_moments(layer, keras.ops.convert_to_tensor(x), mask)
+    np.testing.assert_allclose(mean, x[:, :2].mean(axis=(0, 1)), rtol=1e-4, atol=1e-5)
