@@ -16,7 +16,7 @@ from tfplan.apply.spmd.batch_norm import GroupBatchNormalization
 from tfplan.apply.wrap import spmd_refusal
 from tfplan.apply.mode import execution_mode
 from tests.apply import helpers
-from tests.apply.spmd.test_engine import BATCH, STEPS
+from tests.apply.spmd.test_engine import BATCH, STEPS, wrapped_and_reference
 
 
 def _plan(model, dp, m=1, batch_norm="global"):
@@ -158,14 +158,10 @@ def test_global_statistics_join_the_micro_batches():
     model = module.build_model()
     plan = _plan(model, 2, m=2)
     assert spmd_refusal(plan, execution_mode(plan), model) == ""
-    wrapped = apply.wrap(module.build_model, plan)
+    wrapped, reference = wrapped_and_reference(module, plan)
     run = wrapped.run_description
     assert (run.num_microbatches, run.joined_microbatches, run.parts) == (1, 2, 2)
     assert run.to_dict()["joined_microbatches"] == 2
-    reference = module.build_model()
-    reference.set_weights(wrapped.get_weights())
-    for target in (wrapped, reference):
-        target.compile(optimizer=helpers.fresh_optimizer(module), loss=module.loss)
     batches = helpers.batches_of(module, 3, BATCH)
     helpers.assert_losses_match(helpers.step_losses(wrapped, batches),
                                 helpers.step_losses(reference, batches))
