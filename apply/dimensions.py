@@ -42,12 +42,19 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     return out
 
 
+def older_expert_clashes(s: Any) -> list[str]:
+    """What the older expert-parallel engine (``apply.expert_parallel``: across workers,
+    and where the SPMD engine refuses a model) does not run with ep > 1: tp, ZeRO-3,
+    offload ("tp=2", ...; empty when it runs ``s``)."""
+    return [what for what, on in ((f"tp={s.tp}", s.tp > 1),
+                                  (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
+                                  (f"offload={s.offload!r}", s.offload != "none")) if on]
+
+
 def _expert_mode_rule(s: Any) -> list[str]:
     """Across workers expert parallelism runs on the older engine (worker 0 driving every
     device: ``apply.expert_parallel``), without tp, ZeRO-3 or offload."""
-    clashes = [what for what, on in ((f"tp={s.tp}", s.tp > 1),
-                                      (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
-                                      (f"offload={s.offload!r}", s.offload != "none")) if on]
+    clashes = older_expert_clashes(s)
     if not clashes:
         return []
     return [f"ep={s.ep} across worker processes runs with data and pipeline parallelism and "

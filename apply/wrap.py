@@ -68,7 +68,7 @@ from tfplan.apply.cloning import is_graph_model, to_functional
 from tfplan.apply.context_parallel import wrap_context_parallel
 from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
-from tfplan.apply.dimensions import check_applicable
+from tfplan.apply.dimensions import check_applicable, older_expert_clashes
 from tfplan.apply.expert_parallel import moe_group_warning, wrap_expert_parallel
 from tfplan.apply.mode import Mode, execution_mode
 from tfplan.apply.multi_worker import wrap_multi_worker
@@ -152,12 +152,13 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             f"ep={s.ep}, zero_stage={s.zero_stage}, which only the SPMD engine (apply.spmd) "
             f"runs, and it does not run this plan: {why_not}. Re-plan with cp=1, or with "
             "tp=pp=ep=1 and zero_stage=0.")
-    if s.ep > 1 and (s.tp > 1 or s.zero_stage == 3 or s.offload != "none"):
-        raise PlanMismatchError(  # the older engine: ep without tp, ZeRO-3 or offload
-            f"Plan {plan.name!r} runs expert parallelism with tp={s.tp}, zero_stage="
-            f"{s.zero_stage}, offload={s.offload!r}, which only the SPMD engine (apply.spmd) "
-            f"runs, and it does not run this plan: {why_not}. Re-plan with ep=1, or with "
-            "tp=1, zero_stage at most 2 and offload 'none'.")
+    clashes = older_expert_clashes(s) if s.ep > 1 else []
+    if clashes:  # the older engine: ep without tp, ZeRO-3 or offload
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} runs expert parallelism with {', '.join(clashes)}, which "
+            f"only the SPMD engine (apply.spmd) runs, and it does not run this plan: "
+            f"{why_not}. Re-plan with ep=1, or with tp=1, zero_stage at most 2 and offload "
+            "'none'.")
     if builder is not None and not is_graph_model(model):
         raise PlannerError(
             f"apply.wrap received a function that builds a {type(model).__name__}; plan "
