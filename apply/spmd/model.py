@@ -417,14 +417,11 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     continue
                 of = {id(v): g for gs, vs in by_device.values() for g, v in zip(gs, vs)}
                 vs = zero.weights[q][t]
-                if zero.stage >= 2:  # the shards' gradients: reduce-scattered slot by slot
-                    # (ColumnPass.reduce), or by ZeRO-3's gathers
-                    if zero.stage == 2:
-                        zero.load(q, t)
-                    gs = [of[id(v)] for v in vs]
-                else:
+                if zero.stage < 3:  # (ZeRO-3's shards are the weights trained)
                     zero.load(q, t)
-                    gs = zero.reduce([[of[id(v)] for v in vs]], q, t)
+                gs = [of[id(v)] for v in vs]  # ZeRO-2/3: shards' gradients, reduce-scattered
+                if zero.stage == 1:  # slot by slot (ColumnPass.reduce) or by the gathers
+                    gs = zero.reduce([gs], q, t)
                 devices = zero.devices[q][t]
                 for device in dict.fromkeys(devices):
                     mine = [i for i, d in enumerate(devices) if d == device]
