@@ -11,16 +11,16 @@ How a plan runs is decided once (``apply.mode.execution_mode``).
 Modes: single device and pipeline (``apply.pipeline``), data parallel
 (``apply.data_parallel``), tensor parallel and one-host hybrids
 (``apply.tensor_parallel``; ZeRO-1 and -2 in ``apply.zero``, ZeRO-3 in ``apply.zero3``),
-data parallel across worker processes (``apply.multi_worker``) and hybrids across them
-(``apply.multi_worker_hybrid``; ``plan launch`` starts the workers). Importing ``apply`` imports TensorFlow and Keras (and
+and the SPMD engine (``apply.spmd``), which runs every plan it accepts, on one host and
+across worker processes, one program per worker (``plan launch`` starts the workers).
+Importing ``apply`` imports TensorFlow and Keras (and
 registers the wrapped model classes, so ``keras.models.load_model`` can read
 files a wrapped model saved).
 """
 from __future__ import annotations
 
 # imported to register the wrapped model classes with Keras
-from tfplan.apply import (data_parallel, multi_worker, multi_worker_hybrid,  # noqa: F401
-                   pipeline, tensor_parallel)
+from tfplan.apply import data_parallel, pipeline, tensor_parallel  # noqa: F401
 from tfplan.apply import legacy_names  # noqa: F401  (0.1's names: a clear error)
 from tfplan.apply.auto import auto, auto_devices
 from tfplan.apply.devices import ensure_devices

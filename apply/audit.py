@@ -64,7 +64,7 @@ AUDIT_KINDS = (*KINDS, "input", "host", "other")
 INPUT_SCOPE = "tfplan_input"  # where an engine cuts the step's batch for its devices
 # name scopes apply.collective_ops gives the collectives it builds, and the CPU stand-ins
 STAND_IN = re.compile(r"tfplan_(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast)"
-                      r"(?:_(tp|pp|dp|zero|cp|ep))?(?:_\d+)?/")
+                      r"(?:_(tp|pp|dp|zero|cp|ep|workers))?(?:_\d+)?/")
 _COLLECTIVES = {"CollectiveReduceV2": "all_reduce", "CollectiveGatherV2": "all_gather",
                 "CollectiveReduceScatterV2": "reduce_scatter",
                 "CollectiveAllToAllV2": "all_to_all", "CollectiveBcastSendV2": "broadcast",
@@ -295,7 +295,9 @@ def _collective(node: Any, consts: Mapping[str, Any], shapes: Mapping[tuple[str,
               "reduce_scatter": ring_half_sent_bytes(nbytes, n),
               "all_to_all": ring_half_sent_bytes(nbytes, n),
               "broadcast": float(nbytes)}[op]
-    if kind_hint:
+    if kind_hint == "workers":  # one program per worker: the hosts' metric sums and
+        kind = "host"            # barriers (apply.spmd.across), not the plan's traffic
+    elif kind_hint:
         kind = kind_hint
     elif groups is not None:
         kind = groups.kind_of_group_size(device, n)

@@ -1,6 +1,6 @@
 """``BackupAndRestore`` for wrapped models: one backup per job, any plan, preemption.
 
-Pipeline position: under ``apply.planned_model`` and ``apply.multi_worker``, whose
+Pipeline position: under ``apply.planned_model`` and ``apply.spmd.model``, whose
 ``fit`` hands every ``keras.callbacks.BackupAndRestore`` in ``callbacks`` to
 ``planned_callbacks``, which puts a ``PlannedBackupAndRestore`` with the same settings
 in its place. It writes the same files as Keras' callback (``latest.weights.h5``,

@@ -2,7 +2,7 @@
 
 Pipeline position: the bottom of ``apply``'s models: ``apply.planned_model`` checks
 every training batch and splits it into micro-batches with these, the replicated modes
-(``apply.tensor_parallel``, ``apply.multi_worker``) split it over their replicas, and
+(``apply.tensor_parallel``) split it over their replicas, and
 ``apply.auto`` offers the nearest batch sizes that split when one does not.
 """
 from __future__ import annotations

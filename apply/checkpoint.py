@@ -140,15 +140,6 @@ def slot_variables(optimizer: Any) -> dict[tuple[int, int], Any]:
             if ref is not None}
 
 
-def slots_per_variable(optimizer: Any, variables: Sequence[Any]) -> list[int]:
-    """How many slots an optimizer like ``optimizer`` keeps for each of ``variables``."""
-    counts = [0] * len(variables)
-    for ref, _ in slot_references(optimizer, [shape_key(v) for v in variables]):
-        if ref is not None:
-            counts[ref] += 1
-    return counts
-
-
 def shape_key(v: Any) -> tuple[tuple[int, ...], str, bool]:
     return (tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype).name,
             bool(getattr(v, "overwrite_with_gradient", False)))
@@ -192,8 +183,7 @@ class _Mapping:
     def values(self, extra: dict[tuple[int, int], np.ndarray] | None = None
                ) -> list[np.ndarray]:
         """The optimizer's state as one device's optimizer would hold it. ``extra``:
-        {(id(variable), k): its k-th slot's value} for slots this process does not hold
-        (ZeRO-1 across workers gathers them: ``apply.zero_workers.gather_slots``)."""
+        {(id(variable), k): its k-th slot's value} for slots this process does not hold."""
         variables = self.optimizer.variables
         pieces: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (weight, k): {shard: }
         globals_ = []

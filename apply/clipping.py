@@ -1,8 +1,8 @@
 """``global_clipnorm`` when the optimizer updates several copies of each weight.
 
 Pipeline position: inside the update of the replicated modes (``apply.tensor_parallel``
-with dp > 1 on one host, ``apply.multi_worker_hybrid`` with several replicas on a
-worker): their optimizer updates every data-parallel copy of a weight with the same
+with dp > 1 on one host, or driven by worker 0 across workers: ``apply.remote``): their
+optimizer updates every data-parallel copy of a weight with the same
 summed gradient, so Keras' ``clip_by_global_norm`` over all it is given would see each
 gradient dp times, a norm sqrt(dp) too large, and clip more than one device does.
 
@@ -17,8 +17,7 @@ norm is divided by it first. ``clipnorm`` (per weight) and ``clipvalue`` need no
 each copy is clipped alike. ZeRO-1 (``apply.zero``) hands the optimizer one copy of
 each weight, so Keras' clipping is already right there.
 
-Under a tf.distribute strategy (``apply.data_parallel``: MirroredStrategy, and
-``apply.multi_worker``: MultiWorkerMirroredStrategy) Keras 3 clips each replica's own
+Under a tf.distribute strategy (``apply.data_parallel``: MirroredStrategy) Keras 3 clips each replica's own
 gradient *before* its all-reduce (``BaseOptimizer.apply`` clips, then the TF backend's
 ``_backend_update_step`` sums across replicas), so each replica clips a part of the
 gradient by that part's norm: not what one device does (checked with Keras 3.15).

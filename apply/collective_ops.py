@@ -46,17 +46,26 @@ TIMEOUT_S = 0.0
 _instance_keys: dict[tuple[int, str], Any] = {}
 _tokens: dict[str, Any] = {}
 KEYS_PER_TRACE = 1 << 14  # instance keys one traced step may use per group and device
-_traces = itertools.count(1)
+# what a traced program is: its traces are counted per kind, so every worker tracing the
+# same steps of the same script gives each trace the same base (one program per worker:
+# a worker that traced something else first must not shift the others' keys)
+TRACE_KINDS = ("train", "test", "call", "check", "workers", "other")
+_traces: dict[str, Any] = {}
 _scope: list[tuple[int, dict]] = []  # the innermost instance_scope: (base, its counters)
 
 
 @contextlib.contextmanager
-def instance_scope() -> Iterator[None]:
+def instance_scope(kind: str = "other") -> Iterator[None]:
     """While a step is traced: instance keys counted afresh from a base of its own, so a
     trace that failed half-way (some devices' collectives made, others not) cannot leave
     the next trace's members with different keys (they would wait for each other for
-    ever: ``TIMEOUT_S``)."""
-    _scope.append((next(_traces) * KEYS_PER_TRACE, {}))
+    ever: ``TIMEOUT_S``). ``kind`` (one of ``TRACE_KINDS``): the n-th trace of a kind has
+    the same base in every process."""
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"instance_scope received kind {kind!r}; expected one of "
+                         f"{TRACE_KINDS}.")
+    n = next(_traces.setdefault(kind, itertools.count(1)))
+    _scope.append(((n * len(TRACE_KINDS) + TRACE_KINDS.index(kind)) * KEYS_PER_TRACE, {}))
     try:
         yield
     finally:

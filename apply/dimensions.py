@@ -6,19 +6,17 @@ no engine here runs is refused with what to change, never trained as something e
 (a ZeRO-3 plan silently trained as ZeRO-1, say). ``apply.auto`` plans only what passes.
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
-when an engine for it lands. Offload runs on one host (``apply.offload``). ZeRO-2
-and ZeRO-3 (``zero_stage`` 2 and 3) run on one host and through worker 0
-(``apply.zero``, ``apply.zero3``); with one program per worker ZeRO-2 runs
-(``apply.zero_workers``), ZeRO-3 not yet. Expert parallelism (ep > 1) runs on one host
-with dp, tp, pp, ZeRO-1/2/3 and offload (``apply.spmd.experts``; ZeRO shards of an expert
-cut over the replicas of its ep rank, ``apply.spmd.zero``) and cp; across workers without
+when an engine for it lands. The SPMD engine (``apply.spmd``) runs every dimension on
+one host and, one program per worker, across workers. Where worker 0 drives every
+worker's devices (``apply.remote``: a column's pipeline stages on several workers) the
+older engines run: no offload, no context parallelism, and expert parallelism without
 tp, ZeRO-3 or offload (``_expert_mode_rule``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from tfplan.apply.mode import Mode, Processes, run_processes
+from tfplan.apply.mode import Mode, Processes
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
 from tfplan.profiler import comm
@@ -30,14 +28,11 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
     s = plan.strategy
     out = unapplied_dimensions(s)
-    zero = _zero_rule(plan, mode)
-    if zero:
-        out.append(zero)
     if s.offload != "none" and mode is not None:
         out += _offload_mode_rule(s, mode)
     if s.cp > 1 and mode is not None and not out:
         out += _context_mode_rule(s, mode)
-    if getattr(s, "ep", 1) > 1 and mode is not None and not _one_host(mode):
+    if getattr(s, "ep", 1) > 1 and mode is not None and _remote(mode):
         out += _expert_mode_rule(s)
     return out
 
@@ -52,14 +47,15 @@ def older_expert_clashes(s: Any) -> list[str]:
 
 
 def _expert_mode_rule(s: Any) -> list[str]:
-    """Across workers expert parallelism runs on the older engine (worker 0 driving every
-    device: ``apply.expert_parallel``), without tp, ZeRO-3 or offload."""
+    """Where worker 0 drives every worker's devices (``apply.remote``), expert parallelism
+    runs on the older engine (``apply.expert_parallel``), without tp, ZeRO-3 or offload."""
     clashes = older_expert_clashes(s)
     if not clashes:
         return []
-    return [f"ep={s.ep} across worker processes runs with data and pipeline parallelism and "
-            f"ZeRO-1/2 (apply.expert_parallel); this plan has {', '.join(clashes)}, which "
-            "run on one host (apply.spmd.experts)"]
+    return [f"ep={s.ep} with a replica's pipeline stages on several workers runs with data "
+            f"and pipeline parallelism and ZeRO-1/2 (apply.expert_parallel); this plan has "
+            f"{', '.join(clashes)}, which run with one program per worker (apply.spmd."
+            "experts): keep each replica's stages on one worker (--layout tp-pp-dp)"]
 
 
 def unapplied_dimensions(s: Any) -> list[str]:
@@ -79,12 +75,9 @@ def unapplied_dimensions(s: Any) -> list[str]:
 
 
 def _offload_rule(s: Any) -> list[str]:
-    """Offload (``apply.offload``): in the one-process modes whose optimizer updates
-    ``apply`` places by hand (single device, pipeline, general placement, tensor-parallel
-    copies; data parallel runs as copies there); not under a tf.distribute strategy
-    (MultiWorkerMirroredStrategy places slots itself) or across workers
-    (``_offload_mode_rule``); the weights too (``"optimizer+weights"``) only without
-    tensor parallelism."""
+    """Offload (``apply.offload``): the optimizer state (and with ``"optimizer+weights"``
+    the weights, only without tensor parallelism) on each device's host; not where worker 0
+    drives every worker's devices (``_offload_mode_rule``)."""
     if s.offload not in ("optimizer", "optimizer+weights"):
         return [f"offload={s.offload!r} is not a known offload; expected 'none', "
                 "'optimizer' or 'optimizer+weights'"]
@@ -95,35 +88,13 @@ def _offload_rule(s: Any) -> list[str]:
 
 
 def _offload_mode_rule(s: Any, mode: Any) -> list[str]:
-    """Offload only where one process places every update (``_offload_rule``)."""
-    from tfplan.apply.mode import Mode, Processes
-
-    if mode.processes is not Processes.ONE_HOST or mode.mode in (Mode.MULTI_WORKER,
-                                                                   Mode.MULTI_WORKER_HYBRID):
-        return [f"offload={s.offload!r} runs on one host (one process places every "
-                f"update); this plan runs as {mode.mode.value} on {mode.processes.value} "
-                "processes"]
+    """Offload runs on the SPMD engine, on one host or one program per worker
+    (``_offload_rule``)."""
+    if _remote(mode):
+        return [f"offload={s.offload!r} runs on one host or with one program per worker "
+                "(apply.spmd); this plan puts a replica's pipeline stages on several workers "
+                "(apply.remote): keep them on one worker (--layout tp-pp-dp)"]
     return []
-
-
-def _zero_rule(plan: Plan, mode: Any) -> str | None:
-    """ZeRO-2 and ZeRO-3 run where one process drives the replicas' devices: one host, or
-    worker 0 driving every worker's (``apply.remote``), with ``apply.zero`` and
-    ``apply.zero3`` on ``apply.tensor_parallel``'s replicas (dp = 1: nothing to shard);
-    ZeRO-2 also with one program per worker (``apply.zero_workers``). ZeRO-3 with one
-    program per worker does not run yet."""
-    s = plan.strategy
-    if s.zero_stage < 2:
-        return None
-    what = f"zero_stage={s.zero_stage} (gradients{' and weights' if s.zero_stage == 3 else ''}" \
-           " sharded over the data-parallel ranks)"
-    processes = mode.processes if mode is not None else run_processes(plan)
-    if processes is Processes.PER_WORKER and s.zero_stage == 3:
-        return (f"{what} does not run across worker processes with one program per "
-                "worker yet (there apply runs zero_stage 0, 1 and 2: apply.zero_workers); "
-                "it runs on one host, or with worker 0 driving every worker's devices "
-                "(apply.remote)")
-    return None
 
 
 def check_applicable(plan: Plan, mode: Any = None) -> None:
@@ -139,17 +110,18 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
 
 def _context_mode_rule(s: Any, mode: Any) -> list[str]:
     """Mode ``context_parallel`` (``apply.spmd.context``) runs cp with dp, tp (sequence
-    parallelism too), pp and ZeRO on one host."""
-    if _one_host(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
+    parallelism too), pp and ZeRO, on one host or one program per worker."""
+    if not _remote(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
         return []
-    where = ("spans several worker processes" if not _one_host(mode) else
-             f"runs as {mode.mode.value}")
-    return [f"cp={s.cp} (context parallelism) runs on one host with data parallelism "
-            f"(apply.context_parallel); this plan {where}"]
+    where = ("puts a replica's pipeline stages on several workers (apply.remote)"
+             if _remote(mode) else f"runs as {mode.mode.value}")
+    return [f"cp={s.cp} (context parallelism) runs on the SPMD engine (apply.spmd.context); "
+            f"this plan {where}"]
 
 
-def _one_host(mode: Any) -> bool:
-    return mode is None or mode.processes is Processes.ONE_HOST
+def _remote(mode: Any) -> bool:
+    """Worker 0 drives every worker's devices (``apply.remote``)."""
+    return mode is not None and mode.processes is Processes.REMOTE
 
 
 # --- tensor-parallel splits: which entries of a profile a plan may split ---------------------

@@ -74,9 +74,10 @@ or offload; a model without a
 ``MixtureOfExperts``, Mixtral or Qwen-MoE block; E not divisible by ep; a MoE layer that is
 a layer of a nested Functional model (its graph is not re-wired); keras_hub's other MoE
 blocks (Qwen3-MoE's, Qwen3.5-MoE's, GPT-OSS's: ``refused_moe_block``).
-Across workers every ep plan runs ``REMOTE`` (worker 0 drives all devices, the transfers
-go over gRPC), also when its ep groups lie inside workers: one program per worker
-(``apply.multi_worker_hybrid``) has no placed transfers between processes.
+Across workers an ep plan runs one program per worker on the SPMD engine
+(``apply.spmd.experts``: the all-to-alls span the workers); this engine runs it only
+where worker 0 drives every device (``REMOTE``: a replica's pipeline stages on several
+workers), the transfers going over gRPC.
 
 Deviation from the design brief: the twins live in ``apply.tensor_parallel``'s copies (a
 ``substitute`` hook there, ``set_reduction_groups`` for the per-weight reduction), not a

@@ -2,8 +2,8 @@
 
 Pipeline position: the bottom of ``apply``'s replicated updates: ``apply.tensor_parallel``
 (each copy of a weight gets the sum, on its own device), ``apply.zero`` (the sum on the
-owner's device) and ``apply.multi_worker_hybrid`` (a worker's local replicas, before
-the all-reduce across workers) call ``sum_gradients`` under the device the sum belongs on.
+owner's device) and ``apply.spmd.zero`` (micro-batches' shards) call ``sum_gradients``
+under the device the sum belongs on.
 """
 from __future__ import annotations
 

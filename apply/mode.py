@@ -10,22 +10,15 @@ Two parts:
 
 * ``Processes``: who runs the plan. ``ONE_HOST``: this process drives every device
   (a plan without ``/job:worker`` names, or one worker's). ``PER_WORKER``: one program
-  per worker process, a MultiWorkerMirroredStrategy between them (``apply.multi_worker``,
-  ``apply.multi_worker_hybrid``), when every data-parallel replica lies on one worker.
-  ``REMOTE``: worker 0 drives every worker's devices (``apply.remote``), when a replica
-  (its pipeline stages or tp ranks) spans workers, or a general placement spans them, or
-  the plan is expert parallel (``ep > 1``: its tokens travel between the replicas of an
-  ep group as placed transfers inside one graph, ``apply.expert_parallel``; one program
-  per worker has no such transfers, so every multi-worker ep plan runs here, also one
-  whose ep groups lie inside workers).
+  per worker process, each running its own devices' part of the SPMD engine
+  (``apply.spmd``: the collectives span the workers, TF_CONFIG's collective runtime
+  carries them), when no column (a replica's tensor rank: its pipeline chunks) spans
+  workers. ``REMOTE``: worker 0 drives every worker's devices (``apply.remote``), when a
+  column's pipeline stages lie on several workers, or a general placement spans them.
 * ``Mode``: what the model does, the names ``apply.wrap``'s docstring lists:
   ``single_device``, ``pipeline``, ``placement`` (a general placement),
   ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, ZeRO-1 with dp > 1, or
-  ep > 1: the replicas as copies in one graph, never MirroredStrategy),
-  ``context_parallel`` (cp > 1),
-  ``multi_worker`` (one device per worker, data parallel) and ``multi_worker_hybrid``
-  (anything more per worker, or ZeRO-1 across workers). A ``REMOTE`` plan runs the
-  one-host mode of its shape.
+  ep > 1), ``context_parallel`` (cp > 1); the same on every kind of processes.
 """
 from __future__ import annotations
 
@@ -56,8 +49,6 @@ class Mode(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"
     TENSOR_PARALLEL = "tensor_parallel"
     CONTEXT_PARALLEL = "context_parallel"
-    MULTI_WORKER = "multi_worker"
-    MULTI_WORKER_HYBRID = "multi_worker_hybrid"
 
 
 @dataclass(frozen=True)
@@ -65,14 +56,12 @@ class ExecutionMode:
     """How a plan runs: ``mode`` on ``processes``.
 
     ``worker_tasks``: the worker tasks the plan's devices name, ascending (empty for a
-    one-host plan). ``replica_tasks``: the worker of each data-parallel replica, for a
-    ``PER_WORKER`` plan (empty otherwise).
+    one-host plan).
     """
 
     mode: Mode
     processes: Processes
     worker_tasks: tuple[int, ...] = ()
-    replica_tasks: tuple[int, ...] = ()
 
     @property
     def remote(self) -> bool:
@@ -101,67 +90,24 @@ def plan_tasks(plan: Plan) -> dict[int, list[tuple[str, int]]]:
     return tasks
 
 
-def _replica_workers(plan: Plan) -> list[set[int | None]]:
-    """The worker tasks of each data-parallel replica's devices (its stages, its tp ranks)."""
-    tp = max(1, plan.strategy.tp)
-    return [{tf.DeviceSpec.from_string(d).task for stage in plan.stages
-             for d in stage.devices[r * tp:(r + 1) * tp]}
-            for r in range(plan.strategy.dp)]
-
-
-def replicas_span_workers(plan: Plan) -> bool:
-    """True when some data-parallel replica's devices (its stages, its tp ranks) are on
-    more than one worker."""
-    return any(len(where) > 1 for where in _replica_workers(plan))
-
-
-def plan_replica_tasks(plan: Plan) -> list[int]:
-    """The worker task of each data-parallel replica of a multi-worker plan.
-
-    PlannerError naming the replica when one replica's devices (its stages, its tp
-    ranks) are on several workers: apply runs a replica inside one worker process.
-    """
-    return _replica_tasks(plan, _replica_workers(plan))
-
-
-def _replica_tasks(plan: Plan, replica_workers: list[set[int | None]]) -> list[int]:
-    tasks = []
-    for r, where in enumerate(replica_workers):
-        if len(where) != 1:
-            raise PlannerError(
-                f"Plan {plan.name!r} runs data-parallel replica {r} on workers "
-                f"{sorted(w for w in where if w is not None)}: its pipeline stages or tensor "
-                "ranks span worker processes. apply runs each replica inside one worker "
-                "(MultiWorkerMirroredStrategy between workers, placement within). Re-plan "
-                "with the dp-outer layout (plan analyze --layout tp-pp-dp) or with "
-                "pp x tp no larger than one worker's devices.")
-        tasks.append(int(where.pop()))
-    return tasks
-
-
-def is_hybrid(plan: Plan, tasks: dict[int, list[tuple[str, int]]] | None = None) -> bool:
-    """True for a multi-worker plan that is more than one device per worker doing data
-    parallelism (pipeline, tensor parallel, or several replicas on a worker).
-    ``tasks``: ``plan_tasks(plan)`` when the caller has it."""
-    s = plan.strategy
-    tasks = plan_tasks(plan) if tasks is None else tasks
-    per_worker = {len(devices) for devices in tasks.values()}
-    return s.pp > 1 or s.tp > 1 or per_worker != {1}
+def columns_span_workers(plan: Plan) -> bool:
+    """True when some column (position i of every stage: a replica's tensor rank, its
+    pipeline chunks) has devices on more than one worker: its activations would cross
+    between worker programs (``apply.remote`` runs such plans)."""
+    return any(len({tf.DeviceSpec.from_string(d).task for d in column}) > 1
+               for column in zip(*(stage.devices for stage in plan.stages)))
 
 
 def run_processes(plan: Plan) -> Processes:
     """Which processes run ``plan`` (no other check of the plan; ``apply.ensure_devices``
     sets them up)."""
-    tasks = plan_tasks(plan)
-    return _processes(plan, tasks, _replica_workers(plan) if len(tasks) > 1 else [])
+    return _processes(plan, plan_tasks(plan))
 
 
-def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]],
-               replica_workers: list[set[int | None]]) -> Processes:
+def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]]) -> Processes:
     if len(tasks) <= 1:
         return Processes.ONE_HOST
-    if (plan.placement == "general" or any(len(where) > 1 for where in replica_workers)
-            or plan.strategy.ep > 1):  # expert parallel: transfers between replicas
+    if plan.placement == "general" or columns_span_workers(plan):
         return Processes.REMOTE
     return Processes.PER_WORKER
 
@@ -197,16 +143,10 @@ def execution_mode(plan: Plan) -> ExecutionMode:
             "them all. Re-plan for fewer workers (plan launch --workers "
             f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
             f"dp={plan.cluster.num_nodes}).")
-    replica_workers = _replica_workers(plan) if len(tasks) > 1 else []
-    processes = _processes(plan, tasks, replica_workers)
+    processes = _processes(plan, tasks)
     workers = tuple(sorted(tasks))
-    if processes is Processes.PER_WORKER:  # one program per worker
-        if is_hybrid(plan, tasks) or s.optimizer_sharding:  # pp / tp / local replicas / ZeRO-1
-            replica_tasks = tuple(_replica_tasks(plan, replica_workers))
-            return ExecutionMode(Mode.MULTI_WORKER_HYBRID, processes, workers, replica_tasks)
-        return ExecutionMode(Mode.MULTI_WORKER, processes, workers)
-    # below: one process drives every device (one host, or worker 0 of a cluster whose
-    # replicas span workers: apply.remote), with the plan's device names
+    # the mode of the plan's shape, whoever runs it: one process (one host, or worker 0 of
+    # a cluster whose columns span workers: apply.remote), or one program per worker
     if s.cp > 1:  # apply.context_parallel (apply.dimensions says which shapes run)
         return ExecutionMode(Mode.CONTEXT_PARALLEL, processes, workers)
     if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding) or s.ep > 1:

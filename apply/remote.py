@@ -1,10 +1,10 @@
 """Plans whose replicas span worker processes: worker 0 drives every device (remote eager).
 
 Pipeline position: ``apply.ensure_devices`` calls ``ensure_remote_cluster`` for a plan
-whose devices span several workers (``/job:worker/task:w/device:CPU:i``) and that
-``apply.multi_worker`` / ``apply.multi_worker_hybrid`` cannot run with one program per
-worker (``apply.mode.Processes.REMOTE``): a data-parallel replica whose pipeline stages or tensor ranks lie on several
-workers (the Megatron layout that puts pp across nodes, a ``pp`` or ``tp`` plan over
+whose devices span several workers (``/job:worker/task:w/device:CPU:i``) and that the
+SPMD engine (``apply.spmd``) cannot run with one program per worker
+(``apply.mode.Processes.REMOTE``): a data-parallel replica whose pipeline stages lie on
+several workers (the Megatron layout that puts pp across nodes, a ``pp`` plan over
 ``Wxcpu:1``), or a general placement across workers. ``apply.wrap`` then runs the plan
 with the one-host modes (``apply.pipeline``, ``apply.tensor_parallel``), whose
 ``tf.device`` names are the plan's worker device names.

@@ -54,9 +54,9 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
 
-Across worker processes: each worker's part of a plan whose replicas stay inside a
-worker (``apply.multi_worker_hybrid``), or the whole plan driven by worker 0 when a
-replica spans workers (``apply.remote``). Not applied: the layer configurations
+Across worker processes: the whole plan driven by worker 0 when a replica's pipeline
+stages span workers (``apply.remote``); every other plan across workers runs one program
+per worker on the SPMD engine (``apply.spmd``). Not applied: the layer configurations
 ``apply.sharded_layers`` lists, and the splits ``apply.dimensions.split_refusal`` refuses
 (a block's own entry, a nested model's own layers, subclasses but keras_hub's
 CachedMultiHeadAttention).
@@ -369,9 +369,9 @@ def wrap_tensor_parallel(view: Any, plan: Plan, device_of_layer: dict[str, str],
     tp, dp = plan.strategy.tp, plan.strategy.dp
     if run_processes(plan) is Processes.PER_WORKER:  # one program per worker
         raise PlannerError(
-            f"Plan {plan.name!r} keeps each replica inside one worker process; it runs "
-            "through apply.wrap (apply.multi_worker_hybrid builds each worker's part), not "
-            "wrap_tensor_parallel on the whole plan.")
+            f"Plan {plan.name!r} runs one program per worker; it runs through apply.wrap "
+            "(the SPMD engine builds each worker's part), not wrap_tensor_parallel on the "
+            "whole plan.")
     # top-level splits, and splits of sub-layers inside blocks (apply.blocks)
     splits, inner = resolve_splits(view, plan)
     models = []

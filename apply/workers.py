@@ -4,8 +4,8 @@ Pipeline position: below the multi-worker modes. ``apply.ensure_devices`` calls
 ``ensure_cluster`` for a plan that runs one program per worker
 (``apply.mode.Processes.PER_WORKER``: ``/job:worker/task:w/device:CPU:i`` names, a
 ``Wxcpu:N`` or ``NxPRESET`` cluster with ``num_nodes`` > 1), before TensorFlow's
-runtime starts; ``apply.multi_worker`` and ``apply.multi_worker_hybrid`` train under
-the strategy it made (``get_strategy``); ``apply.remote`` reads TF_CONFIG and makes a
+runtime starts (the SPMD engine's collectives across workers need the collective runtime
+the strategy starts; ``get_strategy`` returns it); ``apply.remote`` reads TF_CONFIG and makes a
 worker's logical CPUs with the helpers here; ``apply.auto_devices`` makes the strategy
 without a plan (``ensure_strategy``). The worker processes are started with
 ``TF_CONFIG`` set (``plan launch --workers W SCRIPT``, ``planner.launch``).

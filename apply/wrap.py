@@ -14,30 +14,23 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    (``apply.ensure_devices``);
 2. the plan's shape picks the mode, once (``apply.mode.execution_mode``: a ``Mode``
    and the ``Processes`` that run it). Every plan the SPMD engine runs (``apply.spmd``:
-   one host; single device, dp, tp, pp and their hybrids, general placements, ZeRO-1/2/3,
-   recomputation, offload, BatchNormalization; ``spmd_refusal`` says why not) goes there,
-   each device
-   building its copy with ``build_model`` or, for a built model, re-creating it from its
+   single device, dp, tp, pp, cp, ep and their hybrids, general placements, ZeRO-1/2/3,
+   recomputation, offload, BatchNormalization; on one host, or across workers one
+   program per worker, each running its own devices' columns: ``spmd_refusal`` says why
+   not) goes there, each device building its copy with ``build_model`` or, for a built model, re-creating it from its
    layers' configs (``apply.cloning.clone_graph``). On one host the older engines
    below run only what ``spmd_refusal`` names (BatchNormalization subclasses or
    ``renorm`` under dp, context parallelism over sequences of a length known only as
    they run, a hand-made plan's split the SPMD twins refuse): ``apply.pipeline`` (one
    stage, pipelines, general placements), ``apply.data_parallel``,
    ``apply.tensor_parallel`` (with ``apply.zero``, ``apply.zero3``,
-   ``apply.expert_parallel``) and ``apply.context_parallel`` (cp x dp). Across workers,
-   by mode:
-
-   * one stage on one device of each of several workers (``/job:worker/task:w/...``,
-     a ``Wxcpu:N`` or multi-node cluster): multi-worker data parallel
-     (``apply.multi_worker``, MultiWorkerMirroredStrategy from TF_CONFIG; start
-     the workers with ``plan launch --workers W``);
-   * anything more on several workers, each data-parallel replica inside one
-     worker, or ZeRO-1 across workers: a multi-worker hybrid
-     (``apply.multi_worker_hybrid``: the strategy between the workers, the placed
-     modes within each; ZeRO-1 over the job, ``apply.zero_workers``);
-   * a replica spanning workers (pipeline stages or tp ranks on several workers),
-     or a general placement across workers: worker 0 drives every worker's devices
-     (``apply.remote``) and the mode is the one-host mode of the plan's shape (older engines);
+   ``apply.expert_parallel``) and ``apply.context_parallel`` (cp x dp). Across workers
+   (``/job:worker/task:w/...`` names, a ``Wxcpu:N`` or multi-node cluster; start the
+   workers with ``plan launch --workers W``), a plan the SPMD engine refuses is refused,
+   with the reason, except one whose columns span workers (a replica's pipeline stages on
+   several workers) or a general placement across workers: worker 0 drives every
+   worker's devices (``apply.remote``) and the mode is the one-host mode of the plan's
+   shape (older engines);
 
 3. the model is re-created with the plan's placement and the user's current
    weights (a block whole on its stage, its split sub-layers swapped in place, a
@@ -70,9 +63,7 @@ from tfplan.apply.data_parallel import wrap_data_parallel
 from tfplan.apply.devices import ensure_devices
 from tfplan.apply.dimensions import check_applicable, older_expert_clashes
 from tfplan.apply.expert_parallel import moe_group_warning, wrap_expert_parallel
-from tfplan.apply.mode import Mode, execution_mode
-from tfplan.apply.multi_worker import wrap_multi_worker
-from tfplan.apply.multi_worker_hybrid import wrap_multi_worker_hybrid
+from tfplan.apply.mode import Mode, Processes, execution_mode
 from tfplan.apply.offload import offload_state, weights_device
 from tfplan.apply.pipeline import wrap_placed
 from tfplan.apply.placement import top_level_devices, variable_devices
@@ -165,14 +156,14 @@ def wrap(model: Any, plan: Plan | str | os.PathLike, *, logdir: str | os.PathLik
             f"{plan.name!r} needs an engine that re-creates the model's graph ({why_not}), "
             "which a subclassed model does not have. Build the model with the Functional "
             "API or keras.Sequential, or re-plan without that dimension.")
+    if mode.processes is Processes.PER_WORKER:  # one program per worker: the SPMD engine
+        raise PlanMismatchError(
+            f"Plan {plan.name!r} runs on several workers, one program per worker, which only "
+            f"the SPMD engine (apply.spmd) does, and it does not run this plan: {why_not}. "
+            "Change that (or train it on one host).")
     m = plan.strategy.num_microbatches
     recompute, cores = split_recompute(plan, recompute)  # whole layers / attention cores
-    if mode.mode is Mode.MULTI_WORKER_HYBRID:
-        wrapped = wrap_multi_worker_hybrid(view, plan, mode, recompute_layers=recompute)
-    elif mode.mode is Mode.MULTI_WORKER:
-        wrapped = wrap_multi_worker(view, plan_name=plan.name, dp=plan.strategy.dp,
-                                    num_microbatches=m, recompute_layers=recompute)
-    elif mode.mode is Mode.DATA_PARALLEL and (plan.strategy.offload != "none" or (
+    if mode.mode is Mode.DATA_PARALLEL and (plan.strategy.offload != "none" or (
             plan.strategy.batch_norm == "global" and batch_norm_layers(view))):
         # offload: the copies' updates are placed by hand (apply.offload)
         # replicas as copies in one graph (apply.tensor_parallel), not MirroredStrategy:
@@ -257,14 +248,13 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
     import keras
 
-    from tfplan.apply.mode import Processes
     from tfplan.apply.spmd import refusal
     from tfplan.apply.spmd.batch_norm import is_batch_norm
     from tfplan.apply.spmd.rank_layers import split_problem
     from tfplan.profiler.signature import profiled_layer_paths
 
-    if mode.processes is not Processes.ONE_HOST:
-        return "devices on several workers"
+    if mode.processes is Processes.REMOTE:
+        return "a replica's pipeline stages on several workers"
     if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.PLACEMENT,
                          Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
         return f"the {mode.mode.value} mode"

@@ -2,8 +2,8 @@
 
 Pipeline position: after ``plan analyze`` wrote a plan for several workers
 (``--cluster 2xcpu:1 --fix dp=2``, or ``NxPRESET``); the training script then
-applies it with ``apply.wrap`` (``apply.multi_worker``, MultiWorkerMirroredStrategy
-configured from ``TF_CONFIG``). Imports nothing heavy: no TensorFlow here.
+applies it with ``apply.wrap`` (one program per worker on the SPMD engine, its
+collectives carried by the runtime ``TF_CONFIG`` configures). Imports nothing heavy: no TensorFlow here.
 
 * ``launch_local(script, args, workers)`` picks ``workers`` free ports on
   127.0.0.1, starts one process per worker (``python SCRIPT ARGS...`` for a .py

@@ -11,7 +11,9 @@ as the user's model's), whose gradients meet in ``reduction`` (all-reduce) or ``
 (ZeRO-1/2: reduce-scatter, sharded update, all-gather; ZeRO-3's layers gather their
 weights from the shards in ``zero3``), and whose optimizer state reads
 and writes as one device's in ``optimizer_state``. A pipeline plan's step runs each
-column's slots in the schedule's order through ``pipeline``.
+column's slots in the schedule's order through ``pipeline``. Across workers each worker's
+program runs its own devices' columns (``RunDescription.local``), and ``across`` sums the
+metrics, gathers the outputs and syncs files over the workers.
 """
 from __future__ import annotations
 
@@ -39,9 +41,18 @@ def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
     if plan.strategy.ep > 1:  # a MixtureOfExperts to split, E divisible by ep
         check_expert_parallel(plan, template)
     run = describe(plan, recomputed, batch_norm=has_batch_norm(template),
-                   segments=_segments(plan, template))
+                   segments=_segments(plan, template), task=_task(plan))
     return SpmdModel(build_copies(builder, run, template), template, plan,
                      name=name, logdir=logdir)
+
+
+def _task(plan: Plan) -> int | None:
+    """This process's worker (TF_CONFIG's index) for a plan across workers (one program
+    per worker: it runs that worker's devices), None on one host."""
+    from tfplan.apply.mode import plan_tasks
+    from tfplan.apply.workers import read_tf_config
+
+    return read_tf_config()[1] if len(plan_tasks(plan)) > 1 else None
 
 
 def _segments(plan: Plan, template: Any) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:

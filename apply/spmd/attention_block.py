@@ -84,7 +84,8 @@ RTOL_16_BIT = 2e-2  # a float16/bfloat16 block: sums in another order (a head mi
 
 def check_split_blocks(models: Any, template: Any, run: Any) -> None:
     """Refuse a plan whose attention block split by heads does not compute each head apart
-    (module docstring): replica 0's ranks (``models[0]``) against ``template``'s block."""
+    (module docstring): the ranks this process runs of its first replica (``models[q]``,
+    every rank of replica 0 on one host) against ``template``'s block."""
     import tensorflow as tf
 
     from tfplan.apply.collective_ops import instance_scope
@@ -94,7 +95,8 @@ def check_split_blocks(models: Any, template: Any, run: Any) -> None:
     if not names:
         return
     user = dict(profiled_layer_paths(template))
-    ranks = [dict(profiled_layer_paths(copy)) for copy in models[0]]
+    q = next(q for q, row in enumerate(models) if any(m is not None for m in row))
+    ranks = [dict(profiled_layer_paths(copy)) for copy in models[q] if copy is not None]
     for name in names:
         blocks = [r.get(name) for r in ranks]
         if not all(getattr(b, "is_split_by_heads", False) for b in blocks):
@@ -114,7 +116,7 @@ def check_split_blocks(models: Any, template: Any, run: Any) -> None:
 
         @tf.function(autograph=False)
         def ranked() -> list[Any]:
-            with instance_scope():
+            with instance_scope("check"):
                 out = []
                 for block, device in zip(blocks, devices):
                     with tf.device(device):

@@ -89,25 +89,51 @@ class Copies:
         return [column[chunk.get(id(v), 0)] for v in model.trainable_variables]
 
     def get_weights(self, read: Any = None) -> list[np.ndarray]:
-        """The user's model's weights, unsplit, from replica 0; ``read(q, t, variable)``:
-        a copy's weight's value where the variable does not hold it (ZeRO-3's shards)."""
+        """The user's model's weights, unsplit, each piece from a replica this process
+        runs (replica 0 on one host); ``read(q, t, variable)``: a copy's weight's value
+        where the variable does not hold it (ZeRO-3's shards)."""
         read = read or (lambda q, t, v: np.asarray(v.numpy()))
-        ranks = [m.weights for m in self.models[0]]
-        ep_ranks = [(q, self.models[q][0].weights) for q in self.run.ep_replicas]
-        return [np.concatenate([read(q, 0, w[j]) for q, w in ep_ranks], axis=0)
-                if j in self.ep_cut else read(0, 0, ranks[0][j]) if axis is None else
-                np.concatenate([read(0, t, w[j]) for t, w in enumerate(ranks)], axis=axis)
+        run = self.run
+        e_of = range(run.ep) if self.ep_cut else range(1)
+        holder = {(t, e): self.reader(t, e) for t in range(run.tp) for e in e_of}
+
+        def piece(t: int, e: int, j: int) -> np.ndarray:
+            q = holder[(t, e)]
+            return read(q, t, self.models[q][t].weights[j])
+
+        return [np.concatenate([piece(0, e, j) for e in range(run.ep)], axis=0)
+                if j in self.ep_cut else piece(0, 0, j) if axis is None else
+                np.concatenate([piece(t, 0, j) for t in range(run.tp)], axis=axis)
                 for j, axis in enumerate(self.axes)]
 
+    def reader(self, t: int, e: int) -> int:
+        """The first replica this process runs that holds tensor rank t of ep rank e's
+        experts (every replica holds ep rank 0's where nothing is cut over ep)."""
+        run = self.run
+        for q in range(run.dp):
+            if run.drives(q, t) and (not self.ep_cut or run.ep_rank(q) == e):
+                return q
+        raise PlannerError(
+            f"Plan {run.plan_name!r} runs one program per worker, and no replica of this "
+            f"worker holds tensor rank {t}" + (f" of expert-parallel rank {e}" if self.ep_cut
+                                               else "") +
+            " of the model's weights: reading them whole (get_weights, save_weights, "
+            "BackupAndRestore) needs them gathered from the other workers, which is not "
+            "built yet. Keep every tensor and expert rank of a replica inside one worker "
+            "(plan analyze --layout tp-pp-dp), or train without reading the weights.")
+
     def set_weights(self, weights: Sequence[Any], write: Any = None) -> None:
-        """Write the user's model's (unsplit) ``weights`` into every copy;
-        ``write(q, t, variable, value)`` where the variable does not hold its value."""
+        """Write the user's model's (unsplit) ``weights`` into every copy this process
+        runs; ``write(q, t, variable, value)`` where the variable does not hold its
+        value."""
         if len(weights) != len(self.axes):
             raise ValueError(f"set_weights received {len(weights)} arrays; the model has "
                              f"{len(self.axes)} weights.")
         write = write or (lambda q, t, v, value: v.assign(value))
         for q, replica in enumerate(self.models):
             for t, model in enumerate(replica):
+                if model is None:  # another worker's
+                    continue
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
                     full = np.asarray(weights[j])
                     if j in self.ep_cut:  # replica q's ep rank's experts
@@ -115,6 +141,11 @@ class Copies:
                         continue
                     write(q, t, var, full if axis is None else
                           np.array_split(full, len(replica), axis=axis)[t])
+
+    @property
+    def mine(self) -> list[Any]:
+        """The copies this process runs."""
+        return [m for row in self.models for m in row if m is not None]
 
 
 def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
@@ -133,6 +164,10 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     for q, replica in enumerate(run.replicas):
         row, cut = [], []
         for t, device in enumerate(replica):
+            if not run.drives(q, t):  # another worker's column (one program per worker)
+                row.append(None)
+                cut.append(None)
+                continue
             with tf.device(device):
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
@@ -144,15 +179,17 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
             row.append(model)
         models.append(row)
         programs.append(cut)
-    experts = frozenset(i for row in models for m in row for layer in compat.flatten_layers(m)
+    mine = [m for row in models for m in row if m is not None]
+    experts = frozenset(i for m in mine for layer in compat.flatten_layers(m)
                         if getattr(layer, "is_expert_twin", False) for i in shard_ids(layer))
-    axes, ep_cut = _axes(models[0][0], reference, run.tp, run.ep, experts)
+    first = run.local_columns[0] if run.local else (0, 0)
+    axes, ep_cut = _axes(mine[0], reference, run.tp, run.ep, experts, rank=first[1])
     copies = Copies(models, axes, run, programs if run.chunks > 1 else None,
                     frozenset(id(w) for w in on_pieces), frozenset(ep_cut), experts)
     copies.set_weights(reference)
     check_split_blocks(models, template, run)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
-        for model in (m for row in models for m in row):
+        for model in mine:
             for v in model.variables:
                 compat.move_variable(v, host_device(v.value.device))
     return copies
@@ -396,10 +433,11 @@ def _rewire(model: Any, twins: dict[int, Any], device: str, sequence: bool,
 
 
 def _axes(model: Any, reference: Sequence[np.ndarray], tp: int, ep: int = 1,
-          experts: frozenset[int] = frozenset()) -> tuple[list[int | None], list[int]]:
-    """For each weight of ``model`` (a copy), the axis the unsplit weight is cut along over
-    the tensor ranks; and the indices of the weights cut along axis 0 over the ep ranks
-    (``experts``: the ids of the copies' expert shards)."""
+          experts: frozenset[int] = frozenset(), rank: int = 0
+          ) -> tuple[list[int | None], list[int]]:
+    """For each weight of ``model`` (a copy, of tensor rank ``rank``), the axis the unsplit
+    weight is cut along over the tensor ranks; and the indices of the weights cut along
+    axis 0 over the ep ranks (``experts``: the ids of the copies' expert shards)."""
     axis_of: dict[int, int | None] = {}
     for layer in compat.flatten_layers(model):
         if is_twin(layer):
@@ -414,8 +452,8 @@ def _axes(model: Any, reference: Sequence[np.ndarray], tp: int, ep: int = 1,
     ep_cut = [j for j, w in enumerate(weights) if id(w) in experts]
     for j, (w, axis, full) in enumerate(zip(weights, axes, reference)):
         expected = list(np.shape(full))
-        if axis is not None:  # rank 0's slice: the first, a larger one where uneven
-            expected[axis] = slice_sizes(expected[axis], tp)[0]
+        if axis is not None:  # the rank's slice (the first ones larger where uneven)
+            expected[axis] = slice_sizes(expected[axis], tp)[rank]
         if j in ep_cut:
             expected[0] //= ep
         if list(w.shape) != expected:

@@ -66,7 +66,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfplan import compat
-from tfplan.apply.backup import OneProcessBackupHooks, planned_callbacks, release
+from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.checkpoint import save_atomically
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
 from tfplan.apply.input_shapes import InputShapeChecks
@@ -74,6 +74,8 @@ from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.offload import state_on_host
 from tfplan.apply.placement import (build_optimizer_on_devices, inner_optimizer,
                                     updates_on_variable_devices)
+from tfplan.apply.spmd.across import (WorkerHooks, gathered_outputs,
+                                      summed_over_workers)
 from tfplan.apply.spmd.batch_norm import moving_statistics
 from tfplan.apply.spmd.copies import Copies
 from tfplan.apply.spmd.optimizer_state import OptimizerState
@@ -89,7 +91,7 @@ from tfplan.core.errors import PlannerError
 HOST = "/device:CPU:0"  # where the input batch lives (the worker's host)
 
 
-class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
+class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
     """The wrapped model of an SPMD plan (module docstring)."""
 
     def __init__(self, copies: Copies, template: Any, plan: Any,
@@ -98,7 +100,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         self.plan = plan  # the plan, matched to the model (``Plan.for_model``)
         self._logdir = logdir  # fit() writes predicted vs measured step times there
         self._copies = copies  # a plain object: Keras tracks the models below, once
-        self.device_models = [m for row in copies.models for m in row]
+        self.device_models = copies.mine  # this process's (one program per worker)
         # the user's structure, on the host: held in a plain object, so Keras does not
         # track it (its weights are not the wrapped model's, nor trained)
         self._host = _Host(template)
@@ -124,7 +126,7 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         return self._copies.run
 
     def compute_output_spec(self, *args: Any, **kwargs: Any) -> Any:
-        return self._copies.models[0][0].compute_output_spec(*args, **kwargs)
+        return self._copies.mine[0].compute_output_spec(*args, **kwargs)
 
     # ---------------------------------------------------------------- compile
     @property
@@ -225,6 +227,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         for q, replica in enumerate(self._copies.models):
             row = []
             for t, model in enumerate(replica):
+                if model is None:  # another worker's column
+                    row.append(None)
+                    continue
                 if self._copies.programs is not None:
                     row.append(self._column(q, t, parts, flags, training).forward_all())
                     continue
@@ -292,6 +297,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         for q, row in enumerate(results):
             out_row = []
             for t, parts in enumerate(row):
+                if parts is None:  # another worker's column
+                    out_row.append(None)
+                    continue
                 with tf.device(run.loss_replicas[q][t]):
                     total = self._totals(parts, q, t) if totals is None else totals[q][t]
                     out_row.append([ops.divide_no_nan(p["counts"] * run.parts, total)
@@ -329,6 +337,8 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         run = self._copies.run
         share = ops.cast(_rows(data), "float32") / run.parts
         for q, row in enumerate(results):
+            if row[0] is None:  # replica q's tensor rank 0 is another worker's: it counts
+                continue
             with tf.device(run.loss_replicas[q][0]):
                 for p, c in zip(row[0], weights[q][0]):
                     compat.loss_tracker(self).update_state(self._part_loss(p, c),
@@ -337,9 +347,20 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                     if metrics is not None and p["metric_args"][0] is not None:
                         metrics.update_state(*p["metric_args"])
 
+    def _track_all(self, results: list[list[Any]], weights: list[list[list[Any]]],
+                   data: Any) -> None:
+        """``_track``; one program per worker: each worker tracks its replicas' parts, then
+        the metrics' changes are summed over the workers (``across.summed_over_workers``)."""
+        run = self._copies.run
+        if run.every_column_here:
+            self._track(results, weights, data)
+            return
+        with summed_over_workers(self.metrics, run):
+            self._track(results, weights, data)
+
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> Any:
-        with self._shape_checked(data, "A training batch"), instance_scope(), \
+        with self._shape_checked(data, "A training batch"), instance_scope("train"), \
                 moving_statistics() as statistics:
             metrics = self._train_step(data)
             statistics.update()  # "local" BatchNormalization: once per step
@@ -353,12 +374,15 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             results = self._forward(data, training=True)
             weights = self._weights_of_parts(results)
             # scaled inside the tape (mixed_float16's loss scale): the tape records it
-            losses = [[self._part_losses(parts, weights[q][t]) for t, parts in enumerate(row)]
-                      for q, row in enumerate(results)]
-            totals = [[tf.add_n(parts) for parts in row] for row in losses]  # on the tape
+            losses = [[None if parts is None else self._part_losses(parts, weights[q][t])
+                       for t, parts in enumerate(row)] for q, row in enumerate(results)]
+            totals = [[None if parts is None else tf.add_n(parts) for parts in row]
+                      for row in losses]  # on the tape
         grads, variables, owners = [], [], []
         for q, replica in enumerate(self._copies.models):
             for t, model in enumerate(replica):
+                if model is None:  # another worker's column
+                    continue
                 device = run.replicas[q][t]
                 vs = model.trainable_variables
                 with tf.device(device):
@@ -381,18 +405,18 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 owners.append(vs)
                 variables.append(zero.shards[q][t] if zero is not None else vs)
         del tape
-        grads = self._clipped(list(run.devices), _all_computed(grads), owners)
+        grads = self._clipped([run.replicas[q][t] for q, t in run.local_columns]
+                              if run.local else list(run.devices), _all_computed(grads), owners)
         with self._own_clipping(), \
                 updates_on_variable_devices(self.optimizer, self._state_device), \
                 compat.without_replica_sum(self.optimizer):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
         if zero is not None and zero.stage < 3:
-            for q, replica in enumerate(run.replicas):
-                for t, device in enumerate(replica):
-                    with tf.device(device):
-                        zero.gather(q, t)
-        self._track(results, weights, data)
+            for q, t in zero.columns:
+                with tf.device(run.replicas[q][t]):
+                    zero.gather(q, t)
+        self._track_all(results, weights, data)
         return self.get_metrics_result()
 
     def _pipeline_train_step(self, data: Any) -> Any:
@@ -406,6 +430,8 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         entries = []  # (device, gradients, the weights they are of, what is updated)
         for q, row in enumerate(columns):
             for t, by_device in enumerate(row):
+                if by_device is None:  # another worker's column
+                    continue
                 by_device = {device: (self._on_pieces_summed(gs, vs, device), vs)
                              for device, (gs, vs) in by_device.items()}
                 if zero is None:
@@ -435,10 +461,9 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             self.optimizer.apply_gradients(
                 [(g, v) for gs, vs in zip(grads, variables) for g, v in zip(gs, vs)])
         if zero is not None and zero.stage < 3:
-            for q in range(run.dp):
-                for t in range(run.tp):
-                    zero.gather(q, t)
-        self._track(results, self._weights_of_parts(results, totals), data)
+            for q, t in zero.columns:
+                zero.gather(q, t)
+        self._track_all(results, self._weights_of_parts(results, totals), data)
         return self.get_metrics_result()
 
     def _reduced(self, grads: list[Any], variables: list[Any], device: str) -> list[Any]:
@@ -485,6 +510,11 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             for q, replica in enumerate(self._copies.models):
                 row, row_totals, row_grads = [], [], []
                 for t in range(len(replica)):
+                    if replica[t] is None:  # another worker's column
+                        row.append(None)
+                        row_totals.append(None)
+                        row_grads.append(None)
+                        continue
                     column = self._column(q, t, parts, flags, True)
                     total, deferred = None, None
                     for slot in order:
@@ -549,10 +579,10 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
                 "backward. Re-plan with --schedule gpipe.")
 
     def test_step(self, data: Any) -> Any:
-        with self._shape_checked(data, "A batch given to evaluate"), instance_scope():
+        with self._shape_checked(data, "A batch given to evaluate"), instance_scope("test"):
             results = self._forward(data, training=False)
             weights = self._weights_of_parts(results)
-            self._track(results, weights, data)
+            self._track_all(results, weights, data)
         return self.get_metrics_result()
 
     def predict_step(self, data: Any) -> Any:
@@ -561,8 +591,10 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
             return self(x, training=False)
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        with instance_scope():
+        with instance_scope("call"):
             results = self._forward((inputs,), training=bool(training))
+            if not self._copies.run.every_column_here:  # one program per worker
+                return gathered_outputs(results, _rows(inputs), self._copies.run)
         outs = [p["y_pred"] for row in results for p in row[0]]
         cp, m = self._copies.run.cp, self._copies.run.num_microbatches
         if cp > 1:  # replica r's chunks joined, micro-batch by micro-batch
@@ -702,8 +734,10 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
         temporary file renamed over ``filepath`` (``apply.checkpoint.save_atomically``: a
         save that fails or is killed leaves the previous file whole)."""
         template = self._template()
-        save_atomically(lambda path: template.save_weights(path, overwrite=overwrite, **kwargs),
-                        filepath)
+        if self.is_chief:  # one program per worker: worker 0 writes, the others wait
+            save_atomically(lambda path: template.save_weights(path, overwrite=overwrite,
+                                                               **kwargs), filepath)
+        self._sync_workers()
 
     def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
         template = self._template()
@@ -714,7 +748,10 @@ class SpmdModel(InputShapeChecks, OneProcessBackupHooks, keras.Model):
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """The user's model with these weights and, once compiled, its optimizer (one
         device's state) and loss: ``keras.models.load_model`` gives the plain model."""
-        self._template().save(filepath, overwrite=overwrite, **kwargs)
+        template = self._template()
+        if self.is_chief:  # one program per worker: worker 0 writes, the others wait
+            template.save(filepath, overwrite=overwrite, **kwargs)
+        self._sync_workers()
 
 
 def _per_row(mask: Any) -> int:

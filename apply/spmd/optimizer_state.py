@@ -47,7 +47,7 @@ class OptimizerState:
 
     def __init__(self, copies: Any, zero: Any) -> None:
         self.copies, self.zero = copies, zero
-        copy = copies.models[0][0]
+        copy = copies.mine[0]  # every copy lists its weights in the same order
         index = {id(w): i for i, w in enumerate(copy.weights)}
         # the axis each trainable weight is cut along across tensor ranks (None: whole)
         self.axes = [copies.axes[index[id(v)]] for v in copy.trainable_variables]
@@ -115,9 +115,9 @@ class OptimizerState:
     def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
         run = self.copies.run
         if j in self.ep_cut:  # the experts of every ep rank, each from a replica holding it
-            return np.concatenate([self._replica_piece(q, t, j, k) for q in run.ep_replicas],
-                                  axis=0)
-        return self._replica_piece(0, t, j, k)
+            return np.concatenate([self._replica_piece(self.copies.reader(t, e), t, j, k)
+                                   for e in range(run.ep)], axis=0)
+        return self._replica_piece(self.copies.reader(t, 0), t, j, k)
 
     def _replica_piece(self, q: int, t: int, j: int, k: int) -> np.ndarray:
         """Replica q's state of weight j (tensor rank t): its slot, or under ZeRO the
@@ -125,6 +125,7 @@ class OptimizerState:
         if self.zero is None:
             return np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
         kind = self.zero.kinds[q][t][j]
+        self.zero.check_local(q, t, kind)
         return self.zero.cuts[q][t][j].unpadded(np.concatenate(
             [np.asarray(self.engine.slots(self._holders(r, t, j))[k].numpy())
              for r in self.zero.holders(q, kind)], axis=0))
@@ -141,6 +142,8 @@ class OptimizerState:
         for t, piece in enumerate(pieces):
             experts = np.split(piece, run.ep, axis=0) if j in self.ep_cut else None
             for q in range(run.dp):
+                if not run.drives(q, t):  # another worker's
+                    continue
                 slot = self.engine.slots(self._holders(q, t, j))[k]
                 mine = piece if experts is None else experts[run.ep_rank(q)]
                 if self.zero is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tfplan.apply.groups import Group, Groups, groups_of
+from tfplan.apply.groups import Group, Groups, group_key, groups_of
 from tfplan.planner.plan import Plan
 from tfplan.planner.traffic import block_columns_end_in_row
 
@@ -64,6 +64,25 @@ class RunDescription:
     # the plan's micro-batches per replica run as one (num_microbatches is then 1): global
     # batch statistics join them at every BatchNormalization layer (apply.spmd.batch_norm)
     joined_microbatches: int = 1
+    # one program per worker (the one-program-per-worker issue): the devices this process
+    # drives (its worker's; empty: every device, one host), and each worker's host CPU
+    # (``workers``: the group that sums the metrics, gathers outputs and syncs files)
+    local: frozenset[str] = frozenset()
+    workers: Group | None = None
+
+    def drives(self, q: int, t: int) -> bool:
+        """Whether this process runs column (q, t) (all of its chunks' devices are its)."""
+        return not self.local or all(d in self.local for d in self.column(q, t))
+
+    @property
+    def local_columns(self) -> tuple[tuple[int, int], ...]:
+        """The columns (q, t) this process runs, replica by replica."""
+        return tuple((q, t) for q in range(self.dp) for t in range(self.tp) if self.drives(q, t))
+
+    @property
+    def every_column_here(self) -> bool:
+        """One process runs every column (one host)."""
+        return not self.local
 
     def ep_rank(self, q: int) -> int:
         """Replica q's expert-parallel rank (its share of every MoE layer's experts): its
@@ -149,7 +168,9 @@ class RunDescription:
                 "stage_of_entry": [list(e) for e in self.stage_of_entry],
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
                 "sequence_parallel": self.sequence_parallel, "cp": self.cp, "ep": self.ep,
-                "joined_microbatches": self.joined_microbatches}
+                "joined_microbatches": self.joined_microbatches,
+                "local": sorted(self.local),
+                "workers": None if self.workers is None else list(self.workers.devices)}
 
 
 def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
@@ -168,22 +189,52 @@ def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
 
 def refusal(plan: Plan) -> str:
     """Why the SPMD engine does not run ``plan`` yet ("" when it does): every strategy
-    dimension runs on one host; across workers is the one-program-per-worker issue's."""
-    if any("/job:" in d for stage in plan.stages for d in stage.devices):
-        return "devices on several workers"
+    dimension runs on one host and, one program per worker, across workers, except a
+    column whose pipeline chunks (or a general placement whose devices) lie on several
+    workers: its activations would cross between worker programs (``apply.remote`` runs
+    those)."""
+    tasks = {task_of(d) for stage in plan.stages for d in stage.devices}
+    if len(tasks) <= 1:
+        return ""
+    if plan.placement == "general":
+        return "a general placement across workers"
+    # column i: position i of every stage (replica q's tensor rank t: i = q tp + t)
+    if any(len({task_of(d) for d in column}) > 1
+           for column in zip(*(stage.devices for stage in plan.stages))):
+        return "pipeline stages of one replica on several workers"
     return ""
 
 
+def task_of(device: str) -> int | None:
+    """The worker task a plan's device name says (``/job:worker/task:w/...``; None on one
+    host)."""
+    for part in device.split("/"):
+        if part.startswith("task:"):
+            return int(part[5:])
+    return None
+
+
+def workers_group(plan: Plan) -> Group | None:
+    """Each worker's host CPU, in task order (None on one host): ``RunDescription.workers``."""
+    tasks = sorted({t for stage in plan.stages for d in stage.devices
+                    if (t := task_of(d)) is not None})
+    if len(tasks) <= 1:
+        return None
+    devices = tuple(f"/job:worker/task:{t}/device:CPU:0" for t in tasks)
+    return Group("workers", devices, group_key(devices))
+
+
 def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = False,
-             segments: tuple[tuple[tuple[str, int], ...], tuple[str, ...]] = ((), ())
-             ) -> RunDescription:
+             segments: tuple[tuple[tuple[str, int], ...], tuple[str, ...]] = ((), ()),
+             task: int | None = None) -> RunDescription:
     """The run description of a plan (``refusal(plan) == ""``); ``recomputed``: the
     top-level layers it recomputes (``apply.recompute.recomputed_layers``); ``batch_norm``:
     the model has BatchNormalization layers (under the plan's ``global`` rule its
     micro-batches then run as one: ``joined_microbatches``); ``segments``: for a general
     placement, (layer path, chunk) of its layers and each chunk's device
     (``apply.spmd.stages.placement_segments``: it runs as a pipeline of those chunks, one
-    micro-batch, in GPipe's order)."""
+    micro-batch, in GPipe's order); ``task``: this process's worker (TF_CONFIG's index) for
+    a plan across workers, whose program runs that worker's devices only."""
     s = plan.strategy
     m = s.num_microbatches
     joined = m if batch_norm and s.batch_norm == "global" and m > 1 else 1
@@ -211,4 +262,7 @@ def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = Fa
                           if pipeline else "none",
                           virtual_stages=max(1, s.virtual_stages) if pipeline else 1,
                           sequence_parallel=bool(s.sequence_parallel) and tp > 1,
-                          cp=max(1, s.cp), ep=max(1, s.ep), joined_microbatches=joined)
+                          cp=max(1, s.cp), ep=max(1, s.ep), joined_microbatches=joined,
+                          local=frozenset(d for d in plan.devices if task is not None
+                                          and task_of(d) == task),
+                          workers=workers_group(plan))

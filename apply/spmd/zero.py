@@ -168,42 +168,45 @@ class ZeroShards:
     """Every device's shards of its copy's trainable weights (module docstring)."""
 
     def __init__(self, copies: Any, stage: int) -> None:
-        run = copies.run
-        self.run, self.stage = run, stage
-        self.weights = [[list(model.trainable_variables) for model in row]
-                        for row in copies.models]
+        self.run, self.stage = copies.run, stage
+        # per column (q, t) this process runs; None for another worker's column
+        self.weights = [[None if model is None else list(model.trainable_variables)
+                         for model in row] for row in copies.models]
         # the group each weight is sharded over (its gradient's: "edp" or "dp")
-        self.kinds = [[[copies.reduction_group(v) for v in vs] for vs in row]
-                      for row in self.weights]
+        self.kinds = _grid(self.weights, lambda q, t, vs: [copies.reduction_group(v)
+                                                           for v in vs])
         # an Embedding's table (``tables``: their ids; ZeRO-3 gathers them on their own) is
         # cut by its rows (its sparse gradient's ids), others along the leading axes that
         # cut without padding
-        self.tables = frozenset(id(layer.embeddings) for row in copies.models for model in row
+        self.tables = frozenset(id(layer.embeddings) for model in copies.mine
                                 for layer in compat.flatten_layers(model)
                                 if isinstance(layer, keras.layers.Embedding))
-        self.cuts = [[[_cut(v, self.group_size(kind), id(v) in self.tables)
-                       for v, kind in zip(vs, kinds)] for vs, kinds in zip(row, row_kinds)]
-                     for row, row_kinds in zip(self.weights, self.kinds)]
-        self._index = [[{id(v): i for i, v in enumerate(vs)} for vs in row]
-                       for row in self.weights]
+        self.cuts = _grid(self.weights, lambda q, t, vs: [
+            _cut(v, self.group_size(kind), id(v) in self.tables)
+            for v, kind in zip(vs, self.kinds[q][t])])
+        self._index = _grid(self.weights, lambda q, t, vs: {id(v): i for i, v in enumerate(vs)})
         # each weight's device (its chunk's under pipeline parallelism): its shard's too
-        self.devices = [[copies.weight_devices(q, t) for t in range(len(row))]
-                        for q, row in enumerate(self.weights)]
-        self.shards = []
-        for q, row in enumerate(self.weights):
-            shard_row = []
-            for t, vs in enumerate(row):
-                shards = []
-                for i, (v, cut, device) in enumerate(zip(vs, self.cuts[q][t],
-                                                         self.devices[q][t])):
-                    if stage == 3 and run.offload == "optimizer+weights":
-                        device = host_device(device)  # the weights trained live there
-                    with tf.init_scope(), tf.device(device):
-                        shards.append(keras.Variable(
-                            np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,
-                            name=f"zero{stage}_shard_q{q}_t{t}_{i}"))
-                shard_row.append(shards)
-            self.shards.append(shard_row)
+        self.devices = _grid(self.weights, lambda q, t, vs: copies.weight_devices(q, t))
+        self.shards = _grid(self.weights, lambda q, t, vs: self._made(q, t, vs))
+
+    def _made(self, q: int, t: int, vs: list[Any]) -> list[Any]:
+        """Copy (q, t)'s shard variables, on its weights' devices (ZeRO-3 with the weights
+        offloaded: their hosts)."""
+        shards = []
+        for i, (v, cut, device) in enumerate(zip(vs, self.cuts[q][t], self.devices[q][t])):
+            if self.stage == 3 and self.run.offload == "optimizer+weights":
+                device = host_device(device)  # the weights trained live there
+            with tf.init_scope(), tf.device(device):
+                shards.append(keras.Variable(
+                    np.zeros(cut.shard_shape, v.dtype), dtype=v.dtype,
+                    name=f"zero{self.stage}_shard_q{q}_t{t}_{i}"))
+        return shards
+
+    @property
+    def columns(self) -> list[tuple[int, int]]:
+        """The columns (q, t) this process runs (one host: every one)."""
+        return [(q, t) for q, row in enumerate(self.weights)
+                for t, vs in enumerate(row) if vs is not None]
 
     def group_size(self, kind: str) -> int:
         """Replicas a weight sharded over ``kind`` ("dp", "edp") is cut among."""
@@ -223,16 +226,17 @@ class ZeroShards:
     @property
     def variables(self) -> list[Any]:
         """Every device's shards: what the optimizer is built on."""
-        return [s for row in self.shards for shards in row for s in shards]
+        return [s for row in self.shards for shards in row if shards is not None
+                for s in shards]
 
     def exclude_like_weights(self, optimizer: Any) -> None:
         """A weight AdamW leaves out of weight decay leaves its shards out too."""
         opt = inner_optimizer(optimizer)
         if not getattr(opt, "weight_decay", None):
             return
-        excluded = [s for row_w, row_s in zip(self.weights, self.shards)
-                    for vs, ss in zip(row_w, row_s)
-                    for v, s in zip(vs, ss) if not compat.uses_weight_decay(opt, v)]
+        excluded = [s for q, t in self.columns
+                    for v, s in zip(self.weights[q][t], self.shards[q][t])
+                    if not compat.uses_weight_decay(opt, v)]
         if excluded:
             opt.exclude_from_weight_decay(var_list=excluded)
 
@@ -240,9 +244,8 @@ class ZeroShards:
     def load_all(self) -> None:
         """Every shard read from its copy (eagerly: ZeRO-3's start, and after
         ``set_weights``)."""
-        for q, row in enumerate(self.weights):
-            for t in range(len(row)):
-                self.load(q, t)
+        for q, t in self.columns:
+            self.load(q, t)
 
     def read(self, q: int, t: int, variable: Any) -> np.ndarray:
         """Copy (q, t)'s ``variable``'s value: joined from every rank's shards where ZeRO-3
@@ -250,9 +253,22 @@ class ZeroShards:
         j = self._index[q][t].get(id(variable))
         if j is None:
             return np.asarray(variable.numpy())
+        self.check_local(q, t, self.kinds[q][t][j])
         return self.cuts[q][t][j].unpadded(np.concatenate(
             [np.asarray(self.shards[r][t][j].numpy())
              for r in self.holders(q, self.kinds[q][t][j])], axis=0))
+
+    def check_local(self, q: int, t: int, kind: str) -> None:
+        """PlannerError unless this process holds every shard of copy (q, t)'s weights
+        sharded over ``kind`` (one program per worker: the others are another's)."""
+        if all(self.shards[r][t] is not None for r in self.holders(q, kind)):
+            return
+        raise PlannerError(
+            f"Plan {self.run.plan_name!r} shards weights (ZeRO-{self.stage}) over "
+            "data-parallel replicas on several workers, and reading them or their optimizer "
+            "state whole (get_weights under ZeRO-3, save_weights, BackupAndRestore) needs "
+            "the shards gathered from the other workers, which is not built yet. Keep each "
+            "data-parallel group inside one worker, or train without reading them.")
 
     def write(self, q: int, t: int, variable: Any, value: Any) -> None:
         """Copy (q, t)'s ``variable`` set to ``value``: its shard where ZeRO-3 trains it."""
@@ -361,6 +377,12 @@ class ZeroShards:
                     out[n] = cut.unpadded(
                         tf.reshape(piece, (n_shards * cut.per_shard, *cut.row_shape)))
         return out
+
+
+def _grid(rows: list[list[Any]], make: Callable[[int, int, Any], Any]) -> list[list[Any]]:
+    """``make(q, t, rows[q][t])`` for every column this process runs; None for the others."""
+    return [[None if cell is None else make(q, t, cell) for t, cell in enumerate(row)]
+            for q, row in enumerate(rows)]
 
 
 def _accumulated(total: list[Any], more: list[Any]) -> list[Any]:

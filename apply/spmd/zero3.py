@@ -59,6 +59,8 @@ def install(copies: Any, zero: Any) -> None:
     run = copies.run
     for q, row in enumerate(copies.models):
         for t, model in enumerate(row):
+            if model is None:  # another worker's column
+                continue
             index = {id(v): i for i, v in enumerate(zero.weights[q][t])}
             for layer in _units(model):
                 mine = [index[id(v)] for v in layer.trainable_variables if id(v) in index]

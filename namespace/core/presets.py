@@ -271,7 +271,7 @@ def cpu_workers_cluster(workers: int, n: int) -> ClusterSpec:
     per worker, nominal figures), joined by a nominal network
     (``CPU_NOMINAL_NETWORK_*``). One worker is ``cpu:n``. Device names are
     ``/job:worker/task:w/device:CPU:i`` (``ClusterSpec.device_names``): the plan
-    ``plan launch --workers W`` trains with (``apply.multi_worker``).
+    ``plan launch --workers W`` trains with (one program per worker, ``apply.spmd``).
     """
     node = cpu_cluster(n)
     if workers == 1:

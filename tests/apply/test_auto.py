@@ -172,7 +172,7 @@ def test_a_global_batch_the_plan_cannot_split_fails_before_training(tmp_path, mo
 def test_several_workers_in_tf_config_need_auto_devices_first_or_a_plan_file(tmp_path,
                                                                              monkeypatch):
     """Planning a multi-worker job needs its strategy, made by apply.auto_devices() before
-    TensorFlow starts (tests/apply/test_multi_worker_hybrid.py runs that for real); here
+    TensorFlow starts (tests.apply.test_workers.py runs that for real); here
     the runtime has started without it, so apply.auto says what to call."""
     _, model = base_model("tiny_mlp")
     monkeypatch.setenv("TF_CONFIG", json.dumps({

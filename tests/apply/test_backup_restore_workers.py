@@ -39,7 +39,7 @@ def worker_main(out_dir: str, fault: str) -> None:
     from tfplan.planner.plan import load_plan
 
     plan = load_plan(os.environ["PLAN_FILE"])
-    apply.ensure_devices(plan)  # before any TF op (MultiWorkerMirroredStrategy)
+    apply.ensure_devices(plan)  # before any TF op (the collective runtime)
     module, model = base_model("tiny_mlp")
     wrapped = apply.wrap(model, plan)
     wrapped.compile(optimizer=keras.optimizers.Adam(learning_rate=1e-2), loss="mse")
@@ -113,16 +113,15 @@ def _assert_results(out_dir, workers: int, epochs_run: int, mode: str) -> None:
     assert not os.path.exists(os.path.join(out_dir, "backup"))  # deleted at the end
 
 
-MODES = {"dp2": "MultiWorkerModel", "dp2xtp2": "MultiWorkerHybridModel",
-         "dp4+zero1": "MultiWorkerHybridModel"}
+MODES = {"dp2": "SpmdModel", "dp2xtp2": "SpmdModel", "dp4+zero1": "SpmdModel"}
 
 
 def _two_worker_plan(tmp_path, kind: str):
-    """A plan for 2 workers x 2 CPUs (tests/apply/test_multi_worker_hybrid.py): ``dp2``
+    """A plan for 2 workers x 2 CPUs (tests.apply.test_workers.py): ``dp2``
     data parallel (one CPU each), ``dp2xtp2`` the MLP's Megatron splits in each worker,
     ``dp4+zero1`` two replicas per worker with ZeRO-1 over the job."""
     from tfplan.planner.plan import save_plan
-    from tests.apply.test_multi_worker_hybrid import worker_plan
+    from tests.apply.test_workers import worker_plan
 
     _, model = base_model("tiny_mlp")
     path = tmp_path / f"{kind}.json"
@@ -131,7 +130,7 @@ def _two_worker_plan(tmp_path, kind: str):
 
 
 @pytest.mark.parametrize("kind", [
-    # dp2 (apply.multi_worker) resumes from a backup in the SIGTERM test's second launch;
+    # dp2 (one device per worker) resumes from a backup in the SIGTERM test's second launch;
     # the restart after SIGKILL runs by default under dp4+zero1
     pytest.param("dp2", marks=pytest.mark.slow), "dp4+zero1"])
 def test_a_killed_worker_restarts_the_job_from_the_last_backup(kind, tmp_path):
@@ -161,7 +160,7 @@ def test_sigterm_saves_a_backup_on_every_worker_and_exits_0(tmp_path):
                     "iterations": FAULT_EPOCH * SAMPLES // BATCH + done}
     r = _launch(_two_worker_plan(tmp_path, "dp2"), tmp_path, "none", 2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    _assert_results(tmp_path, 2, EPOCHS - FAULT_EPOCH, "MultiWorkerModel")
+    _assert_results(tmp_path, 2, EPOCHS - FAULT_EPOCH, "SpmdModel")
 
 
 def test_sigterm_under_a_one_host_plan_resumes_mid_epoch_exactly(tmp_path):

@@ -9,9 +9,8 @@ within 1e-4), every expert shard and its optimizer slots on its replica's device
 device's all-to-all bytes within 10% of the plan's; ZeRO-1 (dp4 x ep2, dp2 x ep2, with
 the weights offloaded), ZeRO-2 (dp4 x ep2, 2 micro-batches) and ZeRO-3 (dp4 x ep2)
 likewise, each expert shard's state cut over the replicas of its ep rank, with a weight
-file round trip; ep=2 across two
-local worker processes (worker 0 drives both: ``apply.remote``) likewise, with
-fit/evaluate/predict and a weight file, and dp4 x ep2 ZeRO-1 there too. A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
+file round trip; ep groups across worker processes: tests/apply/test_workers.py (one
+program per worker). A MixtureOfExperts inside a custom block (``tiny_moe_block``) and keras_hub's
 Mixtral MoE blocks inside a MixtralBackbone (``tiny_mixtral``) train like one device under
 ep=2. Weight files (with the optimizer state) and saved models move between the plain model
 and ep plans both ways; what is not run is refused; a capacity factor or an aux loss under
@@ -21,13 +20,6 @@ Mixtral's).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
-
-if __name__ == "__main__":  # a worker: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -231,51 +223,6 @@ def zero_plan(kind: str):
         plan = dataclasses.replace(plan, strategy=dataclasses.replace(
             plan.strategy, offload="optimizer+weights"))
     return plan
-
-
-def assert_slots_on_owners(w, plan) -> None:
-    """The older engine's ZeRO (across workers): every weight's optimizer slots on exactly one copy among those holding its value:
-    a dense weight's owner among all dp replicas, an expert shard's among the replicas of
-    its ep rank (r % ep), each the replica ``planner.zero.owners_by_device_group`` names on
-    the plan's devices (dense weights together, expert shards together); no slots on any
-    other copy."""
-    from tfplan.apply.checkpoint import slot_variables
-    from tfplan.apply.device_names import short_name
-    from tfplan.apply.placement import tf_variable
-    from tfplan.planner.zero import owners_by_device_group
-
-    s = plan.strategy
-    devices = [short_name(d) for d in plan.stages[0].devices]
-    slots = slot_variables(w.optimizer)
-    replicas = w.replica_models()
-    every = w.trainable_variables  # replica 0's, then replica 1's, ...
-    n = len(every) // s.dp
-    variables = [every[r * n:(r + 1) * n] for r in range(s.dp)]
-    shards = {id(v) for v in replicas[0].get_layer("moe").shard_variables()}
-    size = [int(np.prod(v.shape)) * 4 for v in variables[0]]
-    dense = [(i, tuple(range(s.dp))) for i, v in enumerate(variables[0]) if id(v) not in shards]
-    experts = [(i, tuple(range(k, s.dp, s.ep))) for i, v in enumerate(variables[0])
-               if id(v) in shards for k in range(s.ep)]
-    assert len(experts) == 4 * s.ep  # two kernels and two biases per rank
-    for groups in (dense, experts):
-        owners = owners_by_device_group([(tuple(devices[r] for r in part), size[i])
-                                         for i, part in groups])
-        for (i, part), owner in zip(groups, owners):
-            for j, r in enumerate(part):
-                v = variables[r][i]
-                mine = [slot for (key, _), slot in slots.items() if key == id(v)]
-                if j != owner:
-                    assert not mine, (r, v.path)
-                    continue
-                assert len(mine) == 2, (r, v.path)  # Adam: momentum and velocity
-                for slot in mine:
-                    assert short_name(tf_variable(slot).device) == devices[r], (r, slot.path)
-    if s.dp > s.ep:  # both copies of some expert shard own something (balanced)
-        owning = {short_name(tf_variable(slot).device) for (key, _), slot in slots.items()
-                  if any(key == id(replicas[r].get_layer("moe").expert_in_kernel)
-                         or key == id(replicas[r].get_layer("moe").expert_out_kernel)
-                         for r in range(s.dp))}
-        assert owning == set(devices), owning
 
 
 def assert_shards_where_planned(w, plan) -> None:
@@ -564,10 +511,10 @@ def test_hub_router_aux_loss_under_ep_is_in_the_loss_with_a_warning(name, coeffi
 
 def test_an_ep_plan_never_runs_under_a_strategy():
     """ep > 1 runs as tensor_parallel copies on one host even with tp = pp = 1 (not
-    MirroredStrategy), and through worker 0 across workers also when each ep group lies
-    inside one worker (one program per worker has no transfers between processes)."""
+    MirroredStrategy), and across workers one program per worker (apply.spmd.experts: the
+    all-to-alls span the workers, tests/apply/test_workers.py)."""
     from tfplan.apply.mode import Processes, execution_mode
-    from tests.apply.test_multi_worker_hybrid import CPUS, WORKERS, dev
+    from tests.apply.test_workers import CPUS, WORKERS, dev
 
     _, model = base_model("tiny_moe")
     plain = make_plan(model, [cpus(0, 1)], global_batch=BATCH)
@@ -578,95 +525,9 @@ def test_an_ep_plan_never_runs_under_a_strategy():
         inside.cluster, num_nodes=WORKERS, devices_per_node=CPUS,
         inter_node_link=inside.cluster.intra_node_link))
     mode = execution_mode(inside)
-    assert (mode.mode, mode.processes) == ("tensor_parallel", Processes.REMOTE)
+    assert (mode.mode, mode.processes) == ("tensor_parallel", Processes.PER_WORKER)
 
 
-# --- across two worker processes (apply.remote) ------------------------------------------------
-
-# ep2: dp2 x ep2, ZeRO-0 (with fit/evaluate/predict and a weight file); dp4xep2+zero1: each
-# expert shard's two copies on the two workers (replica r on worker r // 2, ep rank r % 2),
-# its owner on one of them
-WORKER_CASES = [("tiny_moe", "ep2"), ("tiny_moe", "dp4xep2+zero1")]
-
-
-def worker_plan(model, kind: str = "ep2"):
-    """A plan over ``2xcpu:2``: ep2, replica r (ep rank r) on worker r's CPU 0; or
-    dp4xep2+zero1, replica r on worker r // 2's CPU r % 2, ZeRO-1."""
-    from tests.apply.test_multi_worker_hybrid import CPUS, WORKERS, dev
-
-    if kind == "ep2":
-        plan = ep_plan(model, [[dev(0, 0), dev(1, 0)]], ep=2)
-    else:
-        plan = ep_plan(model, [[dev(w, i) for w in range(WORKERS) for i in range(CPUS)]],
-                       ep=2, zero_stage=1)
-    one = plan.cluster
-    cluster = dataclasses.replace(one, name=f"{WORKERS}xcpu:{CPUS}", num_nodes=WORKERS,
-                                  devices_per_node=CPUS, inter_node_link=one.intra_node_link)
-    return dataclasses.replace(plan, cluster=cluster, name=f"tiny_moe {kind} across workers")
-
-
-def worker_main(out_dir: str) -> None:
-    from tfplan import apply
-    from tfplan.apply.checkpoint import slot_variables
-    from tfplan.apply.device_names import short_name
-    from tfplan.apply.placement import tf_variable
-    from tfplan.planner.plan import load_plan
-    from tests.apply.test_multi_worker_hybrid import scenario
-
-    results = {}
-    for i, (name, kind) in enumerate(WORKER_CASES):
-        plan = load_plan(os.path.join(out_dir, f"plan{i}.json"))
-        apply.ensure_devices(plan)  # worker 1 serves its devices and exits here
-        module, model = base_model(name)
-        w = apply.wrap(model, plan)
-        w.compile(optimizer=fresh_optimizer(module), loss=module.loss)
-        result = scenario(w, module, os.path.join(out_dir, "model.weights.h5") if i == 0
-                          else None)
-        if plan.strategy.optimizer_sharding:  # each weight's slots on its owner only
-            assert_slots_on_owners(w, plan)
-            result["zero_stage"] = w.zero_stage
-        else:
-            slots = slot_variables(w.optimizer)
-            result["shards"] = [  # each replica's expert variables and their slots: devices
-                sorted({short_name(tf_variable(x).device)
-                        for v in r.get_layer("moe").weights[1:]
-                        for x in (v, slots[(id(v), 0)], slots[(id(v), 1)])})
-                for r in w.replica_models()]
-        results[f"{name} {kind}"] = result
-    with open(os.path.join(out_dir, "worker0.json"), "w", encoding="utf-8") as f:
-        json.dump({"results": results}, f)
-
-
-def test_ep2_across_two_workers_trains_like_one_device(tmp_path):
-    """Worker 0 drives both workers' devices; the tokens of each replica reach the other
-    worker's experts over gRPC; losses, fit/evaluate/predict and a weight file round trip
-    equal one device's; each shard where the plan puts it. dp4 x ep2 with ZeRO-1 (each
-    shard's gradient reduced onto its owner on one worker, the new value sent to the
-    other) trains 10 steps like one device, each weight's slots on its owner only."""
-    from tfplan.apply.mode import execution_mode
-    from tfplan.planner.plan import save_plan
-    from tests.apply.test_multi_worker_hybrid import launch_with_references
-
-    plans = [worker_plan(base_model(name)[1], kind) for name, kind in WORKER_CASES]
-    for i, plan in enumerate(plans):
-        mode = execution_mode(plan)
-        assert mode.remote and mode.mode == "tensor_parallel"
-        save_plan(plan, tmp_path / f"plan{i}.json")
-    returncode, logs, references = launch_with_references(__file__, tmp_path, WORKER_CASES)
-    assert returncode == 0, logs[-6000:]
-    with open(tmp_path / "worker0.json", encoding="utf-8") as f:
-        results = json.load(f)["results"]
-    for case, reference in references.items():
-        for key, want in reference.items():
-            np.testing.assert_allclose(results[case][key], want, rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{case}: {key}")
-    assert results["tiny_moe dp4xep2+zero1"]["zero_stage"] == 1  # its owners checked there
-    shards = results["tiny_moe ep2"]["shards"]
-    assert shards == [[d] for d in plans[0].stages[0].devices], shards
-
-
-if __name__ == "__main__":
-    worker_main(sys.argv[1])
 
 
 def _attention_moe():

@@ -45,20 +45,28 @@ def test_one_host_plans(stage_devices, strategy, expected):
     mode = execution_mode(plan(stage_devices, **strategy))
     assert mode.mode is expected and mode.mode == expected.value
     assert mode.processes is Processes.ONE_HOST and not mode.remote
-    assert mode.worker_tasks == () and mode.replica_tasks == ()
+    assert mode.worker_tasks == ()
 
 
 def test_plans_over_workers():
+    """One program per worker (the SPMD engine) for every plan whose columns lie inside
+    workers, with the mode of its shape; worker 0 drives every device (apply.remote) only
+    where a column's pipeline stages, or a general placement, span workers."""
     dp = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2))
-    assert (dp.mode, dp.processes) == (Mode.MULTI_WORKER, Processes.PER_WORKER)
-    assert dp.worker_tasks == (0, 1) and dp.replica_tasks == ()
+    assert (dp.mode, dp.processes) == (Mode.DATA_PARALLEL, Processes.PER_WORKER)
+    assert dp.worker_tasks == (0, 1) and not dp.remote
     # replica r on device r: replicas 0 and 1 on worker 0, 2 and 3 on worker 1
     dp4 = execution_mode(plan([[dev(w, i) for w in range(2) for i in range(2)]], workers=2))
-    assert (dp4.mode, dp4.processes) == (Mode.MULTI_WORKER_HYBRID, Processes.PER_WORKER)
-    assert dp4.replica_tasks == (0, 0, 1, 1)
-    zero = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, zero_stage=1))
-    assert zero.mode is Mode.MULTI_WORKER_HYBRID and zero.replica_tasks == (0, 1)
-    # a replica across workers: worker 0 drives both (apply.remote), the one-host mode
+    assert (dp4.mode, dp4.processes) == (Mode.DATA_PARALLEL, Processes.PER_WORKER)
+    zero = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, zero_stage=3))
+    assert (zero.mode, zero.processes) == (Mode.TENSOR_PARALLEL, Processes.PER_WORKER)
+    # tensor ranks across workers: each rank a column of its own, one program per worker
+    tp = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2, dp=1, tp=2))
+    assert (tp.mode, tp.processes) == (Mode.TENSOR_PARALLEL, Processes.PER_WORKER)
+    # a pipeline inside each worker, data parallel across them
+    inside = plan([[dev(0, 0), dev(1, 0)], [dev(0, 1), dev(1, 1)]], workers=2)
+    assert execution_mode(inside).processes is Processes.PER_WORKER
+    # a column across workers: worker 0 drives both (apply.remote), the one-host mode
     pp = plan([[dev(0, 0)], [dev(1, 0)]], workers=2)
     assert (execution_mode(pp).mode, execution_mode(pp).processes) == (Mode.PIPELINE,
                                                                         Processes.REMOTE)

@@ -10,14 +10,14 @@ variable and optimizer slot must sit on the device the plan names.
 
 Cases: the MLP, the small transformer and the residual CNN each as a 2-stage pipeline,
 stage s on worker s (2 micro-batches; GPipe for the MLP, 1F1B for the others; the MLP
-also runs ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``) and
-tensor parallel with one rank on each worker; the residual CNN as dp2 x pp2
+also runs ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``); tensor
+ranks across workers run one program per worker (``apply.spmd``, tests/apply/
+test_workers.py); the residual CNN as dp2 x pp2
 in the Megatron layout (stage s on worker s, the two replicas on its two CPUs, 1F1B);
 the MLP likewise with ZeRO-1 (one copy of the optimizer state in all); the branchy model as a general placement (its branches on different workers).
 
-The default run launches ``DEFAULT_CASES``; the CNN's pipeline and tensor-parallel cases
-(the MLP's and the transformer's run those modes across the workers by default) run with
-``-m slow``.
+The default run launches ``DEFAULT_CASES``; the CNN's pipeline case (the MLP's and the
+transformer's run that mode across the workers by default) runs with ``-m slow``.
 """
 from __future__ import annotations
 
@@ -33,17 +33,16 @@ if __name__ == "__main__":  # a worker: make the repository importable
         os.path.abspath(__file__)))))
 
 from tests.apply.helpers import base_model, make_plan  # noqa: E402
-from tests.apply.test_multi_worker_hybrid import (SCHEDULE, SPLITS, dev,  # noqa: E402
+from tests.apply.test_workers import (SCHEDULE, SPLITS, dev,  # noqa: E402
                                                   launch_train_script,
                                                   launch_with_references, train_cases)
 
 WORKERS, CPUS = 2, 2
 STEPS = 10
 GLOBAL_BATCH = 16
-CASES = [("tiny_mlp", "pp2"), ("tiny_mlp", "tp2"), ("tiny_transformer", "pp2"),
-         ("tiny_transformer", "tp2"), ("tiny_cnn", "pp2"), ("tiny_cnn", "tp2"),
+CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_cnn", "pp2"),
          ("tiny_cnn", "dp2xpp2"), ("tiny_mlp", "dp2xpp2+zero1"), ("branchy", "placement")]
-SLOW_CASES = [("tiny_cnn", "pp2"), ("tiny_cnn", "tp2")]
+SLOW_CASES = [("tiny_cnn", "pp2")]
 DEFAULT_CASES = [case for case in CASES if case not in SLOW_CASES]  # the MLP's pp2 first
 MODE = {"pp2": "pipeline", "tp2": "tensor_parallel", "dp2xpp2": "tensor_parallel",
         "dp2xpp2+zero1": "tensor_parallel", "placement": "placement"}
@@ -200,16 +199,17 @@ def test_plan_mode_and_auto_for_replicas_across_workers():
     apply.auto does not pick such a plan without PLAN_FILE (it must be set up before
     TensorFlow starts)."""
     from tfplan.apply.auto import not_runnable_reason
-    from tfplan.apply.mode import Processes, execution_mode, is_hybrid, replicas_span_workers
-    from tests.apply.test_multi_worker_hybrid import worker_plan
+    from tfplan.apply.mode import Processes, columns_span_workers, execution_mode
+    from tests.apply.test_workers import worker_plan
 
     _, model = base_model("tiny_mlp")
     inside = worker_plan(model, "tiny_mlp", "dp2xpp2")  # each replica on one worker
-    assert is_hybrid(inside) and not replicas_span_workers(inside)
+    assert not columns_span_workers(inside)
     assert execution_mode(inside).processes is Processes.PER_WORKER
-    assert execution_mode(inside).mode == "multi_worker_hybrid"
+    assert execution_mode(inside).mode == "tensor_parallel"
+    assert not columns_span_workers(remote_plan(model, "tiny_mlp", "tp2"))  # apply.spmd
     across = remote_plan(model, "tiny_mlp", "pp2")
-    assert replicas_span_workers(across) and execution_mode(across).remote
+    assert columns_span_workers(across) and execution_mode(across).remote
     assert execution_mode(across).mode == "pipeline"
     assert "PLAN_FILE" in not_runnable_reason(across)
     assert not_runnable_reason(inside) is None

@@ -247,7 +247,7 @@ def _reference(name):
 @pytest.mark.parametrize("schedule, name", [
     ("1f1b", "tiny_mlp"),
     # 1F1B on the transformer: by default in test_zero3 (dp2 x pp2) and across workers
-    # (test_multi_worker_hybrid's dp2xpp2); the interleaved order on it here
+    # (test_workers' dp2xpp2); the interleaved order on it here
     pytest.param("1f1b", "tiny_transformer", marks=pytest.mark.slow),
     ("interleaved", "tiny_mlp"), ("interleaved", "tiny_transformer")],
     ids=["1f1b-tiny_mlp", "1f1b-tiny_transformer", "interleaved-tiny_mlp",

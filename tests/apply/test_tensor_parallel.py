@@ -266,10 +266,9 @@ def test_too_few_heads_for_tp():
 
 
 def test_a_worker_local_tp_plan_is_not_wrapped_whole():
-    """dp2 x tp2 over two workers with each replica's tp ranks on one worker runs one
-    program per worker (apply.multi_worker_hybrid builds each worker's part); handing
-    the whole plan to wrap_tensor_parallel is refused. (A tp group across workers runs
-    whole, driven by worker 0: tests/apply/test_remote.py.)"""
+    """dp2 x tp2 over two workers runs one program per worker (the SPMD engine builds each
+    worker's part: tests/apply/test_workers.py); handing the whole plan to
+    wrap_tensor_parallel is refused."""
     _, model = base_model("tiny_mlp")
     workers = tuple(f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2))
     plan = tp_plan(model, [list(workers)], SPLITS["tiny_mlp"], dp=2)

@@ -180,6 +180,6 @@ def test_memory_savers_are_applied_on_one_host_and_across_workers(recwarn):
         cluster=parse_cluster("2xcpu:1"))
     workers = dataclasses.replace(workers, strategy=dataclasses.replace(
         workers.strategy, zero_stage=1))
-    # ZeRO-1 across workers: the hybrid machinery (apply.zero_workers), no warning
-    assert execution_mode(workers).mode == "multi_worker_hybrid"
+    # ZeRO-1 across workers: one program per worker (apply.spmd), no warning
+    assert execution_mode(workers).mode == "tensor_parallel"
     assert not [w for w in recwarn if "does not apply" in str(w.message)]

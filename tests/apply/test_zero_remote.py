@@ -24,7 +24,7 @@ if __name__ == "__main__":  # a worker: make the repository importable
         os.path.abspath(__file__)))))
 
 from tests.apply.helpers import base_model  # noqa: E402
-from tests.apply.test_multi_worker_hybrid import (launch_with_references,  # noqa: E402
+from tests.apply.test_workers import (launch_with_references,  # noqa: E402
                                                   train_cases)
 from tests.apply.test_remote import _check_devices, remote_plan  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The workers here are tiny Python scripts (no TensorFlow): what is checked is the
 launcher (TF_CONFIG, PLAN_FILE, prefixes, exit codes, stopping the others).
-Training across workers is tests/apply/test_multi_worker.py.
+Training across workers is tests/apply/test_workers.py.
 """
 from __future__ import annotations
 

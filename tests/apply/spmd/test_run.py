@@ -43,7 +43,7 @@ def test_one_device_group_launches_nothing():
 @pytest.mark.parametrize("change", [dict(cp=2, sequence_parallel=True), dict(ep=2, cp=2),
                                     dict(ep=2, zero_stage=3),
                                     dict(offload="optimizer+weights", zero_stage=3)])
-def test_every_dimension_runs_on_one_host(change):
+def test_every_dimension_runs_on_one_host_and_across_workers(change):
     plan = helpers.make_plan(_mlp(), [helpers.cpus(0, 1)])
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **change))
     assert refusal(plan) == ""
@@ -51,7 +51,13 @@ def test_every_dimension_runs_on_one_host(change):
         dataclasses.replace(stage, devices=tuple(f"/job:worker/task:{i}/device:CPU:0"
                                                  for i in range(len(stage.devices))))
         for stage in plan.stages))
-    assert refusal(workers) == "devices on several workers"
+    assert refusal(workers) == ""  # one program per worker
+    run = describe(workers, task=1)  # worker 1 runs its own column only
+    assert run.local == frozenset({"/job:worker/task:1/device:CPU:0"})
+    assert run.local_columns == ((1, 0),) and not run.every_column_here
+    assert run.workers.devices == ("/job:worker/task:0/device:CPU:0",
+                                   "/job:worker/task:1/device:CPU:0")
+    assert describe(plan).every_column_here and describe(plan).workers is None
     assert refusal(helpers.make_plan(_mlp(), [helpers.cpus(0)], num_microbatches=1)) == ""
 
 

@@ -1,0 +1,147 @@
+"""What one program per worker adds to the SPMD engine: the few values every worker needs whole.
+
+Pipeline position: beside ``apply.spmd.model``. Across workers (a plan whose devices name
+several ``/job:worker/task:w``; ``RunDescription.local`` lists this worker's), each worker's
+program runs its own columns only (``RunDescription.drives``), and talks to the others
+through the same collectives as inside a worker. Three things are not any one column's, so
+the workers exchange them over the ``workers`` group (each worker's host CPU,
+``RunDescription.workers``; one collective each, on the host):
+
+* **Metrics and the logged loss**: each worker updates its metric variables with the parts
+  of the replicas whose tensor rank 0 it runs; ``summed_over_workers`` then all-reduces each
+  variable's change in the step and adds the sum to its value before the step, so every
+  worker holds the whole batch's metrics (exact for Keras' metrics, whose states are sums:
+  totals, counts, confusion counts).
+* **Outputs** (``call``, ``predict``): each worker puts its replicas' rows in a zero batch of
+  the whole batch's shape (``gathered_outputs``); their sum over the workers is every row.
+* **Files and flags** (``WorkerHooks``): the chief (worker 0) writes weight files, every
+  worker waits for it (``_sync_workers``: a barrier, one scalar all-reduce), and
+  ``BackupAndRestore``'s preemption flag is any worker's (``_any_worker``).
+
+On one host (every column here) none of this runs: the model's own paths do it on the host.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import tensorflow as tf
+
+from tfplan.apply.backup import OneProcessBackupHooks
+from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.core.errors import PlannerError
+
+
+def host(run: Any) -> str:
+    """This worker's member of the ``workers`` group (its host CPU)."""
+    from tfplan.apply.spmd.run import task_of
+
+    task = task_of(next(iter(run.local)))
+    return next(d for d in run.workers.devices if task_of(d) == task)
+
+
+def _summed(values: list[Any], run: Any) -> list[Any]:
+    """``values`` (on this worker's host) summed over the workers: one all-reduce of them
+    packed as float64 (exact for the counts and sums metrics hold)."""
+    device = host(run)
+    with tf.device(device):
+        flat = tf.concat([tf.reshape(tf.cast(v, tf.float64), [-1]) for v in values], 0)
+        total = member_all_reduce(flat, run.workers, device, "workers")
+        sizes = [v.shape.num_elements() for v in values]
+        if None in sizes:
+            raise PlannerError("A metric's state has a shape known only as it runs; the "
+                               "workers cannot sum it. Use metrics of fixed-shape state.")
+        return [tf.cast(tf.reshape(piece, v.shape), v.dtype)
+                for piece, v in zip(tf.split(total, sizes), values)]
+
+
+@contextlib.contextmanager
+def summed_over_workers(metrics: list[Any], run: Any) -> Iterator[None]:
+    """The metric variables' changes made inside the block summed over the workers (module
+    docstring)."""
+    variables = [v for m in metrics for v in m.variables]
+    if not variables:
+        yield
+        return
+    device = host(run)
+    with tf.device(device):
+        before = [tf.identity(v.value) for v in variables]
+    yield
+    with tf.device(device):
+        changes = [v.value - b for v, b in zip(variables, before)]
+    for v, b, change in zip(variables, before, _summed(changes, run)):
+        with tf.device(device):
+            v.assign(b + change)
+
+
+def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
+    """The model's outputs for the whole batch of ``n`` rows on every worker (module
+    docstring): replica q's parts from the worker running its tensor rank 0."""
+    if run.cp > 1:
+        raise PlannerError(
+            f"Plan {run.plan_name!r} runs context parallelism across workers; its outputs "
+            "(call, predict) would be joined from sequence chunks on several workers, which "
+            "is not built yet. Predict with the plain model (save_weights, then load them "
+            "into it), or keep each replica's context ranks inside one worker.")
+    m = run.num_microbatches
+    padded = run.global_batch if (run.tp > 1 or run.ep > 1) else n
+    total_parts = run.parts
+    bounds = [(i * padded) // total_parts for i in range(total_parts + 1)]
+    device = host(run)
+    mine = [(q * m + k, p["y_pred"]) for q, row in enumerate(results) if row[0] is not None
+            for k, p in enumerate(row[0])]
+    template = mine[0][1] if mine else None
+    if template is None:  # a worker running no tensor rank 0: its zero batch alone
+        raise PlannerError(
+            f"Plan {run.plan_name!r}: this worker runs no replica's tensor rank 0, so it "
+            "holds no outputs to give; predict needs every worker to hold some. Re-plan with "
+            "each worker holding whole replicas (plan analyze --layout tp-pp-dp).")
+    leaves_of = [tf.nest.flatten(y) for _, y in mine]
+    out = []
+    with tf.device(device):
+        for leaf in range(len(leaves_of[0])):
+            padded_parts = []
+            for (i, _), leaves in zip(mine, leaves_of):
+                y = tf.cast(leaves[leaf], tf.float32)
+                pad = [[bounds[i], padded - bounds[i + 1]]] + [[0, 0]] * (len(y.shape) - 1)
+                padded_parts.append(tf.pad(y, pad))
+            local = tf.add_n(padded_parts)
+            whole = _summed([local], run)[0]
+            out.append(tf.cast(whole, leaves_of[0][leaf].dtype)[:n])
+    return tf.nest.pack_sequence_as(template, out)
+
+
+class WorkerHooks(OneProcessBackupHooks):
+    """``PlannedBackupAndRestore``'s hooks for a model whose run may span workers (module
+    docstring): a barrier and an any-worker flag over the ``workers`` group; one process's
+    where every column is here. The model provides ``run_description``."""
+
+    @property
+    def is_chief(self) -> bool:
+        """Worker 0 (the one writing files); True on one host."""
+        run = self.run_description
+        return run.every_column_here or host(run) == run.workers.devices[0]
+
+    def _sync_workers(self) -> None:
+        if not self.run_description.every_column_here:
+            self._worker_sum(0.0)
+
+    def _any_worker(self, flag: bool) -> bool:
+        if self.run_description.every_column_here:
+            return bool(flag)
+        return float(self._worker_sum(1.0 if flag else 0.0)) > 0
+
+    def _worker_sum(self, value: float) -> Any:
+        """``value`` summed over the workers (every worker calls it: a barrier)."""
+        run = self.run_description
+        function = getattr(self, "_worker_sum_function", None)
+        if function is None:
+            device = host(run)
+
+            @tf.function(autograph=False)
+            def function(x: Any) -> Any:
+                with instance_scope("workers"), tf.device(device):
+                    return member_all_reduce(x, run.workers, device, "workers")
+
+            object.__setattr__(self, "_worker_sum_function", function)
+        return function(tf.constant([value], tf.float64))[0]
