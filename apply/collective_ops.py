@@ -49,7 +49,7 @@ KEYS_PER_TRACE = 1 << 14  # instance keys one traced step may use per group and 
 # what a traced program is: its traces are counted per kind, so every worker tracing the
 # same steps of the same script gives each trace the same base (one program per worker:
 # a worker that traced something else first must not shift the others' keys)
-TRACE_KINDS = ("train", "test", "call", "check", "workers", "other")
+TRACE_KINDS = ("train", "test", "call", "check", "workers", "exchange", "other")
 _traces: dict[str, Any] = {}
 _scope: list[tuple[int, dict]] = []  # the innermost instance_scope: (base, its counters)
 

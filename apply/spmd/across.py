@@ -17,6 +17,11 @@ the workers exchange them over the ``workers`` group (each worker's host CPU,
 * **Files and flags** (``WorkerHooks``): the chief (worker 0) writes weight files, every
   worker waits for it (``_sync_workers``: a barrier, one scalar all-reduce), and
   ``BackupAndRestore``'s preemption flag is any worker's (``_any_worker``).
+* **Whole weights and optimizer state** (``get_weights``, ``save_weights``, backups): the
+  pieces a worker does not hold (another worker's tensor or expert ranks, ZeRO shards) come
+  from their owners through ``exchanged``: every worker lists the same pieces (owner,
+  shape), the owner puts each one's value in a zero buffer, and one all-reduce (float64:
+  exact for float32 values and integer counts) gives every worker every piece.
 
 On one host (every column here) none of this runs: the model's own paths do it on the host.
 """
@@ -90,25 +95,65 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
     device = host(run)
     mine = [(q * m + k, p["y_pred"]) for q, row in enumerate(results) if row[0] is not None
             for k, p in enumerate(row[0])]
-    template = mine[0][1] if mine else None
-    if template is None:  # a worker running no tensor rank 0: its zero batch alone
-        raise PlannerError(
-            f"Plan {run.plan_name!r}: this worker runs no replica's tensor rank 0, so it "
-            "holds no outputs to give; predict needs every worker to hold some. Re-plan with "
-            "each worker holding whole replicas (plan analyze --layout tp-pp-dp).")
+    # every tensor rank holds its replica's whole outputs: any of this worker's parts shows
+    # their structure (a worker running no tensor rank 0 gives a zero batch)
+    template = next(p["y_pred"] for row in results for parts in row if parts is not None
+                    for p in parts)
     leaves_of = [tf.nest.flatten(y) for _, y in mine]
+    shapes = tf.nest.flatten(template)
     out = []
     with tf.device(device):
-        for leaf in range(len(leaves_of[0])):
-            padded_parts = []
+        for leaf, like in enumerate(shapes):
+            rows = tf.concat([[padded], tf.shape(like)[1:]], 0)
+            local = tf.zeros(rows, tf.float32)
             for (i, _), leaves in zip(mine, leaves_of):
                 y = tf.cast(leaves[leaf], tf.float32)
                 pad = [[bounds[i], padded - bounds[i + 1]]] + [[0, 0]] * (len(y.shape) - 1)
-                padded_parts.append(tf.pad(y, pad))
-            local = tf.add_n(padded_parts)
-            whole = _summed([local], run)[0]
-            out.append(tf.cast(whole, leaves_of[0][leaf].dtype)[:n])
+                local = local + tf.pad(y, pad)
+            whole = _summed([local], run)[0] if local.shape.is_fully_defined() else \
+                _summed_dynamic(local, run)
+            out.append(tf.cast(whole, like.dtype)[:n])
     return tf.nest.pack_sequence_as(template, out)
+
+
+def exchanged(run: Any, entries: list[tuple[int, tuple[int, ...], Any]]) -> list[Any]:
+    """Every entry's value on every worker (module docstring): ``entries`` lists (owner
+    task, shape, ``value()``) in the same order on every worker; ``value()`` is called on
+    the owner only. NumPy float64 arrays of the shapes."""
+    import numpy as np
+
+    from tfplan.apply.spmd.run import task_of
+
+    mine = task_of(host(run))
+    sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in entries]
+    flat = np.zeros(sum(sizes), np.float64)
+    at = 0
+    for (owner, shape, value), size in zip(entries, sizes):
+        if owner == mine:
+            got = np.asarray(value(), np.float64)
+            if got.shape != tuple(shape):
+                raise PlannerError(f"A piece of the model's state has shape {got.shape} on "
+                                   f"its worker; the other workers expect {tuple(shape)}.")
+            flat[at:at + size] = got.reshape(-1)
+        at += size
+    if not sizes:
+        return []
+    device = host(run)
+    with instance_scope("exchange"), tf.device(device):
+        total = member_all_reduce(tf.constant(flat), run.workers, device, "workers").numpy()
+    out, at = [], 0
+    for (_, shape, _), size in zip(entries, sizes):
+        out.append(total[at:at + size].reshape(shape))
+        at += size
+    return out
+
+
+def _summed_dynamic(value: Any, run: Any) -> Any:
+    """``value`` (a shape known only as it runs: a batch of any size) summed over the
+    workers."""
+    device = host(run)
+    with tf.device(device):
+        return member_all_reduce(value, run.workers, device, "workers")
 
 
 class WorkerHooks(OneProcessBackupHooks):

@@ -69,6 +69,10 @@ class Copies:
     # along axis 0 over the ep ranks, and the ids of the copies' variables holding them
     ep_cut: frozenset[int] = frozenset()
     expert_weights: frozenset[int] = frozenset()
+    # the user's model's weights' shapes and dtypes (pieces of another worker's copies are
+    # sized from them: ``rank_shape``)
+    full_shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
 
     def reduction_group(self, variable: Any) -> str:
         """The group a copy's weight's gradient is summed over: "edp" for an expert shard
@@ -95,16 +99,60 @@ class Copies:
         read = read or (lambda q, t, v: np.asarray(v.numpy()))
         run = self.run
         e_of = range(run.ep) if self.ep_cut else range(1)
-        holder = {(t, e): self.reader(t, e) for t in range(run.tp) for e in e_of}
+        if run.every_column_here:
+            holder = {(t, e): self.reader(t, e) for t in range(run.tp) for e in e_of}
 
-        def piece(t: int, e: int, j: int) -> np.ndarray:
-            q = holder[(t, e)]
-            return read(q, t, self.models[q][t].weights[j])
+            def piece(t: int, e: int, j: int) -> np.ndarray:
+                q = holder[(t, e)]
+                return read(q, t, self.models[q][t].weights[j])
+        else:  # one program per worker: every piece from its owner (``across.exchanged``)
+            piece = self._exchanged_pieces(read)
 
         return [np.concatenate([piece(0, e, j) for e in range(run.ep)], axis=0)
                 if j in self.ep_cut else piece(0, 0, j) if axis is None else
                 np.concatenate([piece(t, 0, j) for t in range(run.tp)], axis=axis)
                 for j, axis in enumerate(self.axes)]
+
+    def pieces_of(self, j: int) -> list[tuple[int, int]]:
+        """The (tensor rank, ep rank) pieces weight j of the user's model is joined from."""
+        if j in self.ep_cut:
+            return [(0, e) for e in range(self.run.ep)]
+        return [(0, 0)] if self.axes[j] is None else [(t, 0) for t in range(self.run.tp)]
+
+    def canonical(self, e: int) -> int:
+        """The first replica holding ep rank e's experts (replica 0 where nothing is cut
+        over ep): whose pieces every worker reads across workers."""
+        return next(q for q in range(self.run.dp) if not self.ep_cut or self.run.ep_rank(q) == e)
+
+    def owner(self, q: int, t: int) -> int | None:
+        """The worker task running column (q, t)."""
+        from tfplan.apply.spmd.run import task_of
+
+        return task_of(self.run.column(q, t)[0])
+
+    def rank_shape(self, t: int, j: int) -> tuple[int, ...]:
+        """The shape of weight j of the user's model in a copy of tensor rank t."""
+        shape = list(self.full_shapes[j])
+        axis = self.axes[j]
+        if axis is not None:
+            shape[axis] = slice_sizes(shape[axis], self.run.tp)[t]
+        if j in self.ep_cut:
+            shape[0] //= self.run.ep
+        return tuple(shape)
+
+    def _exchanged_pieces(self, read: Any) -> Any:
+        """``piece(t, e, j)`` of every weight, each read by its owner and exchanged
+        (``apply.spmd.across.exchanged``): one program per worker."""
+        from tfplan.apply.spmd.across import exchanged
+
+        keys = [(t, e, j) for j in range(len(self.axes)) for t, e in self.pieces_of(j)]
+        entries = []
+        for t, e, j in keys:
+            q = self.canonical(e)
+            entries.append((self.owner(q, t), self.rank_shape(t, j),
+                            lambda q=q, t=t, j=j: read(q, t, self.models[q][t].weights[j])))
+        got = dict(zip(keys, exchanged(self.run, entries)))
+        return lambda t, e, j: got[(t, e, j)].astype(self.dtypes[j])
 
     def reader(self, t: int, e: int) -> int:
         """The first replica this process runs that holds tensor rank t of ep rank e's
@@ -185,7 +233,9 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     first = run.local_columns[0] if run.local else (0, 0)
     axes, ep_cut = _axes(mine[0], reference, run.tp, run.ep, experts, rank=first[1])
     copies = Copies(models, axes, run, programs if run.chunks > 1 else None,
-                    frozenset(id(w) for w in on_pieces), frozenset(ep_cut), experts)
+                    frozenset(id(w) for w in on_pieces), frozenset(ep_cut), experts,
+                    tuple(tuple(np.shape(w)) for w in reference),
+                    tuple(np.asarray(w).dtype.name for w in reference))
     copies.set_weights(reference)
     check_split_blocks(models, template, run)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU

@@ -711,7 +711,12 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
     # ---------------------------------------------------------------- weights
     def get_weights(self) -> list[np.ndarray]:
         if self._zero is not None and self._zero.stage == 3:  # ZeRO-3 trains the shards
-            return self._copies.get_weights(read=self._zero.read)
+            if not self._copies.run.every_column_here:  # others' shards from their workers
+                self._zero.fetch(lambda shard: np.asarray(shard.numpy()))
+            try:
+                return self._copies.get_weights(read=self._zero.read)
+            finally:
+                self._zero.fetched = {}
         return self._copies.get_weights()
 
     def set_weights(self, weights: Any) -> None:

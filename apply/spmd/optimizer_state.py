@@ -54,6 +54,7 @@ class OptimizerState:
         # the trainable weights cut over the ep ranks (expert shards: axis 0)
         self.ep_cut = {j for j, v in enumerate(copy.trainable_variables)
                        if index[id(v)] in copies.ep_cut}
+        self.weight_index = [index[id(v)] for v in copy.trainable_variables]
         self.engine: SlotTable | None = None
         self.template: SlotTable | None = None
 
@@ -69,9 +70,10 @@ class OptimizerState:
         if self.engine is None:
             return
         table = self._template_table(template, loss)
+        piece = self._pieces(template, table)
         for j, variable in enumerate(template.trainable_variables):
             for k, slot in enumerate(table.slots(variable)):
-                slot.assign(self._joined(j, k))
+                slot.assign(self._joined(j, k, piece))
         for mine, theirs in self._others(table):
             mine.assign(theirs.numpy())
 
@@ -112,26 +114,78 @@ class OptimizerState:
             return self.zero.shards[q][t][j]
         return self.copies.models[q][t].trainable_variables[j]
 
-    def _rank_piece(self, t: int, j: int, k: int) -> np.ndarray:
+    def _pieces(self, template: Any, table: SlotTable) -> Any:
+        """``piece(q, t, j, k)``: replica q's state k of trainable weight j (tensor rank t):
+        its slot, or under ZeRO the shards' slots of every replica holding the same weight
+        joined. One program per worker: another worker's from its owner (``apply.spmd.
+        across.exchanged``; every worker calls this with the same pieces)."""
+        run = self.copies.run
+        slot = lambda variable, k: np.asarray(self.engine.slots(variable)[k].numpy())  # noqa: E731
+        if self.zero is not None:
+            if run.every_column_here:
+                return lambda q, t, j, k: self.zero.joined(q, t, j, lambda s: slot(s, k))
+            fetched = {}
+            q0, t0 = run.local_columns[0]
+            for k in range(len(self.engine.slots(self.zero.shards[q0][t0][0]))):
+                self.zero.fetch(lambda s, k=k: slot(s, k))
+                fetched[k] = self.zero.fetched
+            self.zero.fetched = {}
+
+            def joined(q: int, t: int, j: int, k: int) -> np.ndarray:
+                self.zero.fetched = fetched[k]
+                try:
+                    return self.zero.joined(q, t, j, lambda s: slot(s, k))
+                finally:
+                    self.zero.fetched = {}
+            return joined
+        if run.every_column_here:
+            return lambda q, t, j, k: slot(self._holders(q, t, j), k)
+        from tfplan.apply.spmd.across import exchanged
+
+        keys, entries = [], []
+        for j, variable in enumerate(template.trainable_variables):
+            for k, like in enumerate(table.slots(variable)):
+                if tuple(like.shape) != tuple(variable.shape):
+                    raise PlannerError(
+                        f"The optimizer {type(self.engine.optimizer).__name__} keeps state of "
+                        f"another shape than its weight ({tuple(like.shape)} for "
+                        f"{tuple(variable.shape)}); across workers its pieces cannot be "
+                        "joined into one device's. Save the weights alone, or use an "
+                        "elementwise optimizer (Adam, SGD, ...).")
+                for t, e in self._rank_keys(j):
+                    q = self.copies.canonical(e)
+                    keys.append((q, t, j, k))
+                    entries.append((self.copies.owner(q, t),
+                                    self.copies.rank_shape(t, self.weight_index[j]),
+                                    lambda q=q, t=t, j=j, k=k: slot(self._holders(q, t, j), k)))
+        got = dict(zip(keys, exchanged(run, entries)))
+        return lambda q, t, j, k: got[(q, t, j, k)]
+
+    def _rank_keys(self, j: int) -> list[tuple[int, int]]:
+        """The (tensor rank, ep rank) pieces trainable weight j is joined from (``_joined``)."""
+        return [(t, e) for t in self._ranks(j)
+                for e in (range(self.copies.run.ep) if j in self.ep_cut else (0,))]
+
+    def _ranks(self, j: int) -> range:
+        """The tensor ranks whose pieces make trainable weight j (rank 0 where it is whole)."""
+        return range(self.copies.run.tp) if self.axes[j] is not None else range(1)
+
+    def _replica(self, t: int, e: int) -> int:
+        """The replica whose rank-t piece of ep rank e is read: one of this process's on one
+        host; across workers the canonical one (its owner gives it)."""
+        if self.copies.run.every_column_here:
+            return self.copies.reader(t, e)
+        return self.copies.canonical(e)
+
+    def _rank_piece(self, t: int, j: int, k: int, piece: Any) -> np.ndarray:
         run = self.copies.run
         if j in self.ep_cut:  # the experts of every ep rank, each from a replica holding it
-            return np.concatenate([self._replica_piece(self.copies.reader(t, e), t, j, k)
-                                   for e in range(run.ep)], axis=0)
-        return self._replica_piece(self.copies.reader(t, 0), t, j, k)
+            return np.concatenate([piece(self._replica(t, e), t, j, k) for e in range(run.ep)],
+                                  axis=0)
+        return piece(self._replica(t, 0), t, j, k)
 
-    def _replica_piece(self, q: int, t: int, j: int, k: int) -> np.ndarray:
-        """Replica q's state of weight j (tensor rank t): its slot, or under ZeRO the
-        shards of every replica holding the same weight joined."""
-        if self.zero is None:
-            return np.asarray(self.engine.slots(self._holders(q, t, j))[k].numpy())
-        kind = self.zero.kinds[q][t][j]
-        self.zero.check_local(q, t, kind)
-        return self.zero.cuts[q][t][j].unpadded(np.concatenate(
-            [np.asarray(self.engine.slots(self._holders(r, t, j))[k].numpy())
-             for r in self.zero.holders(q, kind)], axis=0))
-
-    def _joined(self, j: int, k: int) -> np.ndarray:
-        pieces = [self._rank_piece(t, j, k) for t in range(self.copies.run.tp)]
+    def _joined(self, j: int, k: int, piece: Any) -> np.ndarray:
+        pieces = [self._rank_piece(t, j, k, piece) for t in self._ranks(j)]
         axis = self.axes[j]
         return pieces[0] if axis is None else np.concatenate(pieces, axis=axis)
 

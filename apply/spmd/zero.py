@@ -188,6 +188,15 @@ class ZeroShards:
         # each weight's device (its chunk's under pipeline parallelism): its shard's too
         self.devices = _grid(self.weights, lambda q, t, vs: copies.weight_devices(q, t))
         self.shards = _grid(self.weights, lambda q, t, vs: self._made(q, t, vs))
+        # what every column's trainable weight i is, read from one of this process's (the
+        # same in every copy): its index among the copy's weights, its group, a table
+        self.copies = copies
+        q, t = self.columns[0]
+        index = {id(w): j for j, w in enumerate(copies.models[q][t].weights)}
+        self.weight_index = [index[id(v)] for v in self.weights[q][t]]
+        self.kind_of = list(self.kinds[q][t])
+        self.table_of = [id(v) in self.tables for v in self.weights[q][t]]
+        self.fetched: dict[tuple[int, int, int], np.ndarray] = {}  # other workers' shards
 
     def _made(self, q: int, t: int, vs: list[Any]) -> list[Any]:
         """Copy (q, t)'s shard variables, on its weights' devices (ZeRO-3 with the weights
@@ -249,26 +258,39 @@ class ZeroShards:
 
     def read(self, q: int, t: int, variable: Any) -> np.ndarray:
         """Copy (q, t)'s ``variable``'s value: joined from every rank's shards where ZeRO-3
-        trains it (its own storage is freed), else its own."""
+        trains it (its own storage is freed; another worker's shards from ``fetched``),
+        else its own."""
         j = self._index[q][t].get(id(variable))
         if j is None:
             return np.asarray(variable.numpy())
-        self.check_local(q, t, self.kinds[q][t][j])
-        return self.cuts[q][t][j].unpadded(np.concatenate(
-            [np.asarray(self.shards[r][t][j].numpy())
-             for r in self.holders(q, self.kinds[q][t][j])], axis=0))
+        return self.joined(q, t, j, lambda shard: np.asarray(shard.numpy()))
 
-    def check_local(self, q: int, t: int, kind: str) -> None:
-        """PlannerError unless this process holds every shard of copy (q, t)'s weights
-        sharded over ``kind`` (one program per worker: the others are another's)."""
-        if all(self.shards[r][t] is not None for r in self.holders(q, kind)):
-            return
-        raise PlannerError(
-            f"Plan {self.run.plan_name!r} shards weights (ZeRO-{self.stage}) over "
-            "data-parallel replicas on several workers, and reading them or their optimizer "
-            "state whole (get_weights under ZeRO-3, save_weights, BackupAndRestore) needs "
-            "the shards gathered from the other workers, which is not built yet. Keep each "
-            "data-parallel group inside one worker, or train without reading them.")
+    def joined(self, q: int, t: int, i: int, value: Callable[[Any], np.ndarray]) -> np.ndarray:
+        """Copy (q, t)'s trainable weight i whole from its holders' shards, each
+        ``value(shard variable)`` (the shard, or one of its optimizer slots), another
+        worker's from ``fetched`` (``fetch``)."""
+        pieces = [value(self.shards[r][t][i]) if self.shards[r][t] is not None
+                  else self.fetched[(r, t, i)]
+                  for r in self.holders(q, self.kind_of[i])]
+        return self.cut(t, i).unpadded(np.concatenate(pieces, axis=0))
+
+    def cut(self, t: int, i: int) -> Cut:
+        """How trainable weight i of a tensor-rank-t copy is cut (any process's column)."""
+        shape = self.copies.rank_shape(t, self.weight_index[i])
+        n = self.group_size(self.kind_of[i])
+        return Cut(shape, n, 1 if self.table_of[i] else lead_axes(shape, n))
+
+    def fetch(self, value: Callable[[Any], np.ndarray]) -> None:
+        """One program per worker: every column's shards (``value(shard variable)``) from
+        the workers holding them into ``fetched`` (``apply.spmd.across.exchanged``; every
+        worker calls it)."""
+        from tfplan.apply.spmd.across import exchanged
+
+        keys = [(r, t, i) for r in range(self.run.dp) for t in range(self.run.tp)
+                for i in range(len(self.weight_index))]
+        entries = [(self.copies.owner(r, t), self.cut(t, i).shard_shape,
+                    lambda r=r, t=t, i=i: value(self.shards[r][t][i])) for r, t, i in keys]
+        self.fetched = {key: got for key, got in zip(keys, exchanged(self.run, entries))}
 
     def write(self, q: int, t: int, variable: Any, value: Any) -> None:
         """Copy (q, t)'s ``variable`` set to ``value``: its shard where ZeRO-3 trains it."""

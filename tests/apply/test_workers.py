@@ -53,6 +53,9 @@ CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
          ("tiny_moe", "dp8xep2"), ("tiny_transformer", "dp4xcp2"),
          ("tiny_resnet_bn", "dp8"), ("tiny_mlp", "dp8+clip")]
 FOUR_CASES = [("tiny_transformer", "dp2xtp4"), ("tiny_mlp", "dp8+zero3")]  # 4 workers of 2
+# also running fit/evaluate/predict and a weight file round trip (each launch's first case
+# does): the file's weights and optimizer state gathered from every worker's pieces
+FULL = {"tiny_mlp dp8+zero3"}
 AUDITED = {"tiny_transformer dp2xtp4", "tiny_transformer dp8+zero3", "tiny_moe dp8xep2",
            "tiny_transformer dp4xcp2"}
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
@@ -170,6 +173,16 @@ def _audit(wrapped, module, plan, task: int) -> dict:
     return {d: [measured.get(d, 0), priced.get(d, 0)] for d in mine}
 
 
+def weights_file(out_dir, cases: list, name: str, kind: str, prefix: str = "model"
+                 ) -> str | None:
+    """Where a case writes its weight file (the first case and ``FULL``'s; None: none)."""
+    if (name, kind) == tuple(cases[0]):
+        return os.path.join(out_dir, f"{prefix}.weights.h5")
+    if f"{name} {kind}" in FULL:
+        return os.path.join(out_dir, f"{prefix}-{name}-{kind}.weights.h5")
+    return None
+
+
 def train_cases(out_dir: str, cases: list, plans: list) -> None:
     """Wrap and train each case's model with its plan on this worker; write the results
     (losses, what ``scenario`` runs, the engine, variable devices, the audit) to
@@ -183,9 +196,7 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
         module, model = base_model(name)
         wrapped = apply.wrap(model, plan)
         wrapped.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
-        full = (name, kind) == tuple(cases[0])
-        result = scenario(wrapped, module,
-                          os.path.join(out_dir, "model.weights.h5") if full else None)
+        result = scenario(wrapped, module, weights_file(out_dir, cases, name, kind))
         result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped))
         if f"{name} {kind}" in AUDITED:
             result["audit"] = _audit(wrapped, module, plan, task)
@@ -224,8 +235,7 @@ def launch_with_references(script: str, out_dir, cases: list, workers: int = WOR
     try:  # the single-device references, while the workers start
         references = {
             f"{name} {kind}": _reference(name, kind,
-                                         os.path.join(out_dir, "reference.weights.h5")
-                                         if (name, kind) == tuple(cases[0]) else None)
+                                         weights_file(out_dir, cases, name, kind, "reference"))
             for name, kind in cases}
         out, err = launch.communicate(timeout=600)
     finally:
@@ -268,7 +278,28 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
             for device, (measured, priced) in result.get("audit", {}).items():
                 assert measured == pytest.approx(priced, rel=0.10), (case, device)
             assert ("audit" in result) == (case in AUDITED)
-    assert (tmp_path / "model.weights.h5").is_file()  # written once, by the chief
+    for name, kind in cases:  # written once, by the chief: one device's weights and state
+        path = weights_file(tmp_path, cases, name, kind)
+        if path is not None:
+            _assert_same_files(name, kind, path,
+                               weights_file(tmp_path, cases, name, kind, "reference"))
+
+
+def _assert_same_files(name: str, kind: str, path, reference) -> None:
+    """The workers' weight file holds what one device's does: the weights and the
+    optimizer's state (Adam's moments, its step), read into the plain model."""
+    import numpy as np
+
+    states = []
+    for file in (path, reference):
+        module, model = single_device_copy(name)
+        model.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(file)
+        states.append([np.asarray(v) for v in [*model.weights, *model.optimizer.variables]])
+    assert len(states[0]) == len(states[1])
+    for got, want in zip(*states):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name} {kind}")
 
 
 def test_plans_over_two_workers_of_four_devices_train_like_one_device(tmp_path):
