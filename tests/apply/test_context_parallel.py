@@ -282,8 +282,12 @@ def test_execution_mode_and_dimensions():
     spread = dataclasses.replace(spread, cluster=dataclasses.replace(
         spread.cluster, num_nodes=2, devices_per_node=2,
         inter_node_link=spread.cluster.intra_node_link))
-    assert any("several worker processes" in p
-               for p in unapplied(spread, execution_mode(spread)))
+    assert unapplied(spread, execution_mode(spread)) == []  # one program per worker
+    staged = make_plan(model, [workers[:2], workers[2:]])  # stages on both workers
+    staged = dataclasses.replace(staged, cluster=spread.cluster, strategy=dataclasses.replace(
+        staged.strategy, dp=1, cp=2))
+    assert execution_mode(staged).remote
+    assert any("apply.remote" in p for p in unapplied(staged, execution_mode(staged)))
 
 
 # --- refusals ---------------------------------------------------------------------------------

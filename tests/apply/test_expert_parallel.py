@@ -400,13 +400,22 @@ def test_what_expert_parallelism_does_not_run_is_refused():
     for change in ({"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"tp": 2},
                    {"tp": 2, "zero_stage": 1}, {"offload": "optimizer"}, {"cp": 2}):
         assert unapplied_dimensions(dataclasses.replace(s, **change)) == []  # apply.spmd
+    from tfplan.apply.dimensions import unapplied
+    from tfplan.apply.mode import execution_mode
+
     workers = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(2)]
-    spread = ep_plan(model, [workers], ep=2, zero_stage=3)  # across workers: older engine
+    spread = ep_plan(model, [workers], ep=2, zero_stage=3)  # one program per worker
     spread = dataclasses.replace(spread, cluster=dataclasses.replace(
         spread.cluster, num_nodes=2, devices_per_node=2,
         inter_node_link=spread.cluster.intra_node_link))
-    with pytest.raises(PlanMismatchError, match="ep=2 across worker processes.*zero_stage=3"):
-        apply.wrap(model, spread)
+    assert unapplied(spread, execution_mode(spread)) == []
+    # a replica's pipeline stages on both workers: worker 0 drives them (the older engine)
+    staged = ep_plan(model, [workers[:2], workers[2:]], ep=2, zero_stage=3)
+    staged = dataclasses.replace(staged, cluster=spread.cluster)
+    assert execution_mode(staged).remote
+    with pytest.raises(PlanMismatchError, match="ep=2 with a replica's pipeline stages.*"
+                                                "zero_stage=3"):
+        apply.wrap(model, staged)
     _, mlp = base_model("tiny_mlp")
     with pytest.raises(ExpertParallelError, match="no tfplan.layers.MixtureOfExperts"):
         apply.wrap(mlp, ep_plan(mlp, [cpus(0, 1)], ep=2))
