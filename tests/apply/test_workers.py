@@ -197,7 +197,9 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
         wrapped = apply.wrap(model, plan)
         wrapped.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
         result = scenario(wrapped, module, weights_file(out_dir, cases, name, kind))
-        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped))
+        result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped),
+                      weights=len(wrapped.trainable_variables),
+                      slots=sum(1 for v in wrapped.optimizer.variables if len(v.shape)))
         if f"{name} {kind}" in AUDITED:
             result["audit"] = _audit(wrapped, module, plan, task)
         results[f"{name} {kind}"] = result
