@@ -19,6 +19,9 @@ Which op runs where (TensorFlow 2.21):
   kernel ("did not find collective implementation"), a stand-in with the same results: an
   all-reduce, each member keeping its 1/n slice of axis 0. It moves 2 (n-1)/n N instead of
   (n-1)/n N; the audit counts it as the reduce-scatter it stands for;
+* ``send`` / ``receive`` (a pipeline hop between workers): ``CollectiveBcastSendV2`` and
+  ``CollectiveBcastRecvV2`` in the two devices' group, on CPUs and GPUs (bfloat16 moves
+  as float32: the ops have no bfloat16 kernel; no ordering token: the ops take none);
 * ``all_to_all``: ``CollectiveAllToAllV2`` on GPUs; on CPUs, where it has no kernel, a
   stand-in with the same results: an all-gather of every member's whole input, each
   member keeping the slices sent to it. It moves (n-1) N instead of (n-1)/n N; the audit
@@ -223,6 +226,40 @@ def member_all_to_all(value: Any, group: Group, device: str, kind: str | None = 
         mine = group.devices.index(device)
         slices = tf.split(gathered, n * n, axis=0)
         return tf.concat([slices[i * n + mine] for i in range(n)], axis=0)
+
+
+def _bcast_attrs(group: Group, device: str) -> dict[str, Any]:
+    return dict(group_size=group.size, group_key=group.key,
+                instance_key=_instance_key(group, device), communication_hint=_hint(device),
+                timeout_seconds=TIMEOUT_S)
+
+
+def member_send(value: Any, group: Group, device: str, kind: str = "pp") -> Any:
+    """``device``'s send of ``value`` to the other member of a two-device ``group`` (its
+    ``member_receive``, in the same order): a broadcast from ``device``. Its output must
+    be used (or depended on), else ``tf.function`` prunes the send."""
+    import tensorflow as tf
+
+    if device not in group.devices or group.size != 2:
+        raise ValueError(f"A send needs a two-device group holding {device!r}; received "
+                         f"{group.devices}.")
+    with tf.name_scope(f"tfplan_broadcast_{kind}"), tf.device(device):
+        moved = tf.cast(value, tf.float32) if value.dtype == tf.bfloat16 else value
+        return tf.raw_ops.CollectiveBcastSendV2(input=moved, **_bcast_attrs(group, device))
+
+
+def member_receive(shape: Any, dtype: Any, group: Group, device: str, kind: str = "pp"
+                   ) -> Any:
+    """``device``'s receive of what the other member of ``group`` sends (``member_send``):
+    a tensor of ``shape`` (a shape tensor: its batch may be known only as it runs) and
+    ``dtype``."""
+    import tensorflow as tf
+
+    moved = tf.float32 if dtype == tf.bfloat16 else dtype
+    with tf.name_scope(f"tfplan_receive_{kind}"), tf.device(device):
+        out = tf.raw_ops.CollectiveBcastRecvV2(shape=shape, T=moved,
+                                               **_bcast_attrs(group, device))
+        return tf.cast(out, dtype) if moved != dtype else out
 
 
 def all_reduce(values: Sequence[Any], group: Group, kind: str | None = None) -> list[Any]:

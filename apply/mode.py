@@ -12,9 +12,10 @@ Two parts:
   (a plan without ``/job:worker`` names, or one worker's). ``PER_WORKER``: one program
   per worker process, each running its own devices' part of the SPMD engine
   (``apply.spmd``: the collectives span the workers, TF_CONFIG's collective runtime
-  carries them), when no column (a replica's tensor rank: its pipeline chunks) spans
-  workers. ``REMOTE``: worker 0 drives every worker's devices (``apply.remote``), when a
-  column's pipeline stages lie on several workers, or a general placement spans them.
+  carries them; a column whose pipeline chunks lie on several workers passes its
+  activations between them by two-member collectives). ``REMOTE``: worker 0 drives every
+  worker's devices (``apply.remote``), for ZeRO where a column's pipeline stages lie on
+  several workers (the SPMD engine's shards do not span a column's workers yet).
 * ``Mode``: what the model does, the names ``apply.wrap``'s docstring lists:
   ``single_device``, ``pipeline``, ``placement`` (a general placement),
   ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, ZeRO-1 with dp > 1, or
@@ -92,8 +93,11 @@ def plan_tasks(plan: Plan) -> dict[int, list[tuple[str, int]]]:
 
 def columns_span_workers(plan: Plan) -> bool:
     """True when some column (position i of every stage: a replica's tensor rank, its
-    pipeline chunks) has devices on more than one worker: its activations would cross
-    between worker programs (``apply.remote`` runs such plans)."""
+    pipeline chunks; a general placement's devices) has devices on more than one worker:
+    its activations cross between worker programs."""
+    if plan.placement == "general":
+        return len({tf.DeviceSpec.from_string(st.devices[0]).task
+                    for st in plan.stages if st.devices}) > 1
     return any(len({tf.DeviceSpec.from_string(d).task for d in column}) > 1
                for column in zip(*(stage.devices for stage in plan.stages)))
 
@@ -107,8 +111,9 @@ def run_processes(plan: Plan) -> Processes:
 def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]]) -> Processes:
     if len(tasks) <= 1:
         return Processes.ONE_HOST
-    if plan.placement == "general" or columns_span_workers(plan):
-        return Processes.REMOTE
+    s = plan.strategy
+    if s.zero_stage and s.dp > 1 and columns_span_workers(plan):
+        return Processes.REMOTE  # ZeRO's shards of a column across workers: not yet SPMD
     return Processes.PER_WORKER
 
 

@@ -81,26 +81,36 @@ def ensure_cluster(plan: Plan) -> tuple[str, ...]:
     workers, index = read_tf_config()
     check_workers(plan, tasks, workers)
     local = sorted(tasks[index])
-    types = {t for t, _ in local}
-    if len(types) != 1 or any(sorted(i for _, i in tasks[t]) != [i for _, i in local]
-                              for t in tasks):
+    types = {t for devices in tasks.values() for t, _ in devices}
+    if len(types) != 1:
         raise PlanMismatchError(
-            f"Plan {plan.name!r} gives its workers different devices ({tasks}); every worker "
-            "needs the same local devices. Regenerate the plan.")
+            f"Plan {plan.name!r} mixes device types ({tasks}); every worker trains on one "
+            "type. Regenerate the plan.")
     device_type = types.pop()
+    # a worker's devices: 0..need-1 of its type (a general placement may use different
+    # ones on each worker; the CPUs made are as many as any worker uses)
+    need = 1 + max(i for devices in tasks.values() for _, i in devices)
     if _STRATEGY is None:
         if device_type == "CPU":
-            make_local_cpus(plan, 1 + max(i for _, i in local))
+            make_local_cpus(plan, need)
         _STRATEGY = _make_strategy(f"Plan {plan.name!r}", device_type)
     strategy = _STRATEGY
+    if device_type == "CPU":  # made for an earlier plan: this one's must exist too
+        have = len(local_cpus_now())
+        if have < 1 + max(i for _, i in local):
+            raise PlanMismatchError(
+                f"Plan {plan.name!r} uses {need} CPU devices on each worker, but this "
+                f"worker's runtime started with {have} (for an earlier plan), and no more "
+                "can be added. Call apply.ensure_devices first with the plan that uses the "
+                "most devices, before any TensorFlow op.")
     if device_type == "GPU":
         have = len(strategy.extended.worker_devices)
-        if have != len(local) or not all(":GPU:" in d.upper()
-                                         for d in strategy.extended.worker_devices):
+        if have < 1 + max(i for _, i in local) or not all(
+                ":GPU:" in d.upper() for d in strategy.extended.worker_devices):
             raise PlanMismatchError(
-                f"Plan {plan.name!r} uses {len(local)} GPU(s) per worker, but this worker "
-                f"trains on {list(strategy.extended.worker_devices)}. Run on hosts with that "
-                "many GPUs (check CUDA_VISIBLE_DEVICES), or re-plan.")
+                f"Plan {plan.name!r} uses GPUs up to GPU:{max(i for _, i in local)} on this "
+                f"worker, but it trains on {list(strategy.extended.worker_devices)}. Run on "
+                "hosts with that many GPUs (check CUDA_VISIBLE_DEVICES), or re-plan.")
     return tuple(plan.devices)
 
 
@@ -127,6 +137,11 @@ def ensure_strategy(device_type: str, local_cpus: int = 1
                 "apply.auto_devices() before building the model."))
         _STRATEGY = _make_strategy(what, device_type)
     return _STRATEGY
+
+
+def local_cpus_now() -> list[str]:
+    """This process's logical CPU devices (its worker's)."""
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def local_devices(device_type: str) -> list[str]:

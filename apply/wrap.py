@@ -254,7 +254,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     from tfplan.profiler.signature import profiled_layer_paths
 
     if mode.processes is Processes.REMOTE:
-        return "a replica's pipeline stages on several workers"
+        return "ZeRO with a replica's pipeline stages on several workers"
     if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.PLACEMENT,
                          Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
         return f"the {mode.mode.value} mode"

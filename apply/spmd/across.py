@@ -79,9 +79,11 @@ def summed_over_workers(metrics: list[Any], run: Any) -> Iterator[None]:
             v.assign(b + change)
 
 
-def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
+def gathered_outputs(results: list[list[Any]], n: Any, run: Any, specs: Any) -> Any:
     """The model's outputs for the whole batch of ``n`` rows on every worker (module
-    docstring): replica q's parts from the worker running its tensor rank 0."""
+    docstring): replica q's parts from the worker running its tensor rank 0 (and its last
+    pipeline chunk). ``specs``: the model's output KerasTensors (the shapes of a worker's
+    zero batch where it holds no outputs)."""
     if run.cp > 1:
         raise PlannerError(
             f"Plan {run.plan_name!r} runs context parallelism across workers; its outputs "
@@ -89,7 +91,7 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
             "is not built yet. Predict with the plain model (save_weights, then load them "
             "into it), or keep each replica's context ranks inside one worker.")
     m = run.num_microbatches
-    padded = run.global_batch if (run.tp > 1 or run.ep > 1) else n
+    padded = run.global_batch if run.fixed_batch else n
     total_parts = run.parts
     bounds = [(i * padded) // total_parts for i in range(total_parts + 1)]
     device = host(run)
@@ -97,14 +99,18 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
             for k, p in enumerate(row[0])]
     # every tensor rank holds its replica's whole outputs: any of this worker's parts shows
     # their structure (a worker running no tensor rank 0 gives a zero batch)
-    template = next(p["y_pred"] for row in results for parts in row if parts is not None
-                    for p in parts)
+    template = next((p["y_pred"] for row in results for parts in row if parts is not None
+                     for p in parts), None)
+    if template is None:  # no outputs here (the last pipeline chunks are another's)
+        template = list(specs) if len(specs) > 1 else specs[0]
     leaves_of = [tf.nest.flatten(y) for _, y in mine]
     shapes = tf.nest.flatten(template)
     out = []
     with tf.device(device):
         for leaf, like in enumerate(shapes):
-            rows = tf.concat([[padded], tf.shape(like)[1:]], 0)
+            tail = tf.shape(like)[1:] if tf.is_tensor(like) else tf.constant(
+                tuple(like.shape[1:]), tf.int32)
+            rows = tf.concat([[padded], tail], 0)
             local = tf.zeros(rows, tf.float32)
             for (i, _), leaves in zip(mine, leaves_of):
                 y = tf.cast(leaves[leaf], tf.float32)
@@ -112,7 +118,7 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any) -> Any:
                 local = local + tf.pad(y, pad)
             whole = _summed([local], run)[0] if local.shape.is_fully_defined() else \
                 _summed_dynamic(local, run)
-            out.append(tf.cast(whole, like.dtype)[:n])
+            out.append(tf.cast(whole, tf.as_dtype(like.dtype))[:n])
     return tf.nest.pack_sequence_as(template, out)
 
 

@@ -73,6 +73,11 @@ class Copies:
     # sized from them: ``rank_shape``)
     full_shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    _weight_chunks: list[int] | None = None  # ``chunk_of_weight``'s, once
+    # ids of the copies' variables of another worker's pipeline chunks (one program per
+    # worker: built with the copy, never run here; their storage freed, not trained, not
+    # reported: ``SpmdModel`` leaves them out of its variables)
+    foreign: frozenset[int] = frozenset()
 
     def reduction_group(self, variable: Any) -> str:
         """The group a copy's weight's gradient is summed over: "edp" for an expert shard
@@ -124,11 +129,27 @@ class Copies:
         over ep): whose pieces every worker reads across workers."""
         return next(q for q in range(self.run.dp) if not self.ep_cut or self.run.ep_rank(q) == e)
 
-    def owner(self, q: int, t: int) -> int | None:
-        """The worker task running column (q, t)."""
+    def owner(self, q: int, t: int, j: int | None = None) -> int | None:
+        """The worker task holding column (q, t) (its weight j: its chunk's worker)."""
         from tfplan.apply.spmd.run import task_of
 
-        return task_of(self.run.column(q, t)[0])
+        column = self.run.column(q, t)
+        if j is None or len(column) == 1:
+            return task_of(column[0])
+        return task_of(column[self.chunk_of_weight(j)])
+
+    def chunk_of_weight(self, j: int) -> int:
+        """The pipeline chunk whose layers hold weight j of the user's model (the same in
+        every copy: read from one of this process's)."""
+        if self._weight_chunks is None:
+            q, t = self.run.local_columns[0]
+            model, program = self.models[q][t], self.programs[q][t]
+            chunk: dict[int, int] = {}
+            for step in program.steps:
+                for w in getattr(step.layer, "weights", ()):
+                    chunk.setdefault(id(w), step.chunk)
+            self._weight_chunks = [chunk.get(id(w), 0) for w in model.weights]
+        return self._weight_chunks[j]
 
     def rank_shape(self, t: int, j: int) -> tuple[int, ...]:
         """The shape of weight j of the user's model in a copy of tensor rank t."""
@@ -149,7 +170,7 @@ class Copies:
         entries = []
         for t, e, j in keys:
             q = self.canonical(e)
-            entries.append((self.owner(q, t), self.rank_shape(t, j),
+            entries.append((self.owner(q, t, j), self.rank_shape(t, j),
                             lambda q=q, t=t, j=j: read(q, t, self.models[q][t].weights[j])))
         got = dict(zip(keys, exchanged(self.run, entries)))
         return lambda t, e, j: got[(t, e, j)].astype(self.dtypes[j])
@@ -183,6 +204,8 @@ class Copies:
                 if model is None:  # another worker's
                     continue
                 for j, (var, axis) in enumerate(zip(model.weights, self.axes)):
+                    if id(var) in self.foreign:  # another worker's chunk
+                        continue
                     full = np.asarray(weights[j])
                     if j in self.ep_cut:  # replica q's ep rank's experts
                         write(q, t, var, np.split(full, self.run.ep)[self.run.ep_rank(q)])
@@ -209,6 +232,7 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     models: list[list[Any]] = []
     programs: list[list[StageProgram]] = []
     on_pieces: list[Any] = []
+    foreign: set[int] = set()
     for q, replica in enumerate(run.replicas):
         row, cut = [], []
         for t, device in enumerate(replica):
@@ -216,14 +240,21 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
                 row.append(None)
                 cut.append(None)
                 continue
-            with tf.device(device):
+            # built on this process's first device of the column: under one program per
+            # worker the column's chunks on other workers are theirs (their layers stay
+            # here, built but never run: ``mine``)
+            column = run.column(q, t)
+            home = next(d for d in column if run.is_local(d))
+            placed = tuple(d if run.is_local(d) else home for d in column)
+            with tf.device(home):
                 model = builder()
             layers = _layers_by_template_path(model, paths, run)
-            model = _swap_splits(model, layers, run, run.column(q, t), on_pieces,
-                                 run.ep_rank(q), originals)
+            model = _swap_splits(model, layers, run, placed, on_pieces, run.ep_rank(q),
+                                 originals)
             _recompute(model, layers, run)
             if run.chunks > 1:
-                cut.append(_place_chunks(model, paths, run, run.column(q, t)))
+                cut.append(_place_chunks(model, paths, run, placed))
+                foreign |= _foreign(cut[-1], column, run)
             row.append(model)
         models.append(row)
         programs.append(cut)
@@ -235,8 +266,13 @@ def build_copies(builder: Any, run: RunDescription, template: Any) -> Copies:
     copies = Copies(models, axes, run, programs if run.chunks > 1 else None,
                     frozenset(id(w) for w in on_pieces), frozenset(ep_cut), experts,
                     tuple(tuple(np.shape(w)) for w in reference),
-                    tuple(np.asarray(w).dtype.name for w in reference))
+                    tuple(np.asarray(w).dtype.name for w in reference),
+                    foreign=frozenset(foreign))
     copies.set_weights(reference)
+    for model in mine:  # another worker's chunks: their storage freed
+        for v in model.variables:
+            if id(v) in copies.foreign:
+                compat.free_storage(v)
     check_split_blocks(models, template, run)
     if run.offload == "optimizer+weights":  # each copy's weights on its host's CPU
         for model in mine:
@@ -305,6 +341,12 @@ def _place_chunks(model: Any, paths: Sequence[str], run: RunDescription,
             for w in getattr(step.layer, "weights", ()):
                 compat.move_variable(w, column[step.chunk])
     return program
+
+
+def _foreign(program: StageProgram, column: Sequence[str], run: RunDescription) -> set[int]:
+    """Ids of the variables of the chunks of ``column`` on another worker's devices."""
+    return {id(w) for step in program.steps if not run.is_local(column[step.chunk])
+            for w in getattr(step.layer, "weights", ())}
 
 
 def _device_of(name: str, run: RunDescription, column: Sequence[str]) -> str:

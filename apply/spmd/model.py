@@ -115,10 +115,43 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             self._zero.load_all()
             install_zero3(copies, self._zero)
         self._optimizer_state = OptimizerState(copies, self._zero)  # plain, like _copies
+        self._sends: list[Any] = []  # a traced step's hops between workers (``_hops``)
         # the sequence length context parallelism cuts (the inputs' axis 1)
         shapes = [tuple(x.shape) for x in template.inputs]
         self._sequence = shapes[0][1] if run.cp > 1 and len(shapes[0]) > 1 else None
         self.built = True
+
+    # ---------------------------------------------------------------- variables
+    # one program per worker: the copies' weights of another worker's pipeline chunks are
+    # not this model's (never run or trained here: ``Copies.foreign``)
+    def _own(self, variables: list[Any]) -> list[Any]:
+        copies = self.__dict__.get("_copies")
+        foreign = copies.foreign if copies is not None else frozenset()
+        return [v for v in variables if id(v) not in foreign] if foreign else variables
+
+    @property
+    def trainable_weights(self) -> list[Any]:
+        return self._own(super().trainable_weights)
+
+    @property
+    def non_trainable_weights(self) -> list[Any]:
+        return self._own(super().non_trainable_weights)
+
+    @property
+    def weights(self) -> list[Any]:
+        return self._own(super().weights)
+
+    @property
+    def variables(self) -> list[Any]:
+        return self._own(super().variables)
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        return self.trainable_weights
+
+    @property
+    def non_trainable_variables(self) -> list[Any]:
+        return self.non_trainable_weights
 
     # ---------------------------------------------------------------- description
     @property
@@ -189,15 +222,15 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
     # ---------------------------------------------------------------- rows
     def _parts(self, data: Any) -> tuple[list[Any], list[Any]]:
         """The batch cut on the host into dp x m parts (module docstring), and each part's
-        row flags (1 real, 0 padding; None where nothing is padded). Under tensor
-        parallelism a batch smaller than the plan's is padded to it (``_padded``)."""
+        row flags (1 real, 0 padding; None where nothing is padded). Under tensor or
+        expert parallelism, or pipeline hops between workers, a batch smaller than the
+        plan's is padded to it (``_padded``)."""
         run = self._copies.run
         n_parts = run.parts
         with tf.device(HOST), tf.name_scope("tfplan_input"):
             n = _rows(data)  # static where known: every part's shape is then known
             valid = None
-            if (run.tp > 1 or run.ep > 1) and not (isinstance(n, int)
-                                                   and n == run.global_batch):
+            if run.fixed_batch and not (isinstance(n, int) and n == run.global_batch):
                 data, valid = _padded(data, n, run)
                 n = run.global_batch
             cp = run.cp  # each data-parallel part's rows run as cp chunks (apply.spmd.context)
@@ -231,7 +264,9 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                     row.append(None)
                     continue
                 if self._copies.programs is not None:
-                    row.append(self._column(q, t, parts, flags, training).forward_all())
+                    results = self._column(q, t, parts, flags, training).forward_all()
+                    # the outputs are on the last chunk's worker (one program per worker)
+                    row.append(results if run.is_local(run.column(q, t)[-1]) else None)
                     continue
                 device = run.replicas[q][t]
                 results = []
@@ -256,7 +291,8 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         reduce = functools.partial(zero.reduce_some, q=q, t=t) if stage == 2 else None
         return ColumnPass(run, self._copies.programs[q][t], run.column(q, t),
                           parts[q * m:(q + 1) * m], flags[q * m:(q + 1) * m], training,
-                          self._loss_terms, shard_of=shard_of, reduce=reduce)
+                          self._loss_terms, shard_of=shard_of, reduce=reduce,
+                          sends=self._sends)
 
     def _loss_terms(self, x: Any, y: Any, y_pred: Any, sw: Any, valid: Any, added: Any
                     ) -> dict[str, Any]:
@@ -361,10 +397,20 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> Any:
         with self._shape_checked(data, "A training batch"), instance_scope("train"), \
-                moving_statistics() as statistics:
+                moving_statistics() as statistics, self._hops() as sends:
             metrics = self._train_step(data)
             statistics.update()  # "local" BatchNormalization: once per step
-            return metrics
+            return _after(sends, metrics)
+
+    @contextlib.contextmanager
+    def _hops(self) -> Iterator[list[Any]]:
+        """The sends of a traced step's pipeline hops between workers (``ColumnPass``):
+        what its result must depend on, or ``tf.function`` prunes them."""
+        self._sends = []
+        try:
+            yield self._sends
+        finally:
+            self._sends = []
 
     def _train_step(self, data: Any) -> Any:
         if self._copies.programs is not None:
@@ -517,10 +563,19 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                         continue
                     column = self._column(q, t, parts, flags, True)
                     total, deferred = None, None
+                    # one program per worker: the loss is on the last chunk's worker
+                    last_here = run.is_local(column.column[-1])
                     for slot in order:
                         j, k = slot.microbatch, slot.stage
                         if slot.kind == "F":
                             column.forward(j, k, tape)
+                            continue
+                        if not run.is_local(column.column[k]):  # another worker's chunk
+                            column.backward(j, k, tape, [])
+                            continue
+                        if not last_here:  # no loss here: the gradients that come back
+                            self._check_no_added_losses(column, j, k)
+                            column.backward(j, k, tape, [])
                             continue
                         if deferred is None:  # decided at the first backward
                             deferred = any(r is None for r in column.results)
@@ -532,9 +587,21 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                             targets = self._slot_targets(column, j, k, total, rows)
                         column.backward(j, k, tape, targets)
                     grads = column.weight_grads()
+                    if not last_here:
+                        row.append(None)
+                        row_totals.append(None)
+                        row_grads.append(grads)
+                        continue
                     if deferred:  # 1F1B: the sum of the parts' counts, known now
                         total = self._totals(column.results, q, t)
                         if column.results[0]["masked"]:  # its estimate corrected
+                            if run.spans_workers(q, t):
+                                raise PlannerError(
+                                    f"Plan {self.plan.name!r} runs a {run.schedule} pipeline "
+                                    "across workers on a model whose output has a Keras "
+                                    "mask: the earlier stages' gradients would need the "
+                                    "step's mask counts from the last stage's worker. "
+                                    "Re-plan with --schedule gpipe.")
                             estimate = rows * column.results[0]["per_row"]
                             grads = _divided(grads, total[0] / estimate,
                                              run.loss_replicas[q][t])
@@ -567,6 +634,16 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                                                                       "float32")))
         return out
 
+    def _check_no_added_losses(self, column: ColumnPass, j: int, k: int) -> None:
+        """A chunk whose column's loss is on another worker cannot weight its added losses
+        (add_loss) as one device does (the part's counts are there): refused."""
+        if column.aux[j][k]:
+            raise PlannerError(
+                f"Plan {self.plan.name!r} puts layers that add losses (add_loss) on a "
+                "pipeline stage whose replica's loss is on another worker; their weight "
+                "depends on counts known there. Keep those layers on the last stage's "
+                "worker, or re-plan.")
+
     def _check_deferred(self, column: ColumnPass) -> None:
         """A 1F1B part's loss and added losses divide by different sums where the output
         has a Keras mask (its unmasked entries, its rows): refused, with the fix."""
@@ -579,11 +656,12 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 "backward. Re-plan with --schedule gpipe.")
 
     def test_step(self, data: Any) -> Any:
-        with self._shape_checked(data, "A batch given to evaluate"), instance_scope("test"):
+        with self._shape_checked(data, "A batch given to evaluate"), instance_scope("test"), \
+                self._hops() as sends:
             results = self._forward(data, training=False)
             weights = self._weights_of_parts(results)
             self._track_all(results, weights, data)
-        return self.get_metrics_result()
+            return _after(sends, self.get_metrics_result())
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -591,10 +669,11 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             return self(x, training=False)
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        with instance_scope("call"):
+        with instance_scope("call"), self._hops() as sends:
             results = self._forward((inputs,), training=bool(training))
             if not self._copies.run.every_column_here:  # one program per worker
-                return gathered_outputs(results, _rows(inputs), self._copies.run)
+                return _after(sends, gathered_outputs(results, _rows(inputs), self._copies.run,
+                                                      self._host.model.outputs))
         outs = [p["y_pred"] for row in results for p in row[0]]
         cp, m = self._copies.run.cp, self._copies.run.num_microbatches
         if cp > 1:  # replica r's chunks joined, micro-batch by micro-batch
@@ -646,6 +725,13 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 sums[device] = ops.sum(squares)
         columns = {d: tuple(dict.fromkeys(run.column(q, t))) for q in range(run.dp)
                    for t in range(run.tp) for d in run.column(q, t)}
+        if global_clipnorm and any(any(d in sums for d in ds) and not all(map(run.is_local, ds))
+                                   for ds in columns.values()):
+            raise PlannerError(
+                f"Plan {self.plan.name!r} clips by global_clipnorm, whose norm sums every "
+                "stage's gradients, and a replica's stages lie on several workers here; "
+                "that sum across workers is not built yet. Use clipnorm (per weight), or "
+                "keep each replica's stages on one worker.")
         out = []
         for device, gs, squares in zip(devices, grads, staged):
             with tf.device(device):
@@ -757,6 +843,14 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         if self.is_chief:  # one program per worker: worker 0 writes, the others wait
             template.save(filepath, overwrite=overwrite, **kwargs)
         self._sync_workers()
+
+
+def _after(sends: list[Any], result: Any) -> Any:
+    """``result`` depending on ``sends`` (pipeline hops between workers, else pruned)."""
+    if not sends:
+        return result
+    with tf.control_dependencies(sends):
+        return tf.nest.map_structure(tf.identity, result)
 
 
 def _per_row(mask: Any) -> int:

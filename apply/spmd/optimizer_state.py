@@ -155,7 +155,7 @@ class OptimizerState:
                 for t, e in self._rank_keys(j):
                     q = self.copies.canonical(e)
                     keys.append((q, t, j, k))
-                    entries.append((self.copies.owner(q, t),
+                    entries.append((self.copies.owner(q, t, self.weight_index[j]),
                                     self.copies.rank_shape(t, self.weight_index[j]),
                                     lambda q=q, t=t, j=j, k=k: slot(self._holders(q, t, j), k)))
         got = dict(zip(keys, exchanged(run, entries)))
@@ -196,8 +196,8 @@ class OptimizerState:
         for t, piece in enumerate(pieces):
             experts = np.split(piece, run.ep, axis=0) if j in self.ep_cut else None
             for q in range(run.dp):
-                if not run.drives(q, t):  # another worker's
-                    continue
+                if not run.drives(q, t) or id(self._holders(q, t, j)) in self.copies.foreign:
+                    continue  # another worker's
                 slot = self.engine.slots(self._holders(q, t, j))[k]
                 mine = piece if experts is None else experts[run.ep_rank(q)]
                 if self.zero is None:

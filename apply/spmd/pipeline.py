@@ -23,6 +23,16 @@ cut by ``apply.spmd.stages``.
   In training the copy is of the value's ``stop_gradient``, watched by the tape: the
   backward of chunk k ends at the values it received (else the tape would go on into the
   earlier chunks' operations from chunk k's device).
+* **Hops between workers** (one program per worker, a column whose chunks lie on several
+  workers): each worker traces every slot in the same order but runs only its own chunks;
+  a value made on one worker and read on another's device moves by a two-member
+  collective (``member_send`` on the producer's device at the reader's forward slot,
+  ``member_receive`` on the reader's: the shape from the graph's symbolic tensor, the
+  batch from the part's rows), and its gradient comes back the same way at the reader's
+  backward slot (zeros where the reader's backward gives none). Every send and receive of
+  a pair of devices is counted in the same order on both workers, so their instance keys
+  meet; the sends' outputs are kept (``sends``) for the step to depend on (``tf.function``
+  would prune them).
 * **Backward** of slot (j, k): one ``GradientTape.gradient`` on chunk k's device, of chunk
   k's targets (the values it sent, weighted by the gradients its consumers returned; on
   the last chunk the part's loss; its layers' added losses) with respect to its weights
@@ -39,7 +49,9 @@ import keras
 import tensorflow as tf
 
 from tfplan import compat
+from tfplan.apply.collective_ops import member_receive, member_send
 from tfplan.apply.gradients import sum_gradients
+from tfplan.apply.groups import Group, group_key
 from tfplan.apply.schedule import forward_waits
 from tfplan.apply.spmd.run import RunDescription
 from tfplan.apply.spmd.stages import StageProgram
@@ -95,8 +107,12 @@ class ColumnPass:
                  parts: Sequence[Any], flags: Sequence[Any], training: bool,
                  loss_terms: Callable[..., dict[str, Any]],
                  shard_of: Callable[[Any], Any] | None = None,
-                 reduce: Callable[[list[Any], list[Any]], list[Any]] | None = None) -> None:
+                 reduce: Callable[[list[Any], list[Any]], list[Any]] | None = None,
+                 sends: list[Any] | None = None) -> None:
         self.run, self.program, self.column = run, program, tuple(column)
+        self.local = run.is_local  # this process's devices (one program per worker)
+        self.sends = sends if sends is not None else []  # what the step depends on
+        self._sent: list[set[tuple[int, str]]] = [set() for _ in parts]  # (value, device)
         self.parts, self.flags, self.training = parts, flags, training
         self.loss_terms = loss_terms
         m, chunks = len(parts), program.chunks
@@ -128,15 +144,21 @@ class ColumnPass:
         the graph at the values it received (the backward slot stops there)."""
         device = self.column[k]
         x, y, sw = _unpack(self.parts[j])
+        if not self.local(device):  # another worker's chunk: send it what this one made
+            self._send_forward(j, k)
+            return
         with tf.device(device), tf.control_dependencies(self._wait(j, k)):
             if k == 0:
                 self.program.feed(self.values[j], x)
             view = dict(self.values[j])
             for i in self.program.received(k):
-                value = view[i]
                 copy = self.copies[j].get((i, device))
-                if copy is None:  # one copy per receiving device (a device's later chunks
-                    cut = tape is not None and value.dtype.is_floating  # read it there)
+                source = self.column[self.program.producer[i]]
+                if copy is None and not self.local(source):  # made on another worker
+                    copy = self._receive_forward(j, i, source, device, x, tape)
+                elif copy is None:  # one copy per receiving device (a device's later
+                    value = view[i]  # chunks read it there)
+                    cut = tape is not None and value.dtype.is_floating
                     copy = tf.identity(tf.stop_gradient(value) if cut else value)
                     if cut:
                         tape.watch(copy)
@@ -155,6 +177,67 @@ class ColumnPass:
                 y_pred = self.program.outputs(view)
                 aux = [a for chunk in self.aux[j] for a in chunk]
                 self.results[j] = self.loss_terms(x, y, y_pred, sw, self.flags[j], aux)
+
+    # ------------------------------------------------------------------ hops between workers
+    def _hop(self, producer: str, reader: str) -> Group:
+        """The two-device group of a hop (producer first: the same on both workers)."""
+        pair = (producer, reader)
+        return Group("pp", pair, group_key(pair))
+
+    def _send_forward(self, j: int, k: int) -> None:
+        """Forward slot (j, k) of another worker's chunk: the values this worker's chunks
+        made that it reads, each sent once to its device."""
+        reader = self.column[k]
+        for i in self.program.received(k):
+            source = self.column[self.program.producer[i]]
+            if not self.local(source) or (i, reader) in self._sent[j]:
+                continue
+            self._sent[j].add((i, reader))
+            value = self.values[j][i]
+            if compat.get_keras_mask(value) is not None:
+                raise PlannerError(
+                    f"Plan {self.run.plan_name!r} sends a value with a Keras mask from "
+                    f"{source} to {reader}, on another worker; the mask does not travel "
+                    "between workers yet. Keep the masked layers' stages on one worker, or "
+                    "re-plan.")
+            self.sends.append(member_send(value, self._hop(source, reader), source))
+
+    def _receive_forward(self, j: int, i: int, source: str, device: str, x: Any,
+                         tape: Any) -> Any:
+        """Value i of part j, made on another worker's ``source``, received on ``device``
+        (its shape from the graph, the batch from the part's rows)."""
+        spec = self.program.tensors[i]
+        tail = tuple(spec.shape[1:])
+        if any(d is None for d in tail):
+            raise PlannerError(
+                f"Plan {self.run.plan_name!r} sends {spec.name!r} between workers, whose "
+                f"shape {tuple(spec.shape)} is known only as it runs; a value crossing "
+                "workers needs a fixed shape beyond the batch. Fix the input shape (e.g. "
+                "keras.Input(shape=(SEQ,))), or keep those stages on one worker.")
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        shape = tf.concat([[rows], tf.constant(tail, tf.int32)], 0)
+        dtype = tf.as_dtype(spec.dtype)
+        copy = member_receive(shape, dtype, self._hop(source, device), device)
+        copy.set_shape((tf.nest.flatten(x)[0].shape[0], *tail))
+        if tape is not None and dtype.is_floating:
+            tape.watch(copy)
+        self.copies[j][(i, device)] = copy
+        return copy
+
+    def _receive_backward(self, j: int, k: int) -> None:
+        """Backward slot (j, k) of another worker's chunk: the gradients it returns for the
+        values this worker's chunks sent it."""
+        reader = self.column[k]
+        for i in self.program.received(k):
+            source = self.column[self.program.producer[i]]
+            value = self.values[j].get(i)
+            if not self.local(source) or value is None or not value.dtype.is_floating:
+                continue
+            with tf.device(source):
+                g = member_receive(tf.shape(value), value.dtype, self._hop(source, reader),
+                                   source)
+                g.set_shape(value.shape)
+            self.returned[j].setdefault(i, []).append(g)
 
     def forward_all(self) -> list[dict[str, Any]]:
         """Every micro-batch through every chunk (evaluation, prediction: no backward)."""
@@ -184,6 +267,10 @@ class ColumnPass:
         """Slot (j, k)'s backward (module docstring); ``targets``: its loss terms already
         weighted and scaled (the part's loss on the last chunk, its added losses)."""
         device = self.column[k]
+        if not self.local(device):  # another worker's chunk: the gradients it returns
+            self._receive_backward(j, k)
+            self._finished[(j, k)] = []
+            return
         ys, seeds = list(targets), []
         with tf.device(device):
             seeds = [tf.ones_like(y) for y in ys]
@@ -196,6 +283,8 @@ class ColumnPass:
         weights = self.weights[k]
         with tf.device(device), tape.stop_recording():
             if not ys:
+                for i, r in received:  # a remote producer waits for a gradient: zeros
+                    self._send_back(i, tf.zeros_like(r), device)
                 self._finished[(j, k)] = []
                 return
             grads = tape.gradient(ys, list(weights) + [r for _, r in received],
@@ -211,11 +300,23 @@ class ColumnPass:
                 before = self.grads[k].get(id(w))
                 self.grads[k][id(w)] = g if before is None else sum_gradients([before, g])
                 done.append(g.op)
-            for (i, _), g in zip(received, grads[len(weights):]):
+            for (i, r), g in zip(received, grads[len(weights):]):
+                if self._send_back(i, tf.zeros_like(r) if g is None else g, device):
+                    continue
                 if g is not None:
                     self.returned[j].setdefault(i, []).append(g)
                     done.append(g.op)
         self._finished[(j, k)] = done
+
+    def _send_back(self, i: int, g: Any, device: str) -> bool:
+        """Value i's gradient sent back to its producer when that is another worker's
+        device (True); False where the producer is this worker's."""
+        source = self.column[self.program.producer[i]]
+        if self.local(source):
+            return False
+        self.sends.append(member_send(tf.convert_to_tensor(g), self._hop(source, device),
+                                      device))
+        return True
 
     def weight_grads(self) -> dict[str, tuple[list[Any], list[Any]]]:
         """{device: (gradients, weights)} of this column: every chunk's trainable weights on
@@ -224,6 +325,8 @@ class ColumnPass:
         out: dict[str, tuple[list[Any], list[Any]]] = {}
         for k, weights in enumerate(self.owners):
             device = self.column[k]
+            if not self.local(device):  # another worker's chunk: its weights are its
+                continue
             gs, vs = out.setdefault(device, ([], []))
             with tf.device(device):
                 for w in weights:

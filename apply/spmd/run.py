@@ -71,8 +71,26 @@ class RunDescription:
     workers: Group | None = None
 
     def drives(self, q: int, t: int) -> bool:
-        """Whether this process runs column (q, t) (all of its chunks' devices are its)."""
-        return not self.local or all(d in self.local for d in self.column(q, t))
+        """Whether this process runs (some chunks of) column (q, t): one of its devices is
+        this process's (a column whose pipeline chunks lie on several workers runs on each
+        of them, its activations crossing between them: ``apply.spmd.pipeline``)."""
+        return not self.local or any(d in self.local for d in self.column(q, t))
+
+    def is_local(self, device: str) -> bool:
+        """Whether ``device`` is this process's (every device on one host)."""
+        return not self.local or device in self.local
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Whether a batch smaller than the plan's is padded to it (its padding rows weigh
+        0): where collectives move activations, whose shapes an instance key fixes (tensor
+        and expert parallelism, pipeline hops between workers)."""
+        return self.tp > 1 or self.ep > 1 or any(
+            self.spans_workers(q, t) for q in range(self.dp) for t in range(self.tp))
+
+    def spans_workers(self, q: int, t: int) -> bool:
+        """Whether column (q, t)'s chunks lie on several workers."""
+        return bool(self.local) and not all(d in self.local for d in self.column(q, t))
 
     @property
     def local_columns(self) -> tuple[tuple[int, int], ...]:
@@ -189,20 +207,25 @@ def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
 
 def refusal(plan: Plan) -> str:
     """Why the SPMD engine does not run ``plan`` yet ("" when it does): every strategy
-    dimension runs on one host and, one program per worker, across workers, except a
-    column whose pipeline chunks (or a general placement whose devices) lie on several
-    workers: its activations would cross between worker programs (``apply.remote`` runs
-    those)."""
+    dimension runs on one host and, one program per worker, across workers, a column's
+    pipeline chunks (or a general placement's devices) on several workers too (their
+    activations cross by two-member collectives), except ZeRO there (``apply.remote``
+    runs those)."""
     tasks = {task_of(d) for stage in plan.stages for d in stage.devices}
     if len(tasks) <= 1:
         return ""
-    if plan.placement == "general":
-        return "a general placement across workers"
-    # column i: position i of every stage (replica q's tensor rank t: i = q tp + t)
-    if any(len({task_of(d) for d in column}) > 1
-           for column in zip(*(stage.devices for stage in plan.stages))):
-        return "pipeline stages of one replica on several workers"
+    if plan.strategy.zero_stage and plan.strategy.dp > 1 and columns_span(plan):
+        return "ZeRO with a replica's pipeline stages on several workers"
     return ""
+
+
+def columns_span(plan: Plan) -> bool:
+    """Whether a column (position i of every stage: replica q's tensor rank t at
+    i = q tp + t; a general placement's devices) has devices on several workers."""
+    if plan.placement == "general":
+        return len({task_of(s.devices[0]) for s in plan.stages if s.devices}) > 1
+    return any(len({task_of(d) for d in column}) > 1
+               for column in zip(*(stage.devices for stage in plan.stages)))
 
 
 def task_of(device: str) -> int | None:

@@ -59,6 +59,7 @@ class StageProgram:
     chunks: int
     steps: list[Step] = field(default_factory=list)
     producer: dict[int, int] = field(default_factory=dict)  # tensor id -> chunk making it
+    tensors: dict[int, Any] = field(default_factory=dict)  # tensor id -> its KerasTensor
     _received: dict[int, list[int]] = field(default_factory=dict)  # cached per chunk
     _made: dict[int, list[int]] = field(default_factory=dict)
 
@@ -121,6 +122,7 @@ def stage_program(model: Any, chunk_of_layer: Mapping[int, int], chunks: int,
     program = StageProgram(graph, chunks)
     for tensor in graph.inputs:
         program.producer[id(tensor)] = 0
+        program.tensors[id(tensor)] = tensor
     _walk(graph, program, chunk_of_layer, plan_name)
     _check_weights(program, plan_name)
     return program
@@ -152,7 +154,7 @@ def _walk(graph: Any, program: StageProgram, chunk_of_layer: Mapping[int, int],
                     f"stage {chunk}, but it reads a value made on stage {floor}: the stages "
                     "must cut the model's graph in order. Re-plan for this model.")
             _add(program, Step(chunk, inputs, tuple(id(t) for t in node.outputs),
-                               _node_call(node, op), op))
+                               _node_call(node, op), op), node.outputs)
 
 
 def placement_segments(model: Any, device_of_layer: Mapping[int, str], plan_name: str
@@ -212,7 +214,8 @@ def _walk_nested(node: Any, op: Any, floor: int, program: StageProgram,
         for tensor, value in zip(inner.inputs, flat):
             values[id(tensor)] = value
 
-    _add(program, Step(floor, inputs, tuple(id(t) for t in inner.inputs), bind_inputs))
+    _add(program, Step(floor, inputs, tuple(id(t) for t in inner.inputs), bind_inputs),
+         inner.inputs)
     _walk(inner, program, chunk_of_layer, plan_name)
     made = tuple(id(t) for t in inner.outputs)
 
@@ -221,7 +224,8 @@ def _walk_nested(node: Any, op: Any, floor: int, program: StageProgram,
             values[id(outer)] = values[i]
 
     last = max(program.producer[i] for i in made)
-    _add(program, Step(last, made, tuple(id(t) for t in node.outputs), bind_outputs))
+    _add(program, Step(last, made, tuple(id(t) for t in node.outputs), bind_outputs),
+         node.outputs)
 
 
 def _functional(model: Any) -> Any | None:
@@ -231,10 +235,12 @@ def _functional(model: Any) -> Any | None:
     return compat.inner_functional(model) if isinstance(model, keras.Sequential) else model
 
 
-def _add(program: StageProgram, step: Step) -> None:
+def _add(program: StageProgram, step: Step, tensors: Any) -> None:
     program.steps.append(step)
     for i in step.outputs:
         program.producer[i] = step.chunk
+    for tensor in keras.tree.flatten(tensors):
+        program.tensors[id(tensor)] = tensor
 
 
 def _node_call(node: Any, op: Any) -> Callable[[dict[int, Any], bool], None]:

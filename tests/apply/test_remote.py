@@ -8,16 +8,11 @@ the workers, and trains them; the test process trains the same models on one dev
 Losses of 10 ``train_on_batch`` steps must agree within 1e-4 (relative), and every
 variable and optimizer slot must sit on the device the plan names.
 
-Cases: the MLP, the small transformer and the residual CNN each as a 2-stage pipeline,
-stage s on worker s (2 micro-batches; GPipe for the MLP, 1F1B for the others; the MLP
-also runs ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``); tensor
-ranks across workers run one program per worker (``apply.spmd``, tests/apply/
-test_workers.py); the residual CNN as dp2 x pp2
-in the Megatron layout (stage s on worker s, the two replicas on its two CPUs, 1F1B);
-the MLP likewise with ZeRO-1 (one copy of the optimizer state in all); the branchy model as a general placement (its branches on different workers).
-
-The default run launches ``DEFAULT_CASES``; the CNN's pipeline case (the MLP's and the
-transformer's run that mode across the workers by default) runs with ``-m slow``.
+The one shape left here: the MLP as dp2 x pp2 in the Megatron layout (stage s on worker s,
+the two replicas on its two CPUs, 1F1B) with ZeRO-1 (one copy of the optimizer state in
+all), with ``fit``/``evaluate``/``predict``/``save_weights``/``load_weights``. Every other
+plan across workers (pipelines, tensor ranks, general placements across them) runs one
+program per worker on the SPMD engine: tests/apply/test_workers.py.
 """
 from __future__ import annotations
 
@@ -26,24 +21,22 @@ import json
 import os
 import sys
 
-import pytest
-
 if __name__ == "__main__":  # a worker: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
 
 from tests.apply.helpers import base_model, make_plan  # noqa: E402
 from tests.apply.test_workers import (SCHEDULE, SPLITS, dev,  # noqa: E402
-                                                  launch_train_script,
-                                                  launch_with_references, train_cases)
+                                      launch_with_references, train_cases)
 
 WORKERS, CPUS = 2, 2
 STEPS = 10
 GLOBAL_BATCH = 16
-CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_cnn", "pp2"),
-         ("tiny_cnn", "dp2xpp2"), ("tiny_mlp", "dp2xpp2+zero1"), ("branchy", "placement")]
-SLOW_CASES = [("tiny_cnn", "pp2")]
-DEFAULT_CASES = [case for case in CASES if case not in SLOW_CASES]  # the MLP's pp2 first
+# ZeRO where a replica's stages lie on both workers: the one shape worker 0 still drives
+# (every other plan across workers runs one program per worker: tests/apply/test_workers)
+CASES = [("tiny_mlp", "dp2xpp2+zero1")]
+SLOW_CASES: list = []
+DEFAULT_CASES = CASES
 MODE = {"pp2": "pipeline", "tp2": "tensor_parallel", "dp2xpp2": "tensor_parallel",
         "dp2xpp2+zero1": "tensor_parallel", "placement": "placement"}
 BRANCHY = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
@@ -92,11 +85,6 @@ def test_plans_across_workers_train_like_one_device(tmp_path):
     run_cases_across_workers(tmp_path, DEFAULT_CASES)
 
 
-@pytest.mark.slow
-def test_the_cnns_pipeline_and_tensor_parallel_plans_across_workers(tmp_path):
-    run_cases_across_workers(tmp_path, SLOW_CASES)
-
-
 def run_cases_across_workers(tmp_path, cases: list) -> None:
     """Launch ``cases`` (worker 0 drives both workers' devices); losses and what
     ``scenario`` runs equal one device's, every variable on its planned device."""
@@ -125,30 +113,10 @@ def run_cases_across_workers(tmp_path, cases: list) -> None:
         name, kind = case.split()
         _check_devices(result["devices"], remote_plan(base_model(name)[1], name, kind))
     assert (tmp_path / "model.weights.h5").is_file()
-    if ("tiny_mlp", "dp2xpp2+zero1") not in cases:
-        return
-    # ZeRO-1: the optimizer's slots (its non-scalar variables) for one copy of the MLP's
-    # weights where dp=2 holds two copies; the pp2 case (dp=1) gives slots per weight
-    dense, zero = doc["results"]["tiny_mlp pp2"], doc["results"]["tiny_mlp dp2xpp2+zero1"]
-    assert dense["slots"] >= dense["weights"] > 0
-    assert zero["weights"] == 2 * dense["weights"] and zero["slots"] == dense["slots"]
-
-
-def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path):
-    """``plan launch --workers 2 examples/train.py --plan P``, P a pipeline with one stage
-    per worker: worker 0 trains with the single-device losses, worker 1 serves and
-    exits 0."""
-    from tfplan.planner.plan import save_plan
-    from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
-        reference_losses
-
-    _, model = base_model("tiny_mlp")
-    save_plan(remote_plan(model, "tiny_mlp", "pp2"), tmp_path / "plan.json")
-    results = launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
-                                  "--steps", str(REFERENCE_STEPS), printing=(0,))
-    assert results[0]["plan"] == "tiny_mlp pp2 across workers"
-    assert_losses_match(results[0]["losses"], reference_losses("tiny_mlp"))
-    assert results[0]["devices"]["head/kernel"] == [dev(1, 0)]
+    # ZeRO-1: Adam's two slots (non-scalar variables) for one copy of the MLP's weights
+    # where dp=2 holds two copies of each
+    zero = doc["results"]["tiny_mlp dp2xpp2+zero1"]
+    assert zero["slots"] == zero["weights"] > 0
 
 
 def _check_devices(devices: dict, plan) -> None:
@@ -208,9 +176,13 @@ def test_plan_mode_and_auto_for_replicas_across_workers():
     assert execution_mode(inside).processes is Processes.PER_WORKER
     assert execution_mode(inside).mode == "tensor_parallel"
     assert not columns_span_workers(remote_plan(model, "tiny_mlp", "tp2"))  # apply.spmd
-    across = remote_plan(model, "tiny_mlp", "pp2")
+    staged = remote_plan(model, "tiny_mlp", "pp2")  # one program per worker (apply.spmd)
+    assert columns_span_workers(staged)
+    assert execution_mode(staged).processes is Processes.PER_WORKER
+    assert not_runnable_reason(staged) is None
+    across = remote_plan(model, "tiny_mlp", "dp2xpp2+zero1")  # ZeRO there: worker 0
     assert columns_span_workers(across) and execution_mode(across).remote
-    assert execution_mode(across).mode == "pipeline"
+    assert execution_mode(across).mode == "tensor_parallel"
     assert "PLAN_FILE" in not_runnable_reason(across)
     assert not_runnable_reason(inside) is None
 

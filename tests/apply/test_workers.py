@@ -10,11 +10,15 @@ worker, every variable and optimizer slot of a worker must sit on one of its own
 devices, and where a case says so the worker's communication audit (``apply.audit``) must be
 within 10% of the plan's bytes for each of its devices (``planner.traffic``).
 
-Two launches by default: 2 workers of 4 CPUs (``CASES``: data parallel across the workers
+Three launches by default: 2 workers of 4 CPUs (``CASES``: data parallel across the workers
 with tensor parallelism and pipelines inside, ZeRO-3 over all 8 devices, expert and context
 parallel groups across the workers, global BatchNormalization statistics and clipping over
-every replica; the first case also runs fit/evaluate/predict and a weight file round trip)
-and 4 workers of 2 CPUs (``FOUR_CASES``: tensor ranks across workers).
+every replica; the first case of each launch also runs fit/evaluate/predict and a weight
+file round trip), 4 workers of 2 CPUs (``FOUR_CASES``: tensor ranks across workers, ZeRO-3
+with a weight file gathered from every worker's shards) and 2 workers of 2 CPUs
+(``PIPE_CASES``: pipeline stages across the workers, GPipe, 1F1B, interleaved, with tp inside
+and with dp, and a general placement across them), each stage's weights on its own
+worker only.
 """
 from __future__ import annotations
 
@@ -53,10 +57,15 @@ CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
          ("tiny_moe", "dp8xep2"), ("tiny_transformer", "dp4xcp2"),
          ("tiny_resnet_bn", "dp8"), ("tiny_mlp", "dp8+clip")]
 FOUR_CASES = [("tiny_transformer", "dp2xtp4"), ("tiny_mlp", "dp8+zero3")]  # 4 workers of 2
+# a replica's pipeline stages (or a general placement's devices) on both of 2 workers of 2
+# CPUs: its activations and their gradients cross by two-member collectives
+PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transformer", "pp2xtp2"),
+              ("tiny_cnn", "dp2xpp2-across"), ("tiny_mlp", "pp2-interleaved"),
+              ("branchy", "placement")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
 FULL = {"tiny_mlp dp8+zero3"}
-AUDITED = {"tiny_transformer dp2xtp4", "tiny_transformer dp8+zero3", "tiny_moe dp8xep2",
+AUDITED = {"tiny_transformer pp2xtp2", "tiny_transformer dp2xtp4", "tiny_transformer dp8+zero3", "tiny_moe dp8xep2",
            "tiny_transformer dp4xcp2"}
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
 
@@ -114,6 +123,26 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
         devices = [dev(q % workers, q // workers) for q in range(workers * cpus)]
         plan = make_plan(model, [devices], global_batch=GLOBAL_BATCH)
         s = dict(dp=len(devices) // 2, cp=2)
+    elif kind in ("pp2", "pp2-interleaved"):  # stage s on worker s (the Megatron layout)
+        virtual = 2 if kind.endswith("interleaved") else 1
+        stages = [[dev(st % workers, 0)] for st in range(2 * virtual)]
+        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
+        s = dict(schedule="interleaved" if virtual > 1 else SCHEDULE[name],
+                 virtual_stages=virtual, pp=2)
+    elif kind == "pp2xtp2":  # stage s on worker s, tensor parallel over its CPUs
+        stages = [[dev(st, t) for t in range(2)] for st in range(2)]
+        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
+        s = dict(schedule="1f1b", dp=1, tp=2)
+        splits = SPLITS[name]
+    elif kind == "dp2xpp2-across":  # stage s on worker s, replica r on its CPU r
+        stages = [[dev(st, r) for r in range(2)] for st in range(2)]
+        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
+        s = dict(schedule="1f1b")
+    elif kind == "placement":  # a general placement, one branch per worker
+        branchy = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
+        plan = make_plan(model, [[d] for d in branchy], global_batch=GLOBAL_BATCH,
+                         stage_layers=list(branchy.values()))
+        plan = dataclasses.replace(plan, placement="general")
     elif kind == "dp2":  # one device per worker
         plan = make_plan(model, [[dev(w, 0) for w in range(workers)]], global_batch=GLOBAL_BATCH)
     else:  # dp (every device), "+zeroN": ZeRO-N over all of them, "+clip"
@@ -193,6 +222,8 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     results = {}
     for (name, kind), plan in zip(cases, plans):
+        if os.environ.get("TFPLAN_TEST_TRACE"):
+            print(f"worker {task}: {name} {kind}", file=sys.stderr, flush=True)
         module, model = base_model(name)
         wrapped = apply.wrap(model, plan)
         wrapped.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
@@ -208,13 +239,19 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
 
 
 def worker_main(out_dir: str) -> None:
+    if os.environ.get("TFPLAN_TEST_TRACE"):  # where a hung worker waits, printed
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["TFPLAN_TEST_TRACE"]), exit=True)
     from tfplan import apply
     from tfplan.planner.plan import load_plan
 
     with open(os.path.join(out_dir, "cases.json"), encoding="utf-8") as f:
         cases = [tuple(case) for case in json.load(f)]
     plans = [load_plan(os.path.join(out_dir, f"plan{i}.json")) for i in range(len(cases))]
-    apply.ensure_devices(plans[0])  # the collective runtime and the CPUs, before any TF op
+    # the collective runtime and the CPUs, before any TF op: as many as any case uses
+    apply.ensure_devices(max(plans, key=lambda p: max(int(d.rsplit(":", 1)[1])
+                                                       for d in p.devices)))
     train_cases(out_dir, cases, plans)
 
 
@@ -277,6 +314,7 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
             mine = {d for d in plan.devices if f"/task:{task}/" in d}
             for path, where in result["devices"].items():
                 assert where and set(where) <= mine, (case, path, where, sorted(mine))
+            _check_stages(result["devices"], plan, task, case)
             for device, (measured, priced) in result.get("audit", {}).items():
                 assert measured == pytest.approx(priced, rel=0.10), (case, device)
             assert ("audit" in result) == (case in AUDITED)
@@ -285,6 +323,17 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
         if path is not None:
             _assert_same_files(name, kind, path,
                                weights_file(tmp_path, cases, name, kind, "reference"))
+
+
+def _check_stages(devices: dict, plan, task: int, case: str) -> None:
+    """A stage's layers' variables on this worker's devices of that stage, and none of a
+    stage with no device here (another worker's: not built into this worker's model)."""
+    for stage in plan.stages:
+        here = {d for d in stage.devices if f"/task:{task}/" in d}
+        for layer in stage.layers:
+            for path, where in devices.items():
+                if path.split("/")[0] == layer:
+                    assert here and set(where) <= here, (case, path, where, sorted(here))
 
 
 def _assert_same_files(name: str, kind: str, path, reference) -> None:
@@ -310,6 +359,10 @@ def test_plans_over_two_workers_of_four_devices_train_like_one_device(tmp_path):
 
 def test_tensor_ranks_across_four_workers_of_two_devices_train_like_one_device(tmp_path):
     run_cases(tmp_path, FOUR_CASES, workers=4, cpus=2)
+
+
+def test_pipeline_stages_across_workers_train_like_one_device(tmp_path):
+    run_cases(tmp_path, PIPE_CASES, workers=2, cpus=2)
 
 
 def launch_train_script(tmp_path, *args: str, printing: tuple[int, ...] = (0, 1)) -> dict:
@@ -349,6 +402,25 @@ def test_train_script_with_a_hybrid_plan_under_plan_launch(tmp_path):
         assert result["devices"]["dense_in/kernel"] == [dev(task, 0)]
 
 
+def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path):
+    """``plan launch --workers 2 examples/train.py --plan P``, P a pipeline with one stage
+    per worker: both workers train (one program each) with the single-device losses, each
+    holding its own stage's weights."""
+    from tfplan.planner.plan import save_plan
+    from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
+        reference_losses
+
+    _, model = base_model("tiny_mlp")
+    save_plan(worker_plan(model, "tiny_mlp", "pp2"), tmp_path / "plan.json")
+    results = launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
+                                  "--steps", str(REFERENCE_STEPS))
+    for task, result in results.items():
+        assert result["plan"] == "tiny_mlp pp2 over 2 workers"
+        assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
+    assert results[1]["devices"]["head/kernel"] == [dev(1, 0)]
+    assert "head/kernel" not in results[0]["devices"]
+
+
 def test_apply_auto_plans_the_multi_worker_job(tmp_path):
     """``plan launch --workers 2 examples/train.py --auto --cpus 2``: each worker plans
     for ``2xcpu:2`` (apply.auto with TF_CONFIG), both pick the same plan, which runs
@@ -366,10 +438,10 @@ def test_apply_auto_plans_the_multi_worker_job(tmp_path):
         assert used and all(f"/job:worker/task:{task}/" in d for d in used), used
 
 
-def test_a_column_across_workers_is_left_to_worker_0():
+def test_zero_on_a_column_across_workers_is_left_to_worker_0():
     """A replica's pipeline stages on several workers (the Megatron layout, stage s on
-    worker s): the SPMD engine refuses it (its activations would cross between worker
-    programs) and worker 0 drives every device (apply.remote)."""
+    worker s) run one program per worker; with ZeRO the SPMD engine refuses it (its shards
+    would span the column's workers) and worker 0 drives every device (apply.remote)."""
     from tfplan.apply.mode import execution_mode
     from tfplan.apply.spmd import refusal
 
@@ -379,8 +451,11 @@ def test_a_column_across_workers_is_left_to_worker_0():
     stages = tuple(dataclasses.replace(st, devices=(dev(s, 0), dev(s, 1)))
                    for s, st in enumerate(plan.stages))
     across = dataclasses.replace(plan, stages=stages)
-    assert execution_mode(across).remote and execution_mode(across).mode == "tensor_parallel"
-    assert refusal(across) == "pipeline stages of one replica on several workers"
+    assert refusal(across) == "" and not execution_mode(across).remote
+    zero = dataclasses.replace(across, strategy=dataclasses.replace(across.strategy,
+                                                                    zero_stage=1))
+    assert execution_mode(zero).remote and execution_mode(zero).mode == "tensor_parallel"
+    assert refusal(zero) == "ZeRO with a replica's pipeline stages on several workers"
 
 
 if __name__ == "__main__":
