@@ -155,7 +155,7 @@ def test_worker_0_names_a_worker_that_does_not_come_up(monkeypatch, capsys):
                                                 "task": {"type": "worker", "index": 0}}))
     monkeypatch.setattr(remote, "CONNECT_TIMEOUT_S", 1.2)
     monkeypatch.setattr(remote, "NOTICE_INTERVAL_S", 0.5)
-    plan = remote_plan(base_model("tiny_mlp")[1], "tiny_mlp", "pp2")
+    plan = remote_plan(base_model("tiny_mlp")[1], "tiny_mlp", "dp2xpp2+zero1")
     with pytest.raises(PlannerError, match=f"Worker 1 \\(127.0.0.1:{ports[1]}\\) did not "
                                            "start serving its devices within 1 s"):
         apply.ensure_devices(plan)

@@ -313,7 +313,10 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
                                            err_msg=f"{case}: {key} (worker {task})")
             mine = {d for d in plan.devices if f"/task:{task}/" in d}
             for path, where in result["devices"].items():
-                assert where and set(where) <= mine, (case, path, where, sorted(mine))
+                # the optimizer's step counter and learning rate: on the worker's host
+                host = {dev(task, 0)} if path.endswith(("/iteration", "/learning_rate")) \
+                    else set()
+                assert where and set(where) <= mine | host, (case, path, where, sorted(mine))
             _check_stages(result["devices"], plan, task, case)
             for device, (measured, priced) in result.get("audit", {}).items():
                 assert measured == pytest.approx(priced, rel=0.10), (case, device)
