@@ -283,11 +283,17 @@ def test_execution_mode_and_dimensions():
         spread.cluster, num_nodes=2, devices_per_node=2,
         inter_node_link=spread.cluster.intra_node_link))
     assert unapplied(spread, execution_mode(spread)) == []  # one program per worker
-    staged = make_plan(model, [workers[:2], workers[2:]])  # stages on both workers
+    staged = make_plan(model, [workers[:2], workers[2:]])  # stages on both workers: one
     staged = dataclasses.replace(staged, cluster=spread.cluster, strategy=dataclasses.replace(
-        staged.strategy, dp=1, cp=2))
-    assert execution_mode(staged).remote
-    assert any("apply.remote" in p for p in unapplied(staged, execution_mode(staged)))
+        staged.strategy, dp=1, cp=2))  # program per worker, the activations crossing
+    assert unapplied(staged, execution_mode(staged)) == []
+    eight = [f"/job:worker/task:{w}/device:CPU:{i}" for w in range(2) for i in range(4)]
+    zero = make_plan(model, [eight[:4], eight[4:]])  # ZeRO there: worker 0 (older engines)
+    zero = dataclasses.replace(zero, cluster=dataclasses.replace(
+        spread.cluster, devices_per_node=4), strategy=dataclasses.replace(
+        zero.strategy, dp=2, cp=2, zero_stage=1))
+    assert execution_mode(zero).remote
+    assert any("apply.remote" in p for p in unapplied(zero, execution_mode(zero)))
 
 
 # --- refusals ---------------------------------------------------------------------------------

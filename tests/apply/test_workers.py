@@ -48,20 +48,27 @@ SPLITS = {
                          ("mlp_down", "row"), ("logits", "column")),
     "tiny_cnn": (("stem", "row"), ("res_a", "column"), ("res_b", "row"),
                  ("classifier", "column")),
+    # keras_hub's Llama 3 backbone (tests/apply/tiny_hub.py): each block's attention by
+    # heads, its feed-forward Megatron's column/row pair
+    "tiny_hub": tuple((f"llama/transformer_layer_{i}/{sub}", split) for i in range(2)
+                      for sub, split in (("self_attention", "heads"),
+                                         ("feedforward_gate_dense", "column"),
+                                         ("feedforward_intermediate_dense", "column"),
+                                         ("feedforward_output_dense", "row"))),
 }
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
-            "tiny_resnet_bn": "gpipe"}
+            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b"}
 # (model, plan kind) on 2 workers of 4 CPUs; the first also runs fit/evaluate/predict/files
 CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
          ("tiny_transformer", "dp8+zero3"), ("tiny_cnn", "dp4xtp2"),
          ("tiny_moe", "dp8xep2"), ("tiny_transformer", "dp4xcp2"),
-         ("tiny_resnet_bn", "dp8"), ("tiny_mlp", "dp8+clip")]
+         ("tiny_resnet_bn", "dp8"), ("tiny_mlp", "dp8+clip"), ("tiny_hub", "dp4xtp2")]
 FOUR_CASES = [("tiny_transformer", "dp2xtp4"), ("tiny_mlp", "dp8+zero3")]  # 4 workers of 2
 # a replica's pipeline stages (or a general placement's devices) on both of 2 workers of 2
 # CPUs: its activations and their gradients cross by two-member collectives
 PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transformer", "pp2xtp2"),
               ("tiny_cnn", "dp2xpp2-across"), ("tiny_mlp", "pp2-interleaved"),
-              ("branchy", "placement")]
+              ("branchy", "placement"), ("tiny_hub", "pp2")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
 FULL = {"tiny_mlp dp8+zero3"}
