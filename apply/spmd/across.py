@@ -116,8 +116,7 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any, specs: Any) -> 
                 y = tf.cast(leaves[leaf], tf.float32)
                 pad = [[bounds[i], padded - bounds[i + 1]]] + [[0, 0]] * (len(y.shape) - 1)
                 local = local + tf.pad(y, pad)
-            whole = _summed([local], run)[0] if local.shape.is_fully_defined() else \
-                _summed_dynamic(local, run)
+            whole = _summed_dynamic(local, run)  # the same op on every worker
             out.append(tf.cast(whole, tf.as_dtype(like.dtype))[:n])
     return tf.nest.pack_sequence_as(template, out)
 
@@ -155,8 +154,8 @@ def exchanged(run: Any, entries: list[tuple[int, tuple[int, ...], Any]]) -> list
 
 
 def _summed_dynamic(value: Any, run: Any) -> Any:
-    """``value`` (a shape known only as it runs: a batch of any size) summed over the
-    workers."""
+    """``value`` (float32, its shape perhaps known only as it runs) summed over the
+    workers: one all-reduce, the same whatever this worker holds."""
     device = host(run)
     with tf.device(device):
         return member_all_reduce(value, run.workers, device, "workers")

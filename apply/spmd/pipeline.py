@@ -28,7 +28,8 @@ cut by ``apply.spmd.stages``.
   a value made on one worker and read on another's device moves by a two-member
   collective (``member_send`` on the producer's device at the reader's forward slot,
   ``member_receive`` on the reader's: the shape from the graph's symbolic tensor, the
-  batch from the part's rows), and its gradient comes back the same way at the reader's
+  batch from the part's rows; a shape known only as it runs, as a nested backbone's
+  sequence length, is sent first), and its gradient comes back the same way at the reader's
   backward slot (zeros where the reader's backward gives none). Every send and receive of
   a pair of devices is counted in the same order on both workers, so their instance keys
   meet; the sends' outputs are kept (``sends``) for the step to depend on (``tf.function``
@@ -200,7 +201,11 @@ class ColumnPass:
                     f"{source} to {reader}, on another worker; the mask does not travel "
                     "between workers yet. Keep the masked layers' stages on one worker, or "
                     "re-plan.")
-            self.sends.append(member_send(value, self._hop(source, reader), source))
+            group = self._hop(source, reader)
+            if not _static_tail(self.program.tensors[i]):  # its shape first (known as it runs)
+                self.sends.append(member_send(tf.shape(value, out_type=tf.int64), group,
+                                              source))
+            self.sends.append(member_send(value, group, source))
 
     def _receive_forward(self, j: int, i: int, source: str, device: str, x: Any,
                          tape: Any) -> Any:
@@ -208,16 +213,14 @@ class ColumnPass:
         (its shape from the graph, the batch from the part's rows)."""
         spec = self.program.tensors[i]
         tail = tuple(spec.shape[1:])
-        if any(d is None for d in tail):
-            raise PlannerError(
-                f"Plan {self.run.plan_name!r} sends {spec.name!r} between workers, whose "
-                f"shape {tuple(spec.shape)} is known only as it runs; a value crossing "
-                "workers needs a fixed shape beyond the batch. Fix the input shape (e.g. "
-                "keras.Input(shape=(SEQ,))), or keep those stages on one worker.")
-        rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        shape = tf.concat([[rows], tf.constant(tail, tf.int32)], 0)
+        group = self._hop(source, device)
+        if _static_tail(spec):  # the batch from the part's rows, the rest from the graph
+            rows = tf.shape(tf.nest.flatten(x)[0])[0]
+            shape = tf.concat([[rows], tf.constant(tail, tf.int32)], 0)
+        else:  # a length known only as it runs (a nested backbone's sequence): sent first
+            shape = member_receive(tf.constant([len(spec.shape)]), tf.int64, group, device)
         dtype = tf.as_dtype(spec.dtype)
-        copy = member_receive(shape, dtype, self._hop(source, device), device)
+        copy = member_receive(shape, dtype, group, device)
         copy.set_shape((tf.nest.flatten(x)[0].shape[0], *tail))
         if tape is not None and dtype.is_floating:
             tape.watch(copy)
@@ -336,6 +339,11 @@ class ColumnPass:
                     gs.append(g)
                     vs.append(w)
         return out
+
+
+def _static_tail(spec: Any) -> bool:
+    """Whether a symbolic tensor's shape beyond the batch is known from the graph."""
+    return all(d is not None for d in tuple(spec.shape[1:]))
 
 
 def _summed_by_device(grads: Sequence[Any]) -> Any:

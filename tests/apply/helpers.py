@@ -96,7 +96,13 @@ def step_losses(model: Any, batches: Sequence[tuple[Any, Any]]) -> list[float]:
 
 def batches_of(module: Any, steps: int, batch: int) -> list[tuple[Any, Any]]:
     x, y = module.sample_batch(steps * batch)
-    return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
+    return [(rows(x, i * batch, (i + 1) * batch), y[i * batch:(i + 1) * batch])
+            for i in range(steps)]
+
+
+def rows(x: Any, lo: int, hi: int) -> Any:
+    """Rows [lo, hi) of an array or of each array of a dict (a model's named inputs)."""
+    return {k: v[lo:hi] for k, v in x.items()} if isinstance(x, dict) else x[lo:hi]
 
 
 STEPS = 5

@@ -35,7 +35,7 @@ if __name__ == "__main__":  # a worker: make the repository importable
         os.path.abspath(__file__)))))
 
 from tests.apply.helpers import (HERE, base_model, batches_of, fresh_optimizer,  # noqa: E402
-                                 make_plan, single_device_copy, step_losses)
+                                 make_plan, rows, single_device_copy, step_losses)
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKERS, CPUS = 2, 2  # the shape the apply.remote and backup tests launch (2xcpu:2)
@@ -180,7 +180,8 @@ def scenario(model, module, weights_path: str | None) -> dict:
     result["val_losses"] = [float(v) for v in history.history["val_loss"]]
     xe, ye = module.sample_batch(21)
     result["eval_loss"] = float(model.evaluate(xe, ye, batch_size=8, verbose=0))
-    result["predictions"] = np.asarray(model.predict(xe[:7], batch_size=4, verbose=0)).tolist()
+    result["predictions"] = np.asarray(model.predict(rows(xe, 0, 7), batch_size=4,
+                                                     verbose=0)).tolist()
     model.save_weights(weights_path)
     model.set_weights([np.zeros_like(w) for w in model.get_weights()])
     model.load_weights(weights_path)
