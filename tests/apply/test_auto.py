@@ -82,14 +82,16 @@ def test_auto_with_the_process_devices_and_the_compiled_optimizer(capsys):
 
 
 def hybrid_and_data_parallel(model):
-    """A plan apply.wrap cannot run yet (a pipeline across two worker processes) and one
-    it can."""
+    """A plan apply.wrap cannot run yet (ZeRO-1 with the optimizer state offloaded, each
+    replica's two pipeline stages on two worker processes) and one it can."""
     import dataclasses
 
     from tfplan.core.presets import parse_cluster
-    workers = [[f"/job:worker/task:{w}/device:CPU:0"] for w in range(2)]
-    hybrid = dataclasses.replace(make_plan(model, workers, name="pipeline across workers"),
-                                 cluster=parse_cluster("2xcpu:1"))
+    stages = [[f"/job:worker/task:{s}/device:CPU:{r}" for r in range(2)] for s in range(2)]
+    hybrid = make_plan(model, stages, name="pipeline across workers")
+    hybrid = dataclasses.replace(hybrid, cluster=parse_cluster("2xcpu:2"),
+                                 strategy=dataclasses.replace(hybrid.strategy, zero_stage=1,
+                                                              offload="optimizer"))
     dp = make_plan(model, [cpus(0, 1)], name="data parallel dp=2")
     return hybrid, dp
 
@@ -104,7 +106,7 @@ def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, ca
     assert "search chose pipeline across workers" in wrapped.plan.reason
     err = capsys.readouterr().err
     assert "the search chose 'pipeline across workers', which apply.wrap cannot run yet" in err
-    assert "span worker processes" in err
+    assert "offload='optimizer' runs on one host or with one program per worker" in err
     assert "'data parallel dp=2' is the fastest" in err
     assert_losses_match(train(wrapped, module), reference_losses("tiny_mlp"))
 

@@ -49,9 +49,9 @@ def test_one_host_plans(stage_devices, strategy, expected):
 
 
 def test_plans_over_workers():
-    """One program per worker (the SPMD engine) for every plan whose columns lie inside
-    workers, with the mode of its shape; worker 0 drives every device (apply.remote) only
-    where a column's pipeline stages, or a general placement, span workers."""
+    """One program per worker (the SPMD engine) for every plan, with the mode of its shape;
+    worker 0 drives every device (apply.remote) only for ZeRO on a column whose pipeline
+    stages span workers."""
     dp = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2))
     assert (dp.mode, dp.processes) == (Mode.DATA_PARALLEL, Processes.PER_WORKER)
     assert dp.worker_tasks == (0, 1) and not dp.remote
@@ -66,13 +66,17 @@ def test_plans_over_workers():
     # a pipeline inside each worker, data parallel across them
     inside = plan([[dev(0, 0), dev(1, 0)], [dev(0, 1), dev(1, 1)]], workers=2)
     assert execution_mode(inside).processes is Processes.PER_WORKER
-    # a column across workers: worker 0 drives both (apply.remote), the one-host mode
+    # a column's stages across workers: one program per worker too (activations cross by
+    # two-member collectives), as is a general placement across them
     pp = plan([[dev(0, 0)], [dev(1, 0)]], workers=2)
     assert (execution_mode(pp).mode, execution_mode(pp).processes) == (Mode.PIPELINE,
-                                                                        Processes.REMOTE)
-    assert run_processes(pp) is Processes.REMOTE and execution_mode(pp).remote
+                                                                        Processes.PER_WORKER)
     general = plan([[dev(0, 0)], [dev(1, 0)]], workers=2, placement="general")
-    assert execution_mode(general).mode is Mode.PLACEMENT and execution_mode(general).remote
+    assert execution_mode(general).mode is Mode.PLACEMENT
+    assert not execution_mode(general).remote
+    # ZeRO's shards of such a column: worker 0 drives every device (apply.remote)
+    zero_pp = plan([[dev(0, 0), dev(0, 1)], [dev(1, 0), dev(1, 1)]], workers=2, zero_stage=1)
+    assert run_processes(zero_pp) is Processes.REMOTE and execution_mode(zero_pp).remote
 
 
 def test_a_plan_that_leaves_a_worker_idle_is_refused():

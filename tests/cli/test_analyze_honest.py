@@ -101,9 +101,9 @@ def test_absurd_global_batch_gets_a_warning(tmp_path):
 
 
 def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
-    """A plan apply refuses (ep with ZeRO-3 across two workers, fixed on purpose: one host
-    runs it) is named as such, with the reason, in the text and in --json's
-    apply_refuses; a plan apply runs has none."""
+    """A plan apply refuses (ZeRO with offload on a replica whose pipeline stages span two
+    workers, fixed on purpose: the other layout runs it) is named as such, with the reason,
+    in the text and in --json's apply_refuses; a plan apply runs has none."""
     import json as _json
     import os as _os
     from tests.cli.helpers import run
@@ -111,15 +111,15 @@ def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
     old = {k: _os.environ.get(k) for k in env}
     _os.environ.update(env)
     try:
-        code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "2xcpu:2",
-                              "--global-batch", "8", "--fix", "dp=4,ep=2", "--zero-stage", "3",
-                              "--out", str(tmp_path / "a")])
+        fixed = ["analyze", "examples/mlp.py", "--cluster", "2xcpu:2", "--global-batch", "8",
+                 "--fix", "dp=2,pp=2", "--zero-stage", "1", "--offload", "optimizer"]
+        code, out, err = run([*fixed, "--layout", "tp-dp-pp", "--out", str(tmp_path / "a")])
         assert code == 0, err
         out = " ".join((out + err).split())
-        assert "apply cannot train this plan yet" in out and "this plan has zero_stage=3" in out
-        code, out, err = run(["analyze", "examples/moe_gpt.py", "--cluster", "cpu:4",
-                              "--global-batch", "8", "--fix", "dp=4,ep=2", "--zero-stage", "0",
-                              "--out", str(tmp_path / "b"), "--json"])
+        assert "apply cannot train this plan yet" in out
+        assert "offload='optimizer' runs on one host or with one program per worker" in out
+        code, out, err = run([*fixed, "--layout", "tp-pp-dp", "--out", str(tmp_path / "b"),
+                              "--json"])
         assert code == 0, err
         assert _json.loads(out[out.index("{"):])["apply_refuses"] == []
     finally:
