@@ -78,11 +78,14 @@ from tfplan.apply.spmd.across import (WorkerHooks, gathered_outputs,
                                       summed_over_workers)
 from tfplan.apply.spmd.batch_norm import moving_statistics
 from tfplan.apply.spmd.copies import Copies
+from tfplan.apply.spmd.failures import worker_failures
 from tfplan.apply.spmd.optimizer_state import OptimizerState
 from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
-from tfplan.apply.spmd.context import check_loss_reduction, chunk_of, joined
+from tfplan.apply.spmd.context import check_loss_reduction, joined
+from tfplan.apply.spmd.input import (KEY, cut, is_worker_rows, parts_of, rows_of,
+                                     worker_rows)
 from tfplan.apply.spmd.layout import summed_over_tp
 from tfplan.apply.spmd.zero import ZeroShards, check_optimizer
 from tfplan.apply.spmd.zero3 import install as install_zero3
@@ -221,32 +224,24 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
 
     # ---------------------------------------------------------------- rows
     def _parts(self, data: Any) -> tuple[list[Any], list[Any]]:
-        """The batch cut on the host into dp x m parts (module docstring), and each part's
-        row flags (1 real, 0 padding; None where nothing is padded). Under tensor or
-        expert parallelism, or pipeline hops between workers, a batch smaller than the
-        plan's is padded to it (``_padded``)."""
+        """The batch cut on the host into dp x m parts, and each part's row flags (1 real,
+        0 padding; None where nothing is padded): ``apply.spmd.input.cut`` (a batch
+        smaller than the plan's padded to it where collectives fix its shape), or a
+        worker's rows of a dataset cut before the step (``apply.spmd.input.worker_rows``:
+        another worker's parts None)."""
         run = self._copies.run
-        n_parts = run.parts
+        if is_worker_rows(data):
+            parts, flags, _ = parts_of(data, run)
+            return parts, flags
         with tf.device(HOST), tf.name_scope("tfplan_input"):
-            n = _rows(data)  # static where known: every part's shape is then known
-            valid = None
-            if run.fixed_batch and not (isinstance(n, int) and n == run.global_batch):
-                data, valid = _padded(data, n, run)
-                n = run.global_batch
-            cp = run.cp  # each data-parallel part's rows run as cp chunks (apply.spmd.context)
-            n_rows = n_parts // cp
-            bounds = [(i * n) // n_rows for i in range(n_rows + 1)]
-            rows = [tf.nest.map_structure(
-                lambda t, lo=lo, hi=hi: None if t is None else t[lo:hi], data)
-                for lo, hi in zip(bounds, bounds[1:])]
-            flags = [None if valid is None else valid[lo:hi]
-                     for lo, hi in zip(bounds, bounds[1:])]
-            if cp == 1:
-                return rows, flags
-            m = run.num_microbatches  # part q m + k: replica q = r cp + c, micro-batch k
-            order = [(r, c, k) for r in range(n_rows // m) for c in range(cp) for k in range(m)]
-            return ([chunk_of(rows[r * m + k], self._sequence, cp, c) for r, c, k in order],
-                    [flags[r * m + k] for r, _, k in order])
+            parts, flags, _ = cut(data, run, self._sequence)
+            return parts, flags
+
+    def _batch_rows(self, data: Any) -> Any:
+        """The batch's rows before padding (a worker's rows carry the global batch's)."""
+        if is_worker_rows(data):
+            return data[KEY]["n"]
+        return rows_of(data)
 
     # ---------------------------------------------------------------- forward
     def _forward(self, data: Any, training: bool) -> list[list[list[dict[str, Any]]]]:
@@ -310,7 +305,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         aux = [compat.added_loss(self, v) for v in added]
         if aux and valid is not None:
             aux = [_without_padding(a, valid, self._copies.run) for a in aux]
-        rows = ops.cast(_rows(x), "float32")
+        rows = ops.cast(rows_of(x), "float32")
         real_rows = rows if valid is None else ops.sum(valid)
         count, real = rows, real_rows
         if mask is not None and _reduction(self.loss) in ("sum_over_batch_size", "mean"):
@@ -371,7 +366,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                data: Any) -> None:
         """The logged loss and the compiled metrics, per part on its tensor rank 0."""
         run = self._copies.run
-        share = ops.cast(_rows(data), "float32") / run.parts
+        share = ops.cast(self._batch_rows(data), "float32") / run.parts
         for q, row in enumerate(results):
             if row[0] is None:  # replica q's tensor rank 0 is another worker's: it counts
                 continue
@@ -395,6 +390,16 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             self._track(results, weights, data)
 
     # ---------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def _shape_checked(self, data: Any, what: str) -> Iterator[None]:
+        """``InputShapeChecks._shape_checked``; a worker's rows were checked as the
+        dataset cut them (``apply.spmd.input.worker_rows``)."""
+        if is_worker_rows(data):
+            yield
+            return
+        with super()._shape_checked(data, what):
+            yield
+
     def train_step(self, data: Any) -> Any:
         with self._shape_checked(data, "A training batch"), instance_scope("train"), \
                 moving_statistics() as statistics, self._hops() as sends:
@@ -548,7 +553,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         before the first backward (GPipe); otherwise (1F1B) by its own count, and each
         gradient divided by the counts' sum at the end."""
         run = self._copies.run
-        rows = ops.cast(_rows(data), "float32")  # the batch's real rows (before padding)
+        rows = ops.cast(self._batch_rows(data), "float32")  # the real rows (before padding)
         parts, flags = self._parts(data)
         order = slot_order(run)
         results, totals, columns = [], [], []
@@ -664,6 +669,12 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             return _after(sends, self.get_metrics_result())
 
     def predict_step(self, data: Any) -> Any:
+        if is_worker_rows(data):  # a worker's rows of a dataset (checked as it was cut)
+            with instance_scope("call"), self._hops() as sends:
+                results = self._forward(data, training=False)
+                return _after(sends, gathered_outputs(results, self._batch_rows(data),
+                                                      self._copies.run,
+                                                      self._host.model.outputs))
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         with self._shape_checked(data, "A batch given to predict"):
             return self(x, training=False)
@@ -672,7 +683,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         with instance_scope("call"), self._hops() as sends:
             results = self._forward((inputs,), training=bool(training))
             if not self._copies.run.every_column_here:  # one program per worker
-                return _after(sends, gathered_outputs(results, _rows(inputs), self._copies.run,
+                return _after(sends, gathered_outputs(results, rows_of(inputs), self._copies.run,
                                                       self._host.model.outputs))
         outs = [p["y_pred"] for row in results for p in row[0]]
         cp, m = self._copies.run.cp, self._copies.run.num_microbatches
@@ -680,7 +691,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             with tf.device(HOST):
                 outs = [joined([outs[(r * cp + c) * m + k] for c in range(cp)], self._sequence)
                         for r in range(len(outs) // (cp * m)) for k in range(m)]
-        n = _rows(inputs)  # a padded batch's outputs cut back to its rows
+        n = rows_of(inputs)  # a padded batch's outputs cut back to its rows
         with tf.device(HOST):
             return tf.nest.map_structure(lambda *ys: ops.concatenate(ys, axis=0)[:n], *outs)
 
@@ -773,11 +784,43 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         if "callbacks" in kwargs:
             kwargs["callbacks"] = planned_callbacks(kwargs["callbacks"])
         self._initial_epoch = None  # Keras keeps a restored epoch after fit; this fit's own
+        x = self._worker_rows(x, "The data given to fit")
+        if isinstance(kwargs.get("validation_data"), tf.data.Dataset):
+            kwargs["validation_data"] = self._worker_rows(kwargs["validation_data"],
+                                                          "The validation data given to fit")
         try:
             with self._runtime_shape_errors():
                 return super().fit(x, *args, **kwargs)
         finally:
             release(kwargs.get("callbacks"))  # SIGTERM handed back (apply.backup)
+
+    def evaluate(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        what = "The data given to evaluate"
+        return self._checked(x, what, lambda: super(InputShapeChecks, self).evaluate(
+            self._worker_rows(x, what), *args, **kwargs))
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        what = "The data given to predict"
+        return self._checked(x, what, lambda: super(InputShapeChecks, self).predict(
+            self._worker_rows(x, what), *args, **kwargs))
+
+    @contextlib.contextmanager
+    def _runtime_shape_errors(self) -> Iterator[None]:
+        """``InputShapeChecks._runtime_shape_errors``, around every entry point that runs
+        steps; one program per worker, a collective aborted because a worker was lost
+        raised as the ``WorkerLostError`` naming it (``apply.spmd.failures``)."""
+        run = self._copies.run
+        with worker_failures(run.plan_name) if not run.every_column_here \
+                else contextlib.nullcontext(), super()._runtime_shape_errors():
+            yield
+
+    def _worker_rows(self, x: Any, what: str) -> Any:
+        """A ``tf.data.Dataset`` as this worker's rows of each batch, one program per worker
+        (``apply.spmd.input.worker_rows``); anything else as it is."""
+        if not isinstance(x, tf.data.Dataset):
+            return x
+        return worker_rows(x, self._copies.run, self._sequence,
+                           lambda inputs: self._check_input_shapes(inputs, what))
 
     def train_on_batch(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return self._checked(x, "The batch given to train_on_batch",
@@ -930,50 +973,6 @@ def _gradients(tape: Any, loss: Any, variables: list[Any]) -> list[Any]:
     """d loss / d variables (zeros where the loss does not reach a variable)."""
     gs = tape.gradient(loss, variables)
     return [tf.zeros_like(v) if g is None else g for g, v in zip(gs, variables)]
-
-
-def _rows(structure: Any) -> Any:
-    """The batch size of a (possibly nested) batch: its first tensor's leading dimension, an
-    int where the traced shape knows it, else a scalar tensor."""
-    first = next(t for t in tf.nest.flatten(structure) if t is not None)
-    shape = tf.TensorShape(first.shape)  # a NumPy array's too (eager steps)
-    static = shape[0] if shape.rank else None
-    return tf.shape(first)[0] if static is None else static
-
-
-def _padded(data: Any, n: Any, run: Any) -> tuple[Any, Any]:
-    """``data`` (n rows, n <= the plan's global batch B) padded with zero rows to B rows, and
-    the row flags (1 real, 0 padding). Under tensor parallelism the ranks all-reduce
-    activations whose shape follows the batch, and TensorFlow's collective runtime keeps
-    the first shape it saw for each instance of a traced step: every step's collectives
-    must have the same shapes, so a smaller batch (a dataset's last) runs as a full one
-    whose padding rows weigh 0. A larger batch is refused first, with the fix."""
-    b = run.global_batch
-    if isinstance(n, int):
-        if n > b:
-            raise PlannerError(_batch_message(run, n))
-    else:
-        check = tf.debugging.assert_less_equal(n, tf.constant(b, n.dtype),
-                                               message=_batch_message(run, None))
-        with tf.control_dependencies([check]):
-            n = tf.identity(n)
-
-    def pad(t: Any) -> Any:
-        if t is None:
-            return None
-        rows = tf.pad(t, [[0, b - n]] + [[0, 0]] * (len(t.shape) - 1))
-        return tf.ensure_shape(rows, [b, *t.shape[1:]])
-
-    valid = tf.cast(tf.range(b) < n, "float32")
-    return tf.nest.map_structure(pad, data), valid
-
-
-def _batch_message(run: Any, n: int | None) -> str:
-    received = f"received {n} rows" if n is not None else "received a larger batch"
-    return (f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which takes "
-            f"batches of at most the plan's global batch ({run.global_batch} rows; smaller "
-            f"ones are padded); {received}. Batch the data by {run.global_batch} "
-            f"(batch_size={run.global_batch}) for fit, evaluate and predict.")
 
 
 def _along_rows(valid: Any, like: Any) -> Any:

@@ -14,7 +14,8 @@ Three launches by default: 2 workers of 4 CPUs (``CASES``: data parallel across 
 with tensor parallelism and pipelines inside, ZeRO-3 over all 8 devices, expert and context
 parallel groups across the workers, global BatchNormalization statistics and clipping over
 every replica; the first case of each launch also runs fit/evaluate/predict and a weight
-file round trip), 4 workers of 2 CPUs (``FOUR_CASES``: tensor ranks across workers, ZeRO-3
+file round trip; ``DATASETS`` fit, evaluate and predict on ``tf.data.Dataset``s, each worker
+reading only its columns' rows of a dataset's batches), 4 workers of 2 CPUs (``FOUR_CASES``: tensor ranks across workers, ZeRO-3
 with a weight file gathered from every worker's shards) and 2 workers of 2 CPUs
 (``PIPE_CASES``: pipeline stages across the workers, GPipe, 1F1B, interleaved, with tp inside
 and with dp, and a general placement across them), each stage's weights on its own
@@ -74,6 +75,10 @@ PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transform
 FULL = {"tiny_mlp dp8+zero3"}
 AUDITED = {"tiny_transformer pp2xtp2", "tiny_transformer dp2xtp4", "tiny_transformer dp8+zero3", "tiny_moe dp8xep2",
            "tiny_transformer dp4xcp2"}
+# also running fit (with validation data), evaluate and predict on tf.data.Datasets: each
+# worker reads only its columns' rows (cp chunks across the workers; two replicas on each of
+# four workers), or, a column on both workers, every row
+DATASETS = {"tiny_transformer dp4xcp2", "tiny_mlp dp8+zero3", "tiny_mlp pp2"}
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
 
 
@@ -162,11 +167,13 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
     return cluster_plan(plan, workers, cpus, f"{name} {kind} over {workers} workers")
 
 
-def scenario(model, module, weights_path: str | None) -> dict:
+def scenario(model, module, weights_path: str | None, datasets: bool = False) -> dict:
     """What the wrapped model (on each worker) and the reference (one device) run."""
     import numpy as np
 
     result = {"losses": step_losses(model, batches_of(module, STEPS, GLOBAL_BATCH))}
+    if datasets:
+        result.update(_datasets(model, module))
     if module.__name__.endswith("_bn"):
         # inference uses the moving statistics: this worker's copy equals one device's
         xi, _ = module.sample_batch(8)
@@ -187,6 +194,27 @@ def scenario(model, module, weights_path: str | None) -> dict:
     model.load_weights(weights_path)
     result["reloaded_eval_loss"] = float(model.evaluate(xe, ye, batch_size=8, verbose=0))
     return result
+
+
+def _datasets(model, module) -> dict:
+    """fit (with validation), evaluate and predict on ``tf.data.Dataset``s whose last batch
+    is smaller: one program per worker, each worker reads only its columns' rows of each
+    batch (``apply.spmd.input.worker_rows``)."""
+    import numpy as np
+    import tensorflow as tf
+
+    def batched(*arrays, size=GLOBAL_BATCH):
+        return tf.data.Dataset.from_tensor_slices(arrays).batch(size)
+
+    # last batches of 8 rows: they split into the older engines' micro-batches too
+    x, y = module.sample_batch(2 * GLOBAL_BATCH + 8)
+    xv, yv = module.sample_batch(GLOBAL_BATCH + 8)
+    history = model.fit(batched(x, y), epochs=2, verbose=0, validation_data=batched(xv, yv))
+    xe, _ = module.sample_batch(GLOBAL_BATCH + 3)
+    return {"dataset_fit_losses": [float(v) for v in history.history["loss"]],
+            "dataset_val_losses": [float(v) for v in history.history["val_loss"]],
+            "dataset_eval_loss": float(model.evaluate(batched(xv, yv), verbose=0)),
+            "dataset_predictions": np.asarray(model.predict(batched(xe), verbose=0)).tolist()}
 
 
 def _audit(wrapped, module, plan, task: int) -> dict:
@@ -226,6 +254,7 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
     ``out_dir/worker{task}.json``. The first case also runs fit/evaluate/predict/files."""
     from tfplan import apply
     from tfplan.apply.placement import variable_devices
+    from tfplan.apply.spmd.input import local_parts, shards
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     results = {}
@@ -235,10 +264,14 @@ def train_cases(out_dir: str, cases: list, plans: list) -> None:
         module, model = base_model(name)
         wrapped = apply.wrap(model, plan)
         wrapped.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
-        result = scenario(wrapped, module, weights_file(out_dir, cases, name, kind))
+        result = scenario(wrapped, module, weights_file(out_dir, cases, name, kind),
+                          f"{name} {kind}" in DATASETS)
         result.update(mode=type(wrapped).__name__, devices=variable_devices(wrapped),
                       weights=len(wrapped.trainable_variables),
                       slots=sum(1 for v in wrapped.optimizer.variables if len(v.shape)))
+        run = getattr(wrapped, "run_description", None)  # the SPMD engine's (not remote)
+        if run is not None:  # the parts of a batch this worker reads, of all
+            result["reads"] = [len(local_parts(run)) if shards(run) else run.parts, run.parts]
         if f"{name} {kind}" in AUDITED:
             result["audit"] = _audit(wrapped, module, plan, task)
         results[f"{name} {kind}"] = result
@@ -266,7 +299,7 @@ def worker_main(out_dir: str) -> None:
 def _reference(name: str, kind: str, weights_path: str | None) -> dict:
     module, copy = single_device_copy(name)
     copy.compile(optimizer=optimizer_for(module, kind), loss=module.loss)
-    return scenario(copy, module, weights_path)
+    return scenario(copy, module, weights_path, f"{name} {kind}" in DATASETS)
 
 
 def launch_with_references(script: str, out_dir, cases: list, workers: int = WORKERS
@@ -326,6 +359,8 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
                     else set()
                 assert where and set(where) <= mine | host, (case, path, where, sorted(mine))
             _check_stages(result["devices"], plan, task, case)
+            read, parts = result["reads"]  # a column on every worker reads every batch
+            assert (read < parts) == (not kind_spans_all(case)), (case, read, parts)
             for device, (measured, priced) in result.get("audit", {}).items():
                 assert measured == pytest.approx(priced, rel=0.10), (case, device)
             assert ("audit" in result) == (case in AUDITED)
@@ -334,6 +369,12 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
         if path is not None:
             _assert_same_files(name, kind, path,
                                weights_file(tmp_path, cases, name, kind, "reference"))
+
+
+def kind_spans_all(case: str) -> bool:
+    """Whether a case's columns each lie on every worker (every worker reads every row)."""
+    return case.split()[1] in ("pp2", "pp2-interleaved", "pp2xtp2", "placement",
+                               "dp2xpp2-across")
 
 
 def _check_stages(devices: dict, plan, task: int, case: str) -> None:
