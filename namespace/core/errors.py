@@ -37,6 +37,17 @@ class PlanMismatchError(PlannerError):
     """A plan file does not match the model, the devices or the batch it is used with."""
 
 
+class WorkerLostError(PlannerError):
+    """A worker of a multi-worker job died, hung or cannot be reached; the job cannot go on.
+    ``tasks``: the workers named (TF_CONFIG indices; empty where TensorFlow names none).
+    The fix is a restart of the whole job (``plan launch --restarts N``, or the scheduler's),
+    which ``BackupAndRestore`` resumes from its last backup."""
+
+    def __init__(self, message: str, tasks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.tasks = tasks
+
+
 class SchemaError(PlannerError):
     """A JSON document (profile, cluster, plan) is malformed or has the wrong schema_version."""
 

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,6 +37,7 @@ def worker_main(out_dir: str, fault: str) -> None:
     import numpy as np
 
     from tfplan import apply
+    from tfplan.core.errors import WorkerLostError
     from tfplan.planner.plan import load_plan
 
     plan = load_plan(os.environ["PLAN_FILE"])
@@ -46,7 +48,7 @@ def worker_main(out_dir: str, fault: str) -> None:
     config = json.loads(os.environ["TF_CONFIG"])
     task, workers = config["task"]["index"], len(config["cluster"]["worker"])
     attempt = int(os.environ["PLAN_LAUNCH_ATTEMPT"])
-    signals = {"sigkill": 9, "sigterm": 15}
+    signals = {"sigkill": 9, "sigterm": 15, "sigstop": 19}
 
     class Fault(keras.callbacks.Callback):
         epoch = 0
@@ -56,12 +58,21 @@ def worker_main(out_dir: str, fault: str) -> None:
 
         def on_train_batch_end(self, batch, logs=None):
             if (self.epoch, batch) == (FAULT_EPOCH, FAULT_BATCH):
+                print(f"fault {fault} at {time.time()}", flush=True)
                 os.kill(os.getpid(), signals[fault])
 
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"))]
     if fault in signals and attempt == 0 and task == workers - 1:
         callbacks.append(Fault())
     x, y = module.sample_batch(SAMPLES)
+    if fault == "sigstop" and task == 0:  # the other worker hangs: this one must end, naming it
+        try:
+            wrapped.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+        except WorkerLostError as e:
+            print(f"lost {e.tasks} at {time.time()}: {e}", flush=True)
+            sys.exit(3)
+        sys.exit(0)
     history = wrapped.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                           callbacks=callbacks)
     result = {"weights": [np.asarray(w).tolist() for w in wrapped.get_weights()],
@@ -178,6 +189,38 @@ def test_sigterm_under_a_one_host_plan_resumes_mid_epoch_exactly(tmp_path):
     r = _launch(path, tmp_path, "none", 1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     _assert_results(tmp_path, 1, EPOCHS - FAULT_EPOCH, "SpmdModel")
+
+
+def test_a_hung_worker_ends_the_others_within_a_minute_naming_it(tmp_path):
+    """Worker 1 stops (SIGSTOP: alive, silent) in epoch 3, with no launcher watching: worker
+    0's collectives are aborted by the coordination service's heartbeat check, and its fit
+    raises WorkerLostError naming worker 1 within 60 s (measured: about 10 s)."""
+    from tfplan.planner.launch import free_ports, tf_config
+
+    plan = _two_worker_plan(tmp_path, "dp2")
+    addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    procs = []
+    for task in range(2):
+        env = dict(os.environ, TF_CONFIG=json.dumps(tf_config(addresses, task)),
+                   PLAN_FILE=str(plan), PLAN_LAUNCH_ATTEMPT="0", TF_CPP_MIN_LOG_LEVEL="3",
+                   CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                       str(tmp_path), "sigstop"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        out0, _ = procs[0].communicate(timeout=180)
+        ended = time.time()
+    finally:
+        for p in procs:
+            p.kill()
+        out1, _ = procs[1].communicate()
+    assert procs[0].returncode == 3, out0[-3000:] + out1[-3000:]
+    stopped = float(out1.split("fault sigstop at ")[1].split()[0])
+    lost = out0.split("lost ")[1]
+    assert lost.startswith("(1,)") and "worker 1 stopped sending heartbeats" in lost, lost
+    assert "Restart the whole job" in lost and "BackupAndRestore" in lost
+    assert ended - stopped < 60, (ended - stopped, lost)
 
 
 if __name__ == "__main__":
