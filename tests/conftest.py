@@ -11,8 +11,6 @@ import importlib.util
 import os
 import sys
 
-import pytest
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # glibc reports heap corruption on the terminal, which CI has none of: say it on stderr, so
 # that a worker that aborts leaves the reason in the log
@@ -95,6 +93,7 @@ def pytest_collection_modifyitems(config, items):
     (``pytest -q``) skips them to stay within its time budget. Each one is a redundant
     combination (or a benchmark) whose feature a default test covers at small size.
     """
+    import pytest
 
     if "slow" in (config.getoption("-m") or ""):
         return
@@ -102,25 +101,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
-
-
-def _release_module_state():
-    """After each test module: Keras' global state and TensorFlow's kernel cache cleared,
-    and a full garbage collection (``keras.backend.clear_session``). A pytest-xdist worker
-    runs hundreds of modules in one process; the traced steps, graphs and kernels of
-    every model they built otherwise stay until the reference cycles holding them are
-    collected, and a worker grew to 11 GB (two of them and the multi-worker tests' own
-    processes outgrew this machine's memory)."""
-    import gc
-
-    if "keras" in sys.modules:
-        import keras
-
-        keras.backend.clear_session(free_memory=False)
-    gc.collect()
-
-
-@pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
-def pytest_runtest_teardown(item, nextitem):
-    if nextitem is None or nextitem.module is not item.module:
-        _release_module_state()
