@@ -438,20 +438,28 @@ def launch_train_script(tmp_path, *args: str, printing: tuple[int, ...] = (0, 1)
     return results
 
 
-def test_train_script_with_a_hybrid_plan_under_plan_launch(tmp_path):
-    """``plan launch --workers 2 examples/train.py --plan P`` with a dp2 x pp2 plan: both
-    workers train with the single-device losses (helpers.reference_losses)."""
+def _train_script_results(tmp_path, kind: str) -> dict:
+    """``examples/train.py`` under ``plan launch --workers 2 --plan P`` (P: the MLP's
+    ``kind`` plan): every worker's result, its plan and losses checked against the single
+    device's (helpers.reference_losses)."""
     from tfplan.planner.plan import save_plan
     from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
         reference_losses
 
     _, model = base_model("tiny_mlp")
-    save_plan(worker_plan(model, "tiny_mlp", "dp2xpp2"), tmp_path / "plan.json")
+    save_plan(worker_plan(model, "tiny_mlp", kind), tmp_path / "plan.json")
     results = launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
-                                   "--steps", str(REFERENCE_STEPS))
-    for task, result in results.items():
-        assert result["plan"] == "tiny_mlp dp2xpp2 over 2 workers"
+                                  "--steps", str(REFERENCE_STEPS))
+    for result in results.values():
+        assert result["plan"] == f"tiny_mlp {kind} over 2 workers"
         assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
+    return results
+
+
+def test_train_script_with_a_hybrid_plan_under_plan_launch(tmp_path):
+    """``plan launch --workers 2 examples/train.py --plan P`` with a dp2 x pp2 plan: both
+    workers train with the single-device losses."""
+    for task, result in _train_script_results(tmp_path, "dp2xpp2").items():
         assert result["devices"]["dense_in/kernel"] == [dev(task, 0)]
 
 
@@ -459,17 +467,7 @@ def test_train_script_with_a_pipeline_across_workers_under_plan_launch(tmp_path)
     """``plan launch --workers 2 examples/train.py --plan P``, P a pipeline with one stage
     per worker: both workers train (one program each) with the single-device losses, each
     holding its own stage's weights."""
-    from tfplan.planner.plan import save_plan
-    from tests.apply.helpers import STEPS as REFERENCE_STEPS, assert_losses_match, \
-        reference_losses
-
-    _, model = base_model("tiny_mlp")
-    save_plan(worker_plan(model, "tiny_mlp", "pp2"), tmp_path / "plan.json")
-    results = launch_train_script(tmp_path, "--plan", str(tmp_path / "plan.json"),
-                                  "--steps", str(REFERENCE_STEPS))
-    for task, result in results.items():
-        assert result["plan"] == "tiny_mlp pp2 over 2 workers"
-        assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
+    results = _train_script_results(tmp_path, "pp2")
     assert results[1]["devices"]["head/kernel"] == [dev(1, 0)]
     assert "head/kernel" not in results[0]["devices"]
 
