@@ -17,8 +17,10 @@ model as it found it.
   again in Python, whose graphs keep the shapes the definitions drop, e.g. a collective's
   output); where a tensor's shape is known only as the step runs, a
   second step runs with TensorFlow's debugger dumping every graph op's output shape
-  (``tf.debugging.experimental.enable_dump_debug_info``, SHAPE mode; not the measured
-  step, whose transfers the debugger's ops would change); a copy whose size neither gives
+  (``tf.debugging.experimental.enable_dump_debug_info``, SHAPE mode, only the ops whose
+  sizes are missing where they are collectives; not the measured step, whose transfers the
+  debugger's ops would change; under one program per worker every worker runs that step,
+  its collectives meeting the others'); a copy whose size neither gives
   is listed in ``Audit.unsized`` rather than counted as 0. Control edges (no data) are not counted.
 * A collective counts its ring volume for each member: all-reduce 2 (n-1)/n N, all-gather
   (n-1)/n of the gathered result, reduce-scatter (n-1)/n N, all-to-all (n-1)/n N,
@@ -146,6 +148,8 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
     data = tf.data.Dataset.from_tensors((x, y) if sample_weight is None
                                         else (x, y, sample_weight))  # static batch shapes
     known = compat.eager_function_names()
+    run = getattr(model, "run_description", None)  # the SPMD engine's
+    across = bool(run is not None and run.local)  # one program per worker
     with _restored(model), _grappler_off():
         try:
             if not model.optimizer.built:
@@ -160,7 +164,8 @@ def audit_step(model: Any, x: Any, y: Any = None, sample_weight: Any = None, *,
                 # shapes the library's function definitions lose (collectives' outputs)
                 shapes = {**_python_traced_bytes(model, data), **shapes}
                 transfers, unsized = _transfers(metadata, shapes, groups)
-            if unsized:  # sizes known only as the step runs: from a step of its own
+            if unsized or across:  # sizes known only as the step runs: from a step of its
+                # own (across workers every worker runs it: its collectives meet the others')
                 shapes = {**shapes, **_runtime_bytes(model, data, _op_types(unsized))}
                 transfers, unsized = _transfers(metadata, shapes, groups)
         finally:
@@ -188,9 +193,10 @@ def _python_traced_bytes(model: Any, data: Any) -> dict[tuple[str, int], int]:
 
 def _op_types(unsized: list[str]) -> set[str] | None:
     """The op types of the unsized collectives (``_collective``'s label ``name (Op on
-    device)``); None where a copy is among them (its source may be any op)."""
+    device)``; none: the step runs, nothing instrumented); None where a copy is among them
+    (its source may be any op)."""
     types = {m.group(1) for m in map(_UNSIZED_COLLECTIVE.search, unsized) if m}
-    return types if len(types) and all(map(_UNSIZED_COLLECTIVE.search, unsized)) else None
+    return types if all(map(_UNSIZED_COLLECTIVE.search, unsized)) else None
 
 
 _UNSIZED_COLLECTIVE = re.compile(r" \((Collective\w+) on [^()]*\)$")
@@ -205,6 +211,10 @@ def _runtime_bytes(model: Any, data: Any, op_types: set[str] | None = None
     0.85 GB instrumenting every op)."""
     import tensorflow as tf
 
+    if op_types is not None and not op_types:  # nothing to size: the step alone, traced
+        model.make_train_function(force=True)  # afresh as the others' (its collectives' keys)
+        model.fit(data, epochs=1, verbose=0)
+        return {}
     dump = tempfile.mkdtemp(prefix="tfplan_audit_")
     try:
         model.make_train_function(force=True)

@@ -29,9 +29,8 @@ this worker's logical CPUs) before the runtime starts, and ``auto`` plans for W
 workers of this worker's devices (``multi_worker_cluster``). Every worker plans the
 same model for the same cluster with the same deterministic search, so they choose
 the same plan; ``auto`` checks that they did (a collective over the plan's hash)
-before training. Plans whose replicas span workers are not runnable here
-(``runnable``): ``apply.remote`` runs them from ``PLAN_FILE``, because worker 0 must
-connect to the others before TensorFlow starts, before any plan could be searched.
+before training; a replica's pipeline stages may lie on several workers (one program
+per worker, its activations crossing between them).
 """
 from __future__ import annotations
 
@@ -229,10 +228,6 @@ def not_runnable_reason(plan: Plan) -> str | None:
     missing = unapplied(plan, mode)  # a strategy dimension without an engine here
     if missing:
         return missing[0]
-    if mode.remote:  # apply.remote: must be set up before TensorFlow starts
-        return ("its replicas span worker processes, which apply.wrap runs only from a "
-                f"saved plan ({PLAN_FILE_ENV}: worker 0 then drives every worker's devices, "
-                "set up before TensorFlow starts)")
     if caught:
         return _first_clause(str(caught[0].message), plan)
     return None

@@ -1,7 +1,7 @@
 """``global_clipnorm`` when the optimizer updates several copies of each weight.
 
 Pipeline position: inside the update of the replicated modes (``apply.tensor_parallel``
-with dp > 1 on one host, or driven by worker 0 across workers: ``apply.remote``): their
+with dp > 1 on one host): their
 optimizer updates every data-parallel copy of a weight with the same
 summed gradient, so Keras' ``clip_by_global_norm`` over all it is given would see each
 gradient dp times, a norm sqrt(dp) too large, and clip more than one device does.

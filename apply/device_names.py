@@ -2,7 +2,7 @@
 
 Pipeline position: the bottom of ``apply``, under everything that names or makes a
 device: ``apply.devices`` (``ensure_devices``), ``apply.workers`` (a worker's devices),
-``apply.remote``, ``apply.placement`` and ``apply.auto``. A plan names its devices
+``apply.placement`` and ``apply.auto``. A plan names its devices
 ``/device:GPU:i`` or ``/device:CPU:i`` on one host, ``/job:worker/task:w/device:CPU:i``
 across workers; ``parse_device`` reads a one-host name, ``short_name`` turns
 TensorFlow's full names into the plan's, and ``logical_cpus`` makes logical CPU devices

@@ -13,15 +13,12 @@ model starts it.
 * ``/device:GPU:i`` plans: check that the GPUs exist (nothing is configured).
 * ``/job:worker/task:w/...`` names on several workers (multi-node plans):
   ``apply.workers.ensure_cluster`` checks them against TF_CONFIG and makes
-  the MultiWorkerMirroredStrategy (``plan launch`` starts such workers); when a
-  data-parallel replica spans workers, ``apply.remote.ensure_remote_cluster`` connects
-  worker 0 to them all instead (the others serve their devices).
+  the MultiWorkerMirroredStrategy (``plan launch`` starts such workers).
 """
 from __future__ import annotations
 
 from tfplan.apply.device_names import LocalDevice, logical_cpus, parse_device, short_name
 from tfplan.apply.mode import ExecutionMode, Processes, run_processes
-from tfplan.apply.remote import ensure_remote_cluster
 from tfplan.apply.workers import ensure_cluster
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
@@ -47,16 +44,13 @@ def ensure_devices(plan: Plan, *, mode: ExecutionMode | None = None) -> tuple[st
     """Make the plan's devices exist (CPU) or check that they do (GPU); return their names.
 
     Raises PlanMismatchError when they cannot exist; multi-worker plans go to
-    ``apply.workers.ensure_cluster`` (one program per worker) or
-    ``apply.remote.ensure_remote_cluster`` (worker 0 drives them all). ``mode``: the
+    ``apply.workers.ensure_cluster`` (one program per worker). ``mode``: the
     plan's ``apply.mode.execution_mode`` when the caller has it (``apply.wrap``).
     """
     if not plan.devices:
         raise PlanMismatchError(f"Plan {plan.name!r} names no devices (its stages are empty). "
                                 "Regenerate the plan.")
     processes = run_processes(plan) if mode is None else mode.processes
-    if processes is Processes.REMOTE:  # a replica across workers: worker 0 drives them all
-        return ensure_remote_cluster(plan)
     if processes is Processes.PER_WORKER:
         return ensure_cluster(plan)
     parsed = [parse_device(d) for d in plan.devices]

@@ -7,16 +7,13 @@ no engine here runs is refused with what to change, never trained as something e
 
 One rule per dimension, each naming the modes that run it; a dimension gains modes here
 when an engine for it lands. The SPMD engine (``apply.spmd``) runs every dimension on
-one host and, one program per worker, across workers. Where worker 0 drives every
-worker's devices (``apply.remote``: a column's pipeline stages on several workers) the
-older engines run: no offload, no context parallelism, and expert parallelism without
-tp, ZeRO-3 or offload (``_expert_mode_rule``).
+one host and, one program per worker, across workers.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from tfplan.apply.mode import Mode, Processes
+from tfplan.apply.mode import Mode
 from tfplan.core.errors import PlanMismatchError
 from tfplan.planner.plan import Plan
 from tfplan.profiler import comm
@@ -28,34 +25,18 @@ def unapplied(plan: Plan, mode: Any = None) -> list[str]:
     ``apply.mode.ExecutionMode``, where that matters), with why, as sentences."""
     s = plan.strategy
     out = unapplied_dimensions(s)
-    if s.offload != "none" and mode is not None:
-        out += _offload_mode_rule(s, mode)
     if s.cp > 1 and mode is not None and not out:
         out += _context_mode_rule(s, mode)
-    if getattr(s, "ep", 1) > 1 and mode is not None and _remote(mode):
-        out += _expert_mode_rule(s)
     return out
 
 
 def older_expert_clashes(s: Any) -> list[str]:
-    """What the older expert-parallel engine (``apply.expert_parallel``: across workers,
-    and where the SPMD engine refuses a model) does not run with ep > 1: tp, ZeRO-3,
+    """What the older expert-parallel engine (``apply.expert_parallel``: where the SPMD
+    engine refuses a model) does not run with ep > 1: tp, ZeRO-3,
     offload ("tp=2", ...; empty when it runs ``s``)."""
     return [what for what, on in ((f"tp={s.tp}", s.tp > 1),
                                   (f"zero_stage={s.zero_stage}", s.zero_stage > 2),
                                   (f"offload={s.offload!r}", s.offload != "none")) if on]
-
-
-def _expert_mode_rule(s: Any) -> list[str]:
-    """Where worker 0 drives every worker's devices (``apply.remote``), expert parallelism
-    runs on the older engine (``apply.expert_parallel``), without tp, ZeRO-3 or offload."""
-    clashes = older_expert_clashes(s)
-    if not clashes:
-        return []
-    return [f"ep={s.ep} with a replica's pipeline stages on several workers runs with data "
-            f"and pipeline parallelism and ZeRO-1/2 (apply.expert_parallel); this plan has "
-            f"{', '.join(clashes)}, which run with one program per worker (apply.spmd."
-            "experts): keep each replica's stages on one worker (--layout tp-pp-dp)"]
 
 
 def unapplied_dimensions(s: Any) -> list[str]:
@@ -87,16 +68,6 @@ def _offload_rule(s: Any) -> list[str]:
     return []
 
 
-def _offload_mode_rule(s: Any, mode: Any) -> list[str]:
-    """Offload runs on the SPMD engine, on one host or one program per worker
-    (``_offload_rule``)."""
-    if _remote(mode):
-        return [f"offload={s.offload!r} runs on one host or with one program per worker "
-                "(apply.spmd); this plan puts a replica's pipeline stages on several workers "
-                "(apply.remote): keep them on one worker (--layout tp-pp-dp)"]
-    return []
-
-
 def check_applicable(plan: Plan, mode: Any = None) -> None:
     """PlanMismatchError naming every dimension of ``plan`` that ``apply`` cannot run."""
     problems = unapplied(plan, mode)
@@ -111,17 +82,10 @@ def check_applicable(plan: Plan, mode: Any = None) -> None:
 def _context_mode_rule(s: Any, mode: Any) -> list[str]:
     """Mode ``context_parallel`` (``apply.spmd.context``) runs cp with dp, tp (sequence
     parallelism too), pp and ZeRO, on one host or one program per worker."""
-    if not _remote(mode) and mode.mode is Mode.CONTEXT_PARALLEL:
+    if mode.mode is Mode.CONTEXT_PARALLEL:
         return []
-    where = ("puts a replica's pipeline stages on several workers (apply.remote)"
-             if _remote(mode) else f"runs as {mode.mode.value}")
     return [f"cp={s.cp} (context parallelism) runs on the SPMD engine (apply.spmd.context); "
-            f"this plan {where}"]
-
-
-def _remote(mode: Any) -> bool:
-    """Worker 0 drives every worker's devices (``apply.remote``)."""
-    return mode is not None and mode.processes is Processes.REMOTE
+            f"this plan runs as {mode.mode.value}"]
 
 
 # --- tensor-parallel splits: which entries of a profile a plan may split ---------------------

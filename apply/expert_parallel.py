@@ -2,8 +2,8 @@
 mixture-of-experts layer's experts; tokens go to their experts' replica and back.
 
 Pipeline position: ``apply.wrap`` calls ``wrap_expert_parallel`` for a plan with ep > 1
-(mode ``tensor_parallel``, ``apply.mode``: one host, or worker 0 driving every worker's
-devices, ``apply.remote``). It builds ``apply.tensor_parallel``'s data-parallel copies
+(mode ``tensor_parallel``, ``apply.mode``) on one host, for a model the SPMD engine
+refuses. It builds ``apply.tensor_parallel``'s data-parallel copies
 (replica r on its own devices, one graph, gradients from ``tf.gradients``) with every
 ``tfplan.layers.MixtureOfExperts`` swapped for ``ExpertParallelMoE``, its expert-parallel
 twin: a top-level one as the replica is cloned, one inside a block (a custom layer, at
@@ -75,9 +75,7 @@ or offload; a model without a
 a layer of a nested Functional model (its graph is not re-wired); keras_hub's other MoE
 blocks (Qwen3-MoE's, Qwen3.5-MoE's, GPT-OSS's: ``refused_moe_block``).
 Across workers an ep plan runs one program per worker on the SPMD engine
-(``apply.spmd.experts``: the all-to-alls span the workers); this engine runs it only
-where worker 0 drives every device (``REMOTE``: a replica's pipeline stages on several
-workers), the transfers going over gRPC.
+(``apply.spmd.experts``: the all-to-alls span the workers).
 
 Deviation from the design brief: the twins live in ``apply.tensor_parallel``'s copies (a
 ``substitute`` hook there, ``set_reduction_groups`` for the per-weight reduction), not a

@@ -13,9 +13,7 @@ Two parts:
   per worker process, each running its own devices' part of the SPMD engine
   (``apply.spmd``: the collectives span the workers, TF_CONFIG's collective runtime
   carries them; a column whose pipeline chunks lie on several workers passes its
-  activations between them by two-member collectives). ``REMOTE``: worker 0 drives every
-  worker's devices (``apply.remote``), for ZeRO where a column's pipeline stages lie on
-  several workers (the SPMD engine's shards do not span a column's workers yet).
+  activations between them by two-member collectives).
 * ``Mode``: what the model does, the names ``apply.wrap``'s docstring lists:
   ``single_device``, ``pipeline``, ``placement`` (a general placement),
   ``data_parallel``, ``tensor_parallel`` (tp > 1, dp x pp, ZeRO-1 with dp > 1, or
@@ -37,7 +35,6 @@ class Processes(str, enum.Enum):
 
     ONE_HOST = "one_host"
     PER_WORKER = "per_worker"
-    REMOTE = "remote"
 
 
 class Mode(str, enum.Enum):
@@ -64,11 +61,6 @@ class ExecutionMode:
     processes: Processes
     worker_tasks: tuple[int, ...] = ()
 
-    @property
-    def remote(self) -> bool:
-        """Worker 0 drives every worker's devices (``apply.remote``)."""
-        return self.processes is Processes.REMOTE
-
 
 # --- the plan's workers ----------------------------------------------------------------------
 
@@ -91,30 +83,14 @@ def plan_tasks(plan: Plan) -> dict[int, list[tuple[str, int]]]:
     return tasks
 
 
-def columns_span_workers(plan: Plan) -> bool:
-    """True when some column (position i of every stage: a replica's tensor rank, its
-    pipeline chunks; a general placement's devices) has devices on more than one worker:
-    its activations cross between worker programs."""
-    if plan.placement == "general":
-        return len({tf.DeviceSpec.from_string(st.devices[0]).task
-                    for st in plan.stages if st.devices}) > 1
-    return any(len({tf.DeviceSpec.from_string(d).task for d in column}) > 1
-               for column in zip(*(stage.devices for stage in plan.stages)))
-
-
 def run_processes(plan: Plan) -> Processes:
     """Which processes run ``plan`` (no other check of the plan; ``apply.ensure_devices``
     sets them up)."""
-    return _processes(plan, plan_tasks(plan))
+    return _processes(plan_tasks(plan))
 
 
-def _processes(plan: Plan, tasks: dict[int, list[tuple[str, int]]]) -> Processes:
-    if len(tasks) <= 1:
-        return Processes.ONE_HOST
-    s = plan.strategy
-    if s.zero_stage and s.dp > 1 and columns_span_workers(plan):
-        return Processes.REMOTE  # ZeRO's shards of a column across workers: not yet SPMD
-    return Processes.PER_WORKER
+def _processes(tasks: dict[int, list[tuple[str, int]]]) -> Processes:
+    return Processes.ONE_HOST if len(tasks) <= 1 else Processes.PER_WORKER
 
 
 # --- the decision ----------------------------------------------------------------------------
@@ -148,10 +124,10 @@ def execution_mode(plan: Plan) -> ExecutionMode:
             "them all. Re-plan for fewer workers (plan launch --workers "
             f"{len(tasks)}) or with a strategy over every worker (e.g. --fix "
             f"dp={plan.cluster.num_nodes}).")
-    processes = _processes(plan, tasks)
+    processes = _processes(tasks)
     workers = tuple(sorted(tasks))
-    # the mode of the plan's shape, whoever runs it: one process (one host, or worker 0 of
-    # a cluster whose columns span workers: apply.remote), or one program per worker
+    # the mode of the plan's shape, whoever runs it: one process (one host), or one program
+    # per worker
     if s.cp > 1:  # apply.context_parallel (apply.dimensions says which shapes run)
         return ExecutionMode(Mode.CONTEXT_PARALLEL, processes, workers)
     if s.tp > 1 or (dp > 1 and pp > 1) or (dp > 1 and s.optimizer_sharding) or s.ep > 1:

@@ -54,9 +54,8 @@ rank innermost (``stages[s].devices[r * tp + t]`` is rank t of replica r,
   losses; the wrapped model's ``get_weights``/``set_weights``, weight files and
   saved models are the user's model's (unsplit arrays, in its order).
 
-Across worker processes: the whole plan driven by worker 0 when a replica's pipeline
-stages span workers (``apply.remote``); every other plan across workers runs one program
-per worker on the SPMD engine (``apply.spmd``). Not applied: the layer configurations
+Across worker processes every plan runs one program per worker on the SPMD engine
+(``apply.spmd``). Not applied: the layer configurations
 ``apply.sharded_layers`` lists, and the splits ``apply.dimensions.split_refusal`` refuses
 (a block's own entry, a nested model's own layers, subclasses but keras_hub's
 CachedMultiHeadAttention).

@@ -5,8 +5,7 @@ Pipeline position: below the multi-worker modes. ``apply.ensure_devices`` calls
 (``apply.mode.Processes.PER_WORKER``: ``/job:worker/task:w/device:CPU:i`` names, a
 ``Wxcpu:N`` or ``NxPRESET`` cluster with ``num_nodes`` > 1), before TensorFlow's
 runtime starts (the SPMD engine's collectives across workers need the collective runtime
-the strategy starts; ``get_strategy`` returns it); ``apply.remote`` reads TF_CONFIG and makes a
-worker's logical CPUs with the helpers here; ``apply.auto_devices`` makes the strategy
+the strategy starts; ``get_strategy`` returns it); ``apply.auto_devices`` makes the strategy
 without a plan (``ensure_strategy``). The worker processes are started with
 ``TF_CONFIG`` set (``plan launch --workers W SCRIPT``, ``planner.launch``).
 

@@ -27,10 +27,7 @@ with the plan through the usual ``compile``/``fit``/``evaluate``/``predict``/
    ``apply.expert_parallel``) and ``apply.context_parallel`` (cp x dp). Across workers
    (``/job:worker/task:w/...`` names, a ``Wxcpu:N`` or multi-node cluster; start the
    workers with ``plan launch --workers W``), a plan the SPMD engine refuses is refused,
-   with the reason, except one whose columns span workers (a replica's pipeline stages on
-   several workers) or a general placement across workers: worker 0 drives every
-   worker's devices (``apply.remote``) and the mode is the one-host mode of the plan's
-   shape (older engines);
+   with the reason;
 
 3. the model is re-created with the plan's placement and the user's current
    weights (a block whole on its stage, its split sub-layers swapped in place, a
@@ -248,13 +245,10 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
     """Why the SPMD engine (``apply.spmd``) does not run ``plan`` yet ("" when it does)."""
     import keras
 
-    from tfplan.apply.spmd import refusal
     from tfplan.apply.spmd.batch_norm import is_batch_norm
     from tfplan.apply.spmd.rank_layers import split_problem
     from tfplan.profiler.signature import profiled_layer_paths
 
-    if mode.processes is Processes.REMOTE:
-        return "ZeRO with a replica's pipeline stages on several workers"
     if mode.mode not in (Mode.SINGLE_DEVICE, Mode.PIPELINE, Mode.PLACEMENT,
                          Mode.DATA_PARALLEL, Mode.TENSOR_PARALLEL, Mode.CONTEXT_PARALLEL):
         return f"the {mode.mode.value} mode"
@@ -279,7 +273,7 @@ def spmd_refusal(plan: Plan, mode: Any, view: Any) -> str:
             problem = split_problem(entries[name], split, s.tp) if name in entries else ""
             if problem:
                 return f"a split it does not run ({name!r}: {problem})"
-    return refusal(plan)
+    return ""
 
 
 def _wrap_spmd(builder: Any, model: Any, plan: Plan, recomputed: Sequence[str],

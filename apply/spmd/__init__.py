@@ -1,7 +1,7 @@
 """apply.spmd: the SPMD engine. Every device runs its own part of the step and talks
 through TensorFlow's collective ops in the plan's groups.
 
-Pipeline position: under ``apply.wrap``, which hands it the plans ``run.refusal`` accepts.
+Pipeline position: under ``apply.wrap``, which hands it the plans ``wrap.spmd_refusal`` accepts.
 The parts, in the order they run: ``run`` (the run description, derived once from the
 plan), ``copies`` (each device's copy of the model, split layers swapped for their
 rank's twin from ``rank_layers``, which call ``megatron``'s operators, BatchNormalization
@@ -23,7 +23,7 @@ from tfplan.apply.spmd.batch_norm import has_batch_norm
 from tfplan.apply.spmd.copies import build_copies
 from tfplan.apply.expert_parallel import check_expert_parallel
 from tfplan.apply.spmd.model import SpmdModel
-from tfplan.apply.spmd.run import RunDescription, describe, refusal
+from tfplan.apply.spmd.run import RunDescription, describe
 from tfplan.apply.spmd.stages import placement_segments
 from tfplan.planner.plan import Plan
 from tfplan.profiler.signature import profiled_layer_paths
@@ -32,7 +32,7 @@ from tfplan.profiler.signature import profiled_layer_paths
 def wrap_spmd(builder: Callable[[], Any], plan: Plan, template: Any,
               recomputed: tuple[str, ...] = (), name: str | None = None,
               logdir: str | None = None) -> SpmdModel:
-    """The SPMD model of ``plan`` (``refusal(plan) == ""``): ``builder`` (the user's
+    """The SPMD model of ``plan``: ``builder`` (the user's
     ``build_model``) builds each device's copy, every copy starting from the weights of
     ``template`` (the model built first, on the host), which also serves weight files.
     ``recomputed``: the top-level layers the plan recomputes (``apply.recompute``);
@@ -68,4 +68,4 @@ def _segments(plan: Plan, template: Any) -> tuple[tuple[tuple[str, int], ...], t
                  if id(layer) in chunk_of), devices
 
 
-__all__ = ["RunDescription", "SpmdModel", "describe", "refusal", "wrap_spmd"]
+__all__ = ["RunDescription", "SpmdModel", "describe", "wrap_spmd"]

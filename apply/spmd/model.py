@@ -1,7 +1,7 @@
 """``SpmdModel``: the keras.Model the SPMD engine trains; every device runs its own part.
 
 Pipeline position: the last step of ``apply.spmd`` (``apply.wrap`` returns it for the plans
-``apply.spmd.run.refusal`` accepts). It holds the devices' copies (``apply.spmd.copies``)
+``apply.wrap.spmd_refusal`` accepts). It holds the devices' copies (``apply.spmd.copies``)
 and runs Keras' ``fit``/``evaluate``/``predict`` through its own steps:
 
 * **Rows.** The global batch is cut on the host into P = dp x m parts of nearly equal
@@ -496,12 +496,13 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 vs = zero.weights[q][t]
                 if zero.stage < 3:  # (ZeRO-3's shards are the weights trained)
                     zero.load(q, t)
-                gs = [of[id(v)] for v in vs]  # ZeRO-2/3: shards' gradients, reduce-scattered
+                # ZeRO-2/3: shards' gradients, reduce-scattered (None: another worker's chunk)
+                gs = [of.get(id(v)) for v in vs]
                 if zero.stage == 1:  # slot by slot (ColumnPass.reduce) or by the gathers
                     gs = zero.reduce([gs], q, t)
-                devices = zero.devices[q][t]
-                for device in dict.fromkeys(devices):
-                    mine = [i for i, d in enumerate(devices) if d == device]
+                devices, own = zero.devices[q][t], set(zero.own(q, t))
+                for device in dict.fromkeys(devices[i] for i in sorted(own)):
+                    mine = [i for i, d in enumerate(devices) if d == device and i in own]
                     entries.append((device, [gs[i] for i in mine], [vs[i] for i in mine],
                                     [zero.shards[q][t][i] for i in mine]))
         devices, grads, owners, variables = (list(x) for x in zip(*entries))

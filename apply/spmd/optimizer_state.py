@@ -126,7 +126,8 @@ class OptimizerState:
                 return lambda q, t, j, k: self.zero.joined(q, t, j, lambda s: slot(s, k))
             fetched = {}
             q0, t0 = run.local_columns[0]
-            for k in range(len(self.engine.slots(self.zero.shards[q0][t0][0]))):
+            first = self.zero.shards[q0][t0][self.zero.own(q0, t0)[0]]
+            for k in range(len(self.engine.slots(first))):
                 self.zero.fetch(lambda s, k=k: slot(s, k))
                 fetched[k] = self.zero.fetched
             self.zero.fetched = {}
@@ -196,8 +197,9 @@ class OptimizerState:
         for t, piece in enumerate(pieces):
             experts = np.split(piece, run.ep, axis=0) if j in self.ep_cut else None
             for q in range(run.dp):
-                if not run.drives(q, t) or id(self._holders(q, t, j)) in self.copies.foreign:
-                    continue  # another worker's
+                if not run.drives(q, t) or self._holders(q, t, j) is None \
+                        or id(self._holders(q, t, j)) in self.copies.foreign:
+                    continue  # another worker's (column, or chunk: its shards are there)
                 slot = self.engine.slots(self._holders(q, t, j))[k]
                 mine = piece if experts is None else experts[run.ep_rank(q)]
                 if self.zero is None:

@@ -3,9 +3,7 @@
 Pipeline position: the first step of ``apply.spmd`` (after ``apply.wrap`` has matched the
 plan to the model): ``describe(plan)`` gives one immutable ``RunDescription`` that every
 later step reads (building the copies, the train step, weight files), as Keras 3's
-``Distribution`` decides layouts once and keeps them as data. ``refusal(plan)`` says why
-the SPMD engine does not run a plan yet ("" when it does); ``apply.wrap`` then uses the
-older engines for it.
+``Distribution`` decides layouts once and keeps them as data.
 
 The mesh: replica q (data-parallel rank) holds ``replicas[q]``, its tensor ranks in
 order (the plan's stage devices, tensor rank innermost: ``planner.plan``). Its groups
@@ -205,29 +203,6 @@ def row_fed_columns(splits: tuple[tuple[str, str], ...]) -> frozenset[str]:
             or blocks[i][0] and block_columns_end_in_row(blocks[i:])))
 
 
-def refusal(plan: Plan) -> str:
-    """Why the SPMD engine does not run ``plan`` yet ("" when it does): every strategy
-    dimension runs on one host and, one program per worker, across workers, a column's
-    pipeline chunks (or a general placement's devices) on several workers too (their
-    activations cross by two-member collectives), except ZeRO there (``apply.remote``
-    runs those)."""
-    tasks = {task_of(d) for stage in plan.stages for d in stage.devices}
-    if len(tasks) <= 1:
-        return ""
-    if plan.strategy.zero_stage and plan.strategy.dp > 1 and columns_span(plan):
-        return "ZeRO with a replica's pipeline stages on several workers"
-    return ""
-
-
-def columns_span(plan: Plan) -> bool:
-    """Whether a column (position i of every stage: replica q's tensor rank t at
-    i = q tp + t; a general placement's devices) has devices on several workers."""
-    if plan.placement == "general":
-        return len({task_of(s.devices[0]) for s in plan.stages if s.devices}) > 1
-    return any(len({task_of(d) for d in column}) > 1
-               for column in zip(*(stage.devices for stage in plan.stages)))
-
-
 def task_of(device: str) -> int | None:
     """The worker task a plan's device name says (``/job:worker/task:w/...``; None on one
     host)."""
@@ -250,7 +225,7 @@ def workers_group(plan: Plan) -> Group | None:
 def describe(plan: Plan, recomputed: tuple[str, ...] = (), batch_norm: bool = False,
              segments: tuple[tuple[tuple[str, int], ...], tuple[str, ...]] = ((), ()),
              task: int | None = None) -> RunDescription:
-    """The run description of a plan (``refusal(plan) == ""``); ``recomputed``: the
+    """The run description of a plan; ``recomputed``: the
     top-level layers it recomputes (``apply.recompute.recomputed_layers``); ``batch_norm``:
     the model has BatchNormalization layers (under the plan's ``global`` rule its
     micro-batches then run as one: ``joined_microbatches``); ``segments``: for a general

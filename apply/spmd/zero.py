@@ -178,6 +178,9 @@ class ZeroShards:
         # an Embedding's table (``tables``: their ids; ZeRO-3 gathers them on their own) is
         # cut by its rows (its sparse gradient's ids), others along the leading axes that
         # cut without padding
+        # another worker's pipeline chunks' weights (a column across workers: built here,
+        # never run): no shards here, their holders' are theirs
+        self.foreign = copies.foreign
         self.tables = frozenset(id(layer.embeddings) for model in copies.mine
                                 for layer in compat.flatten_layers(model)
                                 if isinstance(layer, keras.layers.Embedding))
@@ -201,8 +204,11 @@ class ZeroShards:
     def _made(self, q: int, t: int, vs: list[Any]) -> list[Any]:
         """Copy (q, t)'s shard variables, on its weights' devices (ZeRO-3 with the weights
         offloaded: their hosts)."""
-        shards = []
+        shards: list[Any] = []
         for i, (v, cut, device) in enumerate(zip(vs, self.cuts[q][t], self.devices[q][t])):
+            if id(v) in self.foreign:  # another worker's chunk: its shards are there
+                shards.append(None)
+                continue
             if self.stage == 3 and self.run.offload == "optimizer+weights":
                 device = host_device(device)  # the weights trained live there
             with tf.init_scope(), tf.device(device):
@@ -236,7 +242,7 @@ class ZeroShards:
     def variables(self) -> list[Any]:
         """Every device's shards: what the optimizer is built on."""
         return [s for row in self.shards for shards in row if shards is not None
-                for s in shards]
+                for s in shards if s is not None]
 
     def exclude_like_weights(self, optimizer: Any) -> None:
         """A weight AdamW leaves out of weight decay leaves its shards out too."""
@@ -245,7 +251,7 @@ class ZeroShards:
             return
         excluded = [s for q, t in self.columns
                     for v, s in zip(self.weights[q][t], self.shards[q][t])
-                    if not compat.uses_weight_decay(opt, v)]
+                    if s is not None and not compat.uses_weight_decay(opt, v)]
         if excluded:
             opt.exclude_from_weight_decay(var_list=excluded)
 
@@ -270,7 +276,7 @@ class ZeroShards:
         ``value(shard variable)`` (the shard, or one of its optimizer slots), another
         worker's from ``fetched`` (``fetch``)."""
         pieces = [value(self.shards[r][t][i]) if self.shards[r][t] is not None
-                  else self.fetched[(r, t, i)]
+                  and self.shards[r][t][i] is not None else self.fetched[(r, t, i)]
                   for r in self.holders(q, self.kind_of[i])]
         return self.cut(t, i).unpadded(np.concatenate(pieces, axis=0))
 
@@ -288,7 +294,7 @@ class ZeroShards:
 
         keys = [(r, t, i) for r in range(self.run.dp) for t in range(self.run.tp)
                 for i in range(len(self.weight_index))]
-        entries = [(self.copies.owner(r, t), self.cut(t, i).shard_shape,
+        entries = [(self.copies.owner(r, t, self.weight_index[i]), self.cut(t, i).shard_shape,
                     lambda r=r, t=t, i=i: value(self.shards[r][t][i])) for r, t, i in keys]
         self.fetched = {key: got for key, got in zip(keys, exchanged(self.run, entries))}
 
@@ -302,6 +308,11 @@ class ZeroShards:
         self.shards[q][t][j].assign(np.asarray(cut.shard_of(
             np.asarray(value), self.position(q, self.kinds[q][t][j]))))
 
+    def own(self, q: int, t: int) -> list[int]:
+        """The indices of copy (q, t)'s weights whose chunks this process runs (every one
+        unless the column's pipeline chunks lie on several workers)."""
+        return [i for i, s in enumerate(self.shards[q][t]) if s is not None]
+
     def shard_of(self, q: int, t: int, weight: Any) -> Any:
         """Copy (q, t)'s shard of ``weight``."""
         return self.shards[q][t][self._index[q][t][id(weight)]]
@@ -311,6 +322,8 @@ class ZeroShards:
         for v, s, cut, device, kind in zip(self.weights[q][t], self.shards[q][t],
                                            self.cuts[q][t], self.devices[q][t],
                                            self.kinds[q][t]):
+            if s is None:  # another worker's chunk
+                continue
             with tf.device(device):
                 s.assign(cut.shard_of(v.value, self.position(q, kind)))
 
@@ -367,7 +380,7 @@ class ZeroShards:
     def gather(self, q: int, t: int) -> None:
         """Device (q, t)'s updated shards all-gathered over its data-parallel group into
         its copy's weights (kind ``zero``)."""
-        indices = list(range(len(self.weights[q][t])))
+        indices = self.own(q, t)
         for i, whole in zip(indices, self.wholes(q, t, indices)):
             with tf.device(self.devices[q][t][i]):
                 self.weights[q][t][i].assign(whole)

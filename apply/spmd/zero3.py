@@ -61,7 +61,9 @@ def install(copies: Any, zero: Any) -> None:
         for t, model in enumerate(row):
             if model is None:  # another worker's column
                 continue
-            index = {id(v): i for i, v in enumerate(zero.weights[q][t])}
+            # (another worker's chunks' layers never run here: not gathered)
+            index = {id(v): i for i, v in enumerate(zero.weights[q][t])
+                     if zero.shards[q][t][i] is not None}
             for layer in _units(model):
                 mine = [index[id(v)] for v in layer.trainable_variables if id(v) in index]
                 if not mine:

@@ -82,16 +82,13 @@ def test_auto_with_the_process_devices_and_the_compiled_optimizer(capsys):
 
 
 def hybrid_and_data_parallel(model):
-    """A plan apply.wrap cannot run yet (ZeRO-1 with the optimizer state offloaded, each
-    replica's two pipeline stages on two worker processes) and one it can."""
+    """A plan apply.wrap cannot run yet (tensor parallel with the weights offloaded to the
+    host) and one it can."""
     import dataclasses
 
-    from tfplan.core.presets import parse_cluster
-    stages = [[f"/job:worker/task:{s}/device:CPU:{r}" for r in range(2)] for s in range(2)]
-    hybrid = make_plan(model, stages, name="pipeline across workers")
-    hybrid = dataclasses.replace(hybrid, cluster=parse_cluster("2xcpu:2"),
-                                 strategy=dataclasses.replace(hybrid.strategy, zero_stage=1,
-                                                              offload="optimizer"))
+    hybrid = make_plan(model, [cpus(0, 1)], name="tensor parallel offloaded")
+    hybrid = dataclasses.replace(hybrid, strategy=dataclasses.replace(
+        hybrid.strategy, dp=1, tp=2, offload="optimizer+weights"))
     dp = make_plan(model, [cpus(0, 1)], name="data parallel dp=2")
     return hybrid, dp
 
@@ -103,10 +100,10 @@ def test_a_choice_apply_cannot_run_falls_back_to_the_best_it_can(monkeypatch, ca
         chosen=hybrid.with_reason("fastest"), candidates=(hybrid, dp)))
     wrapped = apply.auto(model, GLOBAL_BATCH, cluster=cpu_cluster(4))
     assert wrapped.plan.name == "data parallel dp=2"
-    assert "search chose pipeline across workers" in wrapped.plan.reason
+    assert "search chose tensor parallel offloaded" in wrapped.plan.reason
     err = capsys.readouterr().err
-    assert "the search chose 'pipeline across workers', which apply.wrap cannot run yet" in err
-    assert "offload='optimizer' runs on one host or with one program per worker" in err
+    assert "the search chose 'tensor parallel offloaded', which apply.wrap cannot run yet" in err
+    assert "offload='optimizer+weights' with tp=2" in err
     assert "'data parallel dp=2' is the fastest" in err
     assert_losses_match(train(wrapped, module), reference_losses("tiny_mlp"))
 

@@ -44,17 +44,16 @@ def plan(stage_devices, *, workers: int = 1, **strategy):
 def test_one_host_plans(stage_devices, strategy, expected):
     mode = execution_mode(plan(stage_devices, **strategy))
     assert mode.mode is expected and mode.mode == expected.value
-    assert mode.processes is Processes.ONE_HOST and not mode.remote
+    assert mode.processes is Processes.ONE_HOST
     assert mode.worker_tasks == ()
 
 
 def test_plans_over_workers():
-    """One program per worker (the SPMD engine) for every plan, with the mode of its shape;
-    worker 0 drives every device (apply.remote) only for ZeRO on a column whose pipeline
-    stages span workers."""
+    """One program per worker (the SPMD engine) for every plan, with the mode of its
+    shape."""
     dp = execution_mode(plan([[dev(0, 0), dev(1, 0)]], workers=2))
     assert (dp.mode, dp.processes) == (Mode.DATA_PARALLEL, Processes.PER_WORKER)
-    assert dp.worker_tasks == (0, 1) and not dp.remote
+    assert dp.worker_tasks == (0, 1)
     # replica r on device r: replicas 0 and 1 on worker 0, 2 and 3 on worker 1
     dp4 = execution_mode(plan([[dev(w, i) for w in range(2) for i in range(2)]], workers=2))
     assert (dp4.mode, dp4.processes) == (Mode.DATA_PARALLEL, Processes.PER_WORKER)
@@ -73,10 +72,10 @@ def test_plans_over_workers():
                                                                         Processes.PER_WORKER)
     general = plan([[dev(0, 0)], [dev(1, 0)]], workers=2, placement="general")
     assert execution_mode(general).mode is Mode.PLACEMENT
-    assert not execution_mode(general).remote
-    # ZeRO's shards of such a column: worker 0 drives every device (apply.remote)
+    assert execution_mode(general).processes is Processes.PER_WORKER
+    # ZeRO's shards of such a column: each chunk's on its own worker
     zero_pp = plan([[dev(0, 0), dev(0, 1)], [dev(1, 0), dev(1, 1)]], workers=2, zero_stage=1)
-    assert run_processes(zero_pp) is Processes.REMOTE and execution_mode(zero_pp).remote
+    assert run_processes(zero_pp) is Processes.PER_WORKER
 
 
 def test_a_plan_that_leaves_a_worker_idle_is_refused():

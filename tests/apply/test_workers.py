@@ -69,12 +69,14 @@ FOUR_CASES = [("tiny_transformer", "dp2xtp4"), ("tiny_mlp", "dp8+zero3")]  # 4 w
 # CPUs: its activations and their gradients cross by two-member collectives
 PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transformer", "pp2xtp2"),
               ("tiny_cnn", "dp2xpp2-across"), ("tiny_mlp", "pp2-interleaved"),
-              ("branchy", "placement"), ("tiny_hub", "pp2")]
+              ("branchy", "placement"), ("tiny_hub", "pp2"),
+              ("tiny_mlp", "dp2xpp2-across+zero1"), ("tiny_transformer", "dp2xpp2-across+zero2"),
+              ("tiny_mlp", "dp2xpp2-across+zero3")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
-FULL = {"tiny_mlp dp8+zero3"}
+FULL = {"tiny_mlp dp8+zero3", "tiny_mlp dp2xpp2-across+zero3"}
 AUDITED = {"tiny_transformer pp2xtp2", "tiny_transformer dp2xtp4", "tiny_transformer dp8+zero3", "tiny_moe dp8xep2",
-           "tiny_transformer dp4xcp2"}
+           "tiny_transformer dp4xcp2", "tiny_transformer dp2xpp2-across+zero2"}
 # also running fit (with validation data), evaluate and predict on tf.data.Datasets: each
 # worker reads only its columns' rows (two replicas of two tensor ranks on each of two
 # workers, padded; two replicas on each of four workers), or, a column on both workers,
@@ -147,10 +149,11 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
         plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
         s = dict(schedule="1f1b", dp=1, tp=2)
         splits = SPLITS[name]
-    elif kind == "dp2xpp2-across":  # stage s on worker s, replica r on its CPU r
+    elif kind.startswith("dp2xpp2-across"):  # stage s on worker s, replica r on its CPU r
         stages = [[dev(st, r) for r in range(2)] for st in range(2)]
         plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
-        s = dict(schedule="1f1b")
+        # "+zeroN": each chunk's weights sharded over its worker's replicas
+        s = dict(schedule="1f1b", zero_stage=int(kind[-1]) if "+zero" in kind else 0)
     elif kind == "placement":  # a general placement, one branch per worker
         branchy = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
         plan = make_plan(model, [[d] for d in branchy], global_batch=GLOBAL_BATCH,
@@ -374,8 +377,9 @@ def run_cases(tmp_path, cases: list, workers: int, cpus: int) -> None:
 
 def kind_spans_all(case: str) -> bool:
     """Whether a case's columns each lie on every worker (every worker reads every row)."""
-    return case.split()[1] in ("pp2", "pp2-interleaved", "pp2xtp2", "placement",
-                               "dp2xpp2-across")
+    kind = case.split()[1]
+    return kind in ("pp2", "pp2-interleaved", "pp2xtp2", "placement") or kind.startswith(
+        "dp2xpp2-across")
 
 
 def _check_stages(devices: dict, plan, task: int, case: str) -> None:
@@ -487,26 +491,6 @@ def test_apply_auto_plans_the_multi_worker_job(tmp_path):
         assert_losses_match(result["losses"], reference_losses("tiny_mlp"))
         used = {d for where in result["devices"].values() for d in where}
         assert used and all(f"/job:worker/task:{task}/" in d for d in used), used
-
-
-def test_zero_on_a_column_across_workers_is_left_to_worker_0():
-    """A replica's pipeline stages on several workers (the Megatron layout, stage s on
-    worker s) run one program per worker; with ZeRO the SPMD engine refuses it (its shards
-    would span the column's workers) and worker 0 drives every device (apply.remote)."""
-    from tfplan.apply.mode import execution_mode
-    from tfplan.apply.spmd import refusal
-
-    _, model = base_model("tiny_mlp")
-    plan = worker_plan(model, "tiny_mlp", "dp2xpp2")
-    assert refusal(plan) == ""
-    stages = tuple(dataclasses.replace(st, devices=(dev(s, 0), dev(s, 1)))
-                   for s, st in enumerate(plan.stages))
-    across = dataclasses.replace(plan, stages=stages)
-    assert refusal(across) == "" and not execution_mode(across).remote
-    zero = dataclasses.replace(across, strategy=dataclasses.replace(across.strategy,
-                                                                    zero_stage=1))
-    assert execution_mode(zero).remote and execution_mode(zero).mode == "tensor_parallel"
-    assert refusal(zero) == "ZeRO with a replica's pipeline stages on several workers"
 
 
 if __name__ == "__main__":

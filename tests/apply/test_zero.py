@@ -28,10 +28,9 @@ def zero_plan(model, stage_devices, *, num_microbatches=1, dp, splits=(), stage=
                                                                   zero_stage=stage))
 
 
-def test_zero2_and_3_run_on_one_host_per_worker_and_through_worker_0():
-    """ZeRO-2 and ZeRO-3 run on one host, with one program per worker (apply.spmd:
-    tests/apply/test_workers.py) and with a replica spanning workers (apply.remote:
-    tests/apply/test_zero_remote.py)."""
+def test_zero2_and_3_run_on_one_host_and_one_program_per_worker():
+    """ZeRO-2 and ZeRO-3 run on one host and with one program per worker (apply.spmd:
+    tests/apply/test_workers.py), a replica's pipeline stages on several workers too."""
     from tfplan.core.presets import parse_cluster
 
     _, model = base_model("tiny_mlp")
@@ -47,7 +46,7 @@ def test_zero2_and_3_run_on_one_host_per_worker_and_through_worker_0():
             zero_plan(model, [[f"/job:worker/task:{w}/device:CPU:{r}" for r in range(2)]
                               for w in range(2)], dp=2, stage=stage, num_microbatches=2),
             cluster=parse_cluster("2xcpu:2"))
-        assert execution_mode(spanning).remote
+        assert execution_mode(spanning).processes == "per_worker"
         assert unapplied(spanning, execution_mode(spanning)) == []
 
 

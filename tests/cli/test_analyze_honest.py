@@ -101,8 +101,8 @@ def test_absurd_global_batch_gets_a_warning(tmp_path):
 
 
 def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
-    """A plan apply refuses (ZeRO with offload on a replica whose pipeline stages span two
-    workers, fixed on purpose: the other layout runs it) is named as such, with the reason,
+    """A plan apply refuses (tensor parallel with the weights offloaded, fixed on purpose:
+    with the optimizer state alone offloaded it runs) is named as such, with the reason,
     in the text and in --json's apply_refuses; a plan apply runs has none."""
     import json as _json
     import os as _os
@@ -111,14 +111,15 @@ def test_analyze_says_when_apply_cannot_train_the_chosen_plan(tmp_path):
     old = {k: _os.environ.get(k) for k in env}
     _os.environ.update(env)
     try:
-        fixed = ["analyze", "examples/mlp.py", "--cluster", "2xcpu:2", "--global-batch", "8",
-                 "--fix", "dp=2,pp=2", "--zero-stage", "1", "--offload", "optimizer"]
-        code, out, err = run([*fixed, "--layout", "tp-dp-pp", "--out", str(tmp_path / "a")])
+        fixed = ["analyze", "examples/mlp.py", "--cluster", "1xcpu:2", "--global-batch", "8",
+                 "--fix", "tp=2"]
+        code, out, err = run([*fixed, "--offload", "optimizer+weights",
+                              "--out", str(tmp_path / "a")])
         assert code == 0, err
         out = " ".join((out + err).split())
         assert "apply cannot train this plan yet" in out
-        assert "offload='optimizer' runs on one host or with one program per worker" in out
-        code, out, err = run([*fixed, "--layout", "tp-pp-dp", "--out", str(tmp_path / "b"),
+        assert "offload='optimizer+weights' with tp=2" in out
+        code, out, err = run([*fixed, "--offload", "optimizer", "--out", str(tmp_path / "b"),
                               "--json"])
         assert code == 0, err
         assert _json.loads(out[out.index("{"):])["apply_refuses"] == []
