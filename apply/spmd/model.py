@@ -69,6 +69,7 @@ from tfplan import compat
 from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.checkpoint import save_atomically
 from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.apply.groups import Group, group_key
 from tfplan.apply.input_shapes import InputShapeChecks
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.offload import state_on_host
@@ -737,18 +738,17 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 sums[device] = ops.sum(squares)
         columns = {d: tuple(dict.fromkeys(run.column(q, t))) for q in range(run.dp)
                    for t in range(run.tp) for d in run.column(q, t)}
-        if global_clipnorm and any(any(d in sums for d in ds) and not all(map(run.is_local, ds))
-                                   for ds in columns.values()):
-            raise PlannerError(
-                f"Plan {self.plan.name!r} clips by global_clipnorm, whose norm sums every "
-                "stage's gradients, and a replica's stages lie on several workers here; "
-                "that sum across workers is not built yet. Use clipnorm (per weight), or "
-                "keep each replica's stages on one worker.")
         out = []
         for device, gs, squares in zip(devices, grads, staged):
             with tf.device(device):
-                if global_clipnorm:  # over the column's chunks: a scalar from each
-                    total = ops.sqrt(ops.sum(ops.stack([sums[d] for d in columns[device]])))
+                column = columns[device]
+                if global_clipnorm and all(map(run.is_local, column)):
+                    # over the column's chunks: a scalar from each of its devices
+                    total = ops.sqrt(ops.sum(ops.stack([sums[d] for d in column])))
+                elif global_clipnorm:  # a column across workers: its devices' scalars summed
+                    total = ops.sqrt(member_all_reduce(  # by a collective over them
+                        sums[device], Group("pp", column, group_key(column)), device, "pp"))
+                if global_clipnorm:
                     factor = global_clipnorm / ops.maximum(total, global_clipnorm)
                     gs = [_times(g, factor) for g in gs]
                 else:

@@ -18,14 +18,15 @@ file round trip; ``DATASETS`` fit, evaluate and predict on ``tf.data.Dataset``s,
 reading only its columns' rows of a dataset's batches), 4 workers of 2 CPUs (``FOUR_CASES``: tensor ranks across workers, ZeRO-3
 with a weight file gathered from every worker's shards) and 2 workers of 2 CPUs
 (``PIPE_CASES``: pipeline stages across the workers, GPipe, 1F1B, interleaved, with tp inside
-and with dp, and a general placement across them), each stage's weights on its own
-worker only.
+and with dp, ZeRO-1/2/3 (with ``global_clipnorm`` over the column's workers), and a general
+placement across them), each stage's weights on its own worker only.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -70,7 +71,8 @@ FOUR_CASES = [("tiny_transformer", "dp2xtp4"), ("tiny_mlp", "dp8+zero3")]  # 4 w
 PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transformer", "pp2xtp2"),
               ("tiny_cnn", "dp2xpp2-across"), ("tiny_mlp", "pp2-interleaved"),
               ("branchy", "placement"), ("tiny_hub", "pp2"),
-              ("tiny_mlp", "dp2xpp2-across+zero1"), ("tiny_transformer", "dp2xpp2-across+zero2"),
+              ("tiny_mlp", "dp2xpp2-across+zero1+clip"),
+              ("tiny_transformer", "dp2xpp2-across+zero2"),
               ("tiny_mlp", "dp2xpp2-across+zero3")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
@@ -113,6 +115,8 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
     divides its CPUs), except where the kind interleaves the workers (``ep``, ``cp``: the
     groups across them)."""
     every = [dev(i // cpus, i % cpus) for i in range(workers * cpus)]
+    kind = kind.removesuffix("+clip")  # the optimizer's (optimizer_for)
+    zero = re.search(r"\+zero(\d)", kind)  # "+zeroN": ZeRO-N
     s = {}
     splits = ()
     if kind == "dp2xpp2":  # (2 x 2: the apply.remote and backup tests) stage s on CPU s
@@ -153,7 +157,7 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
         stages = [[dev(st, r) for r in range(2)] for st in range(2)]
         plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
         # "+zeroN": each chunk's weights sharded over its worker's replicas
-        s = dict(schedule="1f1b", zero_stage=int(kind[-1]) if "+zero" in kind else 0)
+        s = dict(schedule="1f1b", zero_stage=int(zero.group(1)) if zero else 0)
     elif kind == "placement":  # a general placement, one branch per worker
         branchy = {dev(0, 0): ("stem", "branch_1", "head"), dev(1, 1): ("branch_0", "merge")}
         plan = make_plan(model, [[d] for d in branchy], global_batch=GLOBAL_BATCH,
@@ -163,7 +167,7 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
         plan = make_plan(model, [[dev(w, 0) for w in range(workers)]], global_batch=GLOBAL_BATCH)
     else:  # dp (every device), "+zeroN": ZeRO-N over all of them, "+clip"
         plan = make_plan(model, [every], global_batch=GLOBAL_BATCH)
-        s = dict(zero_stage=int(kind[-1])) if "+zero" in kind else {}
+        s = dict(zero_stage=int(zero.group(1))) if zero else {}
     dp = s.get("dp", plan.strategy.dp)
     s.setdefault("microbatch_size", GLOBAL_BATCH // (dp * plan.strategy.num_microbatches))
     plan = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, **s),
