@@ -79,21 +79,20 @@ def summed_over_workers(metrics: list[Any], run: Any) -> Iterator[None]:
             v.assign(b + change)
 
 
-def gathered_outputs(results: list[list[Any]], n: Any, run: Any, specs: Any) -> Any:
+def gathered_outputs(results: list[list[Any]], n: Any, run: Any, specs: Any,
+                     sequence: int | None = None) -> Any:
     """The model's outputs for the whole batch of ``n`` rows on every worker (module
     docstring): replica q's parts from the worker running its tensor rank 0 (and its last
     pipeline chunk). ``specs``: the model's output KerasTensors (the shapes of a worker's
-    zero batch where it holds no outputs)."""
-    if run.cp > 1:
-        raise PlannerError(
-            f"Plan {run.plan_name!r} runs context parallelism across workers; its outputs "
-            "(call, predict) would be joined from sequence chunks on several workers, which "
-            "is not built yet. Predict with the plain model (save_weights, then load them "
-            "into it), or keep each replica's context ranks inside one worker.")
-    m = run.num_microbatches
+    zero batch where it holds no outputs). Under context parallelism (``sequence``: the
+    model's positions) part q m + k holds rows r m + k (q = r cp + c) and, of an output
+    along the sequence, chunk c's positions (``apply.spmd.context.chunk_of``): each
+    placed there; an output without the sequence axis from chunk 0 alone (as on one host,
+    ``context.joined``)."""
+    m, cp = run.num_microbatches, run.cp
     padded = run.global_batch if run.fixed_batch else n
-    total_parts = run.parts
-    bounds = [(i * padded) // total_parts for i in range(total_parts + 1)]
+    row_parts = run.parts // cp
+    bounds = [(i * padded) // row_parts for i in range(row_parts + 1)]
     device = host(run)
     mine = [(q * m + k, p["y_pred"]) for q, row in enumerate(results) if row[0] is not None
             for k, p in enumerate(row[0])]
@@ -108,13 +107,26 @@ def gathered_outputs(results: list[list[Any]], n: Any, run: Any, specs: Any) -> 
     out = []
     with tf.device(device):
         for leaf, like in enumerate(shapes):
+            # an output along the sequence: a part holds 1/cp of its positions
+            along = cp > 1 and len(like.shape) > 1 and like.shape[1] is not None and (
+                like.shape[1] * (cp if tf.is_tensor(like) else 1) == sequence)
             tail = tf.shape(like)[1:] if tf.is_tensor(like) else tf.constant(
                 tuple(like.shape[1:]), tf.int32)
+            if along and tf.is_tensor(like):
+                tail = tf.concat([[sequence], tail[1:]], 0)
             rows = tf.concat([[padded], tail], 0)
             local = tf.zeros(rows, tf.float32)
             for (i, _), leaves in zip(mine, leaves_of):
+                q, k = divmod(i, m)
+                r, c = divmod(q, cp)
+                if c and not along:  # the same for every chunk: chunk 0's
+                    continue
                 y = tf.cast(leaves[leaf], tf.float32)
-                pad = [[bounds[i], padded - bounds[i + 1]]] + [[0, 0]] * (len(y.shape) - 1)
+                part = r * m + k  # its rows
+                pad = [[bounds[part], padded - bounds[part + 1]]] + [[0, 0]] * (len(y.shape) - 1)
+                if along:  # chunk c's positions
+                    size = sequence // cp
+                    pad[1] = [c * size, sequence - (c + 1) * size]
                 local = local + tf.pad(y, pad)
             whole = _summed_dynamic(local, run)  # the same op on every worker
             out.append(tf.cast(whole, tf.as_dtype(like.dtype))[:n])

@@ -676,7 +676,8 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 results = self._forward(data, training=False)
                 return _after(sends, gathered_outputs(results, self._batch_rows(data),
                                                       self._copies.run,
-                                                      self._host.model.outputs))
+                                                      self._host.model.outputs,
+                                                      self._sequence))
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         with self._shape_checked(data, "A batch given to predict"):
             return self(x, training=False)
@@ -686,7 +687,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             results = self._forward((inputs,), training=bool(training))
             if not self._copies.run.every_column_here:  # one program per worker
                 return _after(sends, gathered_outputs(results, rows_of(inputs), self._copies.run,
-                                                      self._host.model.outputs))
+                                                      self._host.model.outputs, self._sequence))
         outs = [p["y_pred"] for row in results for p in row[0]]
         cp, m = self._copies.run.cp, self._copies.run.num_microbatches
         if cp > 1:  # replica r's chunks joined, micro-batch by micro-batch

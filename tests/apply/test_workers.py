@@ -81,9 +81,10 @@ AUDITED = {"tiny_transformer pp2xtp2", "tiny_transformer dp2xtp4", "tiny_transfo
            "tiny_transformer dp4xcp2", "tiny_transformer dp2xpp2-across+zero2"}
 # also running fit (with validation data), evaluate and predict on tf.data.Datasets: each
 # worker reads only its columns' rows (two replicas of two tensor ranks on each of two
-# workers, padded; two replicas on each of four workers), or, a column on both workers,
-# every row (cp across workers is not in it: its predict is refused there)
-DATASETS = {"tiny_cnn dp4xtp2", "tiny_mlp dp8+zero3", "tiny_mlp pp2"}
+# workers, padded; two replicas on each of four workers; each worker one sequence chunk
+# of every row, predict joining the chunks across the workers), or, a column on both
+# workers, every row
+DATASETS = {"tiny_cnn dp4xtp2", "tiny_mlp dp8+zero3", "tiny_mlp pp2", "tiny_transformer dp4xcp2"}
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
 
 
