@@ -98,7 +98,9 @@ def padded(data: Any, n: Any, run: Any) -> tuple[Any, Any]:
 
 def batch_message(run: Any, n: int | None) -> str:
     received = f"received {n} rows" if n is not None else "received a larger batch"
-    return (f"Plan {run.plan_name!r} runs tensor parallel on the SPMD engine, which takes "
+    why = ("tensor parallel" if run.tp > 1 else "expert parallel" if run.ep > 1
+           else "pipeline stages across workers")  # collectives moving activations
+    return (f"Plan {run.plan_name!r} runs {why} on the SPMD engine, which takes "
             f"batches of at most the plan's global batch ({run.global_batch} rows; smaller "
             f"ones are padded); {received}. Batch the data by {run.global_batch} "
             f"(batch_size={run.global_batch}) for fit, evaluate and predict.")

@@ -672,22 +672,24 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
 
     def predict_step(self, data: Any) -> Any:
         if is_worker_rows(data):  # a worker's rows of a dataset (checked as it was cut)
-            with instance_scope("call"), self._hops() as sends:
-                results = self._forward(data, training=False)
-                return _after(sends, gathered_outputs(results, self._batch_rows(data),
-                                                      self._copies.run,
-                                                      self._host.model.outputs,
-                                                      self._sequence))
+            return self._gathered(data, self._batch_rows(data), training=False)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         with self._shape_checked(data, "A batch given to predict"):
             return self(x, training=False)
 
-    def call(self, inputs: Any, training: Any = None) -> Any:
+    def _gathered(self, data: Any, n: Any, training: bool) -> Any:
+        """One program per worker: the outputs of ``data``'s ``n`` rows, every worker's
+        parts summed into the whole batch's on each (``across.gathered_outputs``)."""
         with instance_scope("call"), self._hops() as sends:
+            results = self._forward(data, training=training)
+            return _after(sends, gathered_outputs(results, n, self._copies.run,
+                                                  self._host.model.outputs, self._sequence))
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if not self._copies.run.every_column_here:  # one program per worker
+            return self._gathered((inputs,), rows_of(inputs), bool(training))
+        with instance_scope("call"), self._hops():
             results = self._forward((inputs,), training=bool(training))
-            if not self._copies.run.every_column_here:  # one program per worker
-                return _after(sends, gathered_outputs(results, rows_of(inputs), self._copies.run,
-                                                      self._host.model.outputs, self._sequence))
         outs = [p["y_pred"] for row in results for p in row[0]]
         cp, m = self._copies.run.cp, self._copies.run.num_microbatches
         if cp > 1:  # replica r's chunks joined, micro-batch by micro-batch
