@@ -29,7 +29,8 @@ cut by ``apply.spmd.stages``.
   collective (``member_send`` on the producer's device at the reader's forward slot,
   ``member_receive`` on the reader's: the shape from the graph's symbolic tensor, the
   batch from the part's rows; a shape known only as it runs, as a nested backbone's
-  sequence length, is sent first), and its gradient comes back the same way at the reader's
+  sequence length, is sent first; a Keras mask the graph shows on it follows it, as int32),
+  and its gradient comes back the same way at the reader's
   backward slot (zeros where the reader's backward gives none). Every send and receive of
   a pair of devices is counted in the same order on both workers, so their instance keys
   meet; the sends' outputs are kept (``sends``) for the step to depend on (``tf.function``
@@ -96,6 +97,11 @@ def slot_order(run: RunDescription) -> list[Slot]:
                                "device orders wait for each other (a deadlock). Re-plan with "
                                "--schedule 1f1b or gpipe.")
     return out
+
+
+def _masked(spec: Any) -> bool:
+    """Whether the graph's value ``spec`` (a KerasTensor) carries a Keras mask."""
+    return compat.get_keras_mask(spec) is not None
 
 
 class ColumnPass:
@@ -195,17 +201,21 @@ class ColumnPass:
                 continue
             self._sent[j].add((i, reader))
             value = self.values[j][i]
-            if compat.get_keras_mask(value) is not None:
+            spec = self.program.tensors[i]
+            mask = compat.get_keras_mask(value)
+            if (mask is not None) != _masked(spec):  # the receiver goes by the graph's
                 raise PlannerError(
-                    f"Plan {self.run.plan_name!r} sends a value with a Keras mask from "
-                    f"{source} to {reader}, on another worker; the mask does not travel "
-                    "between workers yet. Keep the masked layers' stages on one worker, or "
-                    "re-plan.")
+                    f"Plan {self.run.plan_name!r} sends a value from {source} to {reader}, on "
+                    "another worker, whose Keras mask the model's graph does not show "
+                    "(the receiver could not expect it). Keep those layers' stages on one "
+                    "worker, or re-plan.")
             group = self._hop(source, reader)
-            if not _static_tail(self.program.tensors[i]):  # its shape first (known as it runs)
+            if not _static_tail(spec):  # its shape first (known as it runs)
                 self.sends.append(member_send(tf.shape(value, out_type=tf.int64), group,
                                               source))
             self.sends.append(member_send(value, group, source))
+            if mask is not None:  # then its Keras mask (as int32: no bool collectives)
+                self.sends.append(member_send(tf.cast(mask, tf.int32), group, source))
 
     def _receive_forward(self, j: int, i: int, source: str, device: str, x: Any,
                          tape: Any) -> Any:
@@ -222,6 +232,15 @@ class ColumnPass:
         dtype = tf.as_dtype(spec.dtype)
         copy = member_receive(shape, dtype, group, device)
         copy.set_shape((tf.nest.flatten(x)[0].shape[0], *tail))
+        if _masked(spec):  # its Keras mask follows it (the graph says it has one)
+            mask_spec = compat.get_keras_mask(spec)
+            mask_tail = tuple(mask_spec.shape[1:])
+            mask_shape = (tf.concat([shape[:1], tf.constant(mask_tail, shape.dtype)], 0)
+                          if None not in mask_tail  # else the value's leading axes (a
+                          else shape[:len(mask_spec.shape)])  # [batch, seq] mask)
+            mask = tf.cast(member_receive(mask_shape, tf.int32, group, device), tf.bool)
+            mask.set_shape((copy.shape[0], *mask_spec.shape[1:]))
+            compat.set_keras_mask(copy, mask)
         if tape is not None and dtype.is_floating:
             tape.watch(copy)
         self.copies[j][(i, device)] = copy

@@ -122,11 +122,11 @@ def base_model(name: str) -> tuple[Any, Any]:
 
 
 def single_device_copy(name: str) -> tuple[Any, Any]:
-    """(module, a compiled one-device copy of ``base_model(name)``, same weights)."""
-    import keras
-
+    """(module, a compiled one-device copy of ``base_model(name)``, same weights: built
+    again by the module's ``build_model``, as custom layers without ``get_config`` cannot
+    be cloned)."""
     module, model = base_model(name)
-    copy = keras.models.clone_model(model)
+    copy = module.build_model()
     copy.set_weights(model.get_weights())
     copy.compile(optimizer=fresh_optimizer(module), loss=module.loss)
     return module, copy

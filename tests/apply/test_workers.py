@@ -59,7 +59,7 @@ SPLITS = {
                                          ("feedforward_output_dense", "row"))),
 }
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
-            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b"}
+            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b", "tiny_seq2seq": "gpipe"}
 # (model, plan kind) on 2 workers of 4 CPUs; the first also runs fit/evaluate/predict/files
 CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
          ("tiny_transformer", "dp8+zero3"), ("tiny_cnn", "dp4xtp2"),
@@ -73,7 +73,7 @@ PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transform
               ("branchy", "placement"), ("tiny_hub", "pp2"),
               ("tiny_mlp", "dp2xpp2-across+zero1+clip"),
               ("tiny_transformer", "dp2xpp2-across+zero2"),
-              ("tiny_mlp", "dp2xpp2-across+zero3")]
+              ("tiny_mlp", "dp2xpp2-across+zero3"), ("tiny_seq2seq", "pp2")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
 FULL = {"tiny_mlp dp8+zero3", "tiny_mlp dp2xpp2-across+zero3"}
@@ -85,6 +85,9 @@ AUDITED = {"tiny_transformer pp2xtp2", "tiny_transformer dp2xtp4", "tiny_transfo
 # of every row, predict joining the chunks across the workers), or, a column on both
 # workers, every row
 DATASETS = {"tiny_cnn dp4xtp2", "tiny_mlp dp8+zero3", "tiny_mlp pp2", "tiny_transformer dp4xcp2"}
+# the last layer of stage 0 where the even split would cut a block: the seq2seq's masked
+# embeddings cross to worker 1 with their Keras mask
+FIRST_STAGE = {"tiny_seq2seq": "embed"}
 CLIP_NORM = 0.5  # "+clip": SGD with global_clipnorm, below the MLP's gradient norms (~3)
 
 
@@ -146,7 +149,16 @@ def worker_plan(model, name: str, kind: str, workers: int = WORKERS, cpus: int =
     elif kind in ("pp2", "pp2-interleaved"):  # stage s on worker s (the Megatron layout)
         virtual = 2 if kind.endswith("interleaved") else 1
         stages = [[dev(st % workers, 0)] for st in range(2 * virtual)]
-        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH)
+        layers = None
+        if name in FIRST_STAGE:  # stage 0 ends at that layer (a block stays whole)
+            from tfplan.profiler.signature import model_signature
+
+            entries = [row[0] for row in model_signature(model)]
+            cut = max(i for i, e in enumerate(entries)
+                      if e.split("/")[0] == FIRST_STAGE[name]) + 1
+            layers = [entries[:cut], entries[cut:]]
+        plan = make_plan(model, stages, num_microbatches=2, global_batch=GLOBAL_BATCH,
+                         stage_layers=layers)
         s = dict(schedule="interleaved" if virtual > 1 else SCHEDULE[name],
                  virtual_stages=virtual, pp=2)
     elif kind == "pp2xtp2":  # stage s on worker s, tensor parallel over its CPUs
