@@ -214,6 +214,21 @@ def loss_tracker(model: Any) -> Any:
     return tracker
 
 
+def add_to_mean_total(metric: Any, value: Any) -> None:
+    """Add ``value`` to a ``keras.metrics.Mean``'s running total alone (its ``total``
+    variable; the count unchanged). The SPMD engine's workers each hold part of one
+    device's loss (a pipeline stage's added losses on one worker, the loss and its count
+    on the last stage's): the workers' changes to the loss tracker are summed, so the
+    added part enters the total only. Checked on Keras 3.15.1."""
+    total = getattr(metric, "total", None)
+    if total is None or not hasattr(total, "assign_add"):
+        raise KerasInternalsError(_moved("keras.metrics.Mean.total (its running sum)",
+                                         "absent"))
+    from keras import ops
+
+    total.assign_add(ops.cast(value, total.dtype))
+
+
 RUN_THROUGH_GRAPH = "_run_through_graph"
 """The name of ``Function._run_through_graph(inputs, operation_fn, call_fn=None)``,
 which ``Functional.call`` calls with an ``operation_fn`` that wraps each operation's

@@ -252,6 +252,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         run = self._copies.run
         m = run.num_microbatches
         parts, flags = self._parts(data)
+        self._elsewhere = []
         out: list[list[Any]] = []
         for q, replica in enumerate(self._copies.models):
             row = []
@@ -260,9 +261,13 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                     row.append(None)
                     continue
                 if self._copies.programs is not None:
-                    results = self._column(q, t, parts, flags, training).forward_all()
+                    column = self._column(q, t, parts, flags, training)
+                    results = column.forward_all()
                     # the outputs are on the last chunk's worker (one program per worker)
-                    row.append(results if run.is_local(run.column(q, t)[-1]) else None)
+                    last_here = run.is_local(run.column(q, t)[-1])
+                    row.append(results if last_here else None)
+                    if not last_here:
+                        self._added_elsewhere(column)
                     continue
                 device = run.replicas[q][t]
                 results = []
@@ -389,6 +394,27 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             return
         with summed_over_workers(self.metrics, run):
             self._track(results, weights, data)
+            with tf.device(HOST):  # a stage's added losses here, the loss on another worker
+                for value in getattr(self, "_elsewhere", ()):
+                    compat.add_to_mean_total(compat.loss_tracker(self), value)
+
+    def _added_elsewhere(self, column: ColumnPass) -> None:
+        """A column whose loss is on another worker: its chunks' added losses here enter
+        the logged loss as one device's (``_track``: part j's weighs its rows, c'_j x the
+        rows' share), kept in ``_elsewhere`` for ``_track_all``."""
+        terms = []
+        for j, part in enumerate(column.parts):
+            added = [compat.added_loss(self, v) for chunk in column.aux[j] for v in chunk]
+            if added and column.flags[j] is not None:  # padding rows refused (as there)
+                added = [_without_padding(a, column.flags[j], self._copies.run) for a in added]
+            if added:
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(part)
+                with tf.device(HOST):
+                    terms.append(ops.cast(rows_of(x), "float32")
+                                 * ops.sum([ops.cast(a, "float32") for a in added]))
+        if terms:
+            with tf.device(HOST):
+                self._elsewhere.append(ops.sum(terms))
 
     # ---------------------------------------------------------------- steps
     @contextlib.contextmanager
@@ -557,6 +583,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         run = self._copies.run
         rows = ops.cast(self._batch_rows(data), "float32")  # the real rows (before padding)
         parts, flags = self._parts(data)
+        self._elsewhere = []
         order = slot_order(run)
         results, totals, columns = [], [], []
         with tf.GradientTape(persistent=True) as tape:
@@ -581,8 +608,9 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                             column.backward(j, k, tape, [])
                             continue
                         if not last_here:  # no loss here: the gradients that come back
-                            self._check_no_added_losses(column, j, k)
-                            column.backward(j, k, tape, [])
+                            with tf.device(column.column[k]):  # (and its added losses)
+                                targets = self._added_targets(column, j, k, rows)
+                            column.backward(j, k, tape, targets)
                             continue
                         if deferred is None:  # decided at the first backward
                             deferred = any(r is None for r in column.results)
@@ -595,6 +623,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                         column.backward(j, k, tape, targets)
                     grads = column.weight_grads()
                     if not last_here:
+                        self._added_elsewhere(column)
                         row.append(None)
                         row_totals.append(None)
                         row_grads.append(grads)
@@ -641,15 +670,19 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                                                                       "float32")))
         return out
 
-    def _check_no_added_losses(self, column: ColumnPass, j: int, k: int) -> None:
-        """A chunk whose column's loss is on another worker cannot weight its added losses
-        (add_loss) as one device does (the part's counts are there): refused."""
-        if column.aux[j][k]:
-            raise PlannerError(
-                f"Plan {self.plan.name!r} puts layers that add losses (add_loss) on a "
-                "pipeline stage whose replica's loss is on another worker; their weight "
-                "depends on counts known there. Keep those layers on the last stage's "
-                "worker, or re-plan.")
+    def _added_targets(self, column: ColumnPass, j: int, k: int, rows: Any) -> list[Any]:
+        """Backward slot (j, k)'s added losses (add_loss) where the column's loss is on
+        another worker: weighted as one device's, by the part's rows over the batch's real
+        rows (``_slot_targets``' ``counts[1]``; both known on every worker, unlike the
+        loss's counts), a part holding padding rows refused as on the last stage."""
+        added = [compat.added_loss(self, v) for v in column.aux[j][k]]
+        if not added:
+            return []
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(column.parts[j])
+        if column.flags[j] is not None:
+            added = [_without_padding(a, column.flags[j], self._copies.run) for a in added]
+        weight = ops.divide_no_nan(ops.cast(rows_of(x), "float32"), rows)
+        return [self.optimizer.scale_loss(weight * ops.cast(ops.sum(added), "float32"))]
 
     def _check_deferred(self, column: ColumnPass) -> None:
         """A 1F1B part's loss and added losses divide by different sums where the output
@@ -1022,9 +1055,9 @@ def _without_padding(term: Any, valid: Any, run: Any) -> Any:
         ops.sum(1.0 - valid), 0.0,
         message=(f"Plan {run.plan_name!r}: the model adds losses (add_loss, activity "
                  "regularizers) over its rows, and this batch is smaller than the plan's "
-                 f"global batch ({run.global_batch}); under tensor parallelism it is padded "
-                 "and the padding rows would change those terms. Batch the data with "
-                 "drop_remainder=True."))
+                 f"global batch ({run.global_batch}); it is padded (the plan's collectives "
+                 "fix the batch's shape) and the padding rows would change those terms. "
+                 "Batch the data with drop_remainder=True."))
     with tf.control_dependencies([check]):
         return tf.identity(term)
 

@@ -59,7 +59,8 @@ SPLITS = {
                                          ("feedforward_output_dense", "row"))),
 }
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
-            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b", "tiny_seq2seq": "gpipe"}
+            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b", "tiny_seq2seq": "gpipe",
+            "tiny_regularized": "1f1b"}
 # (model, plan kind) on 2 workers of 4 CPUs; the first also runs fit/evaluate/predict/files
 CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
          ("tiny_transformer", "dp8+zero3"), ("tiny_cnn", "dp4xtp2"),
@@ -73,7 +74,8 @@ PIPE_CASES = [("tiny_mlp", "pp2"), ("tiny_transformer", "pp2"), ("tiny_transform
               ("branchy", "placement"), ("tiny_hub", "pp2"),
               ("tiny_mlp", "dp2xpp2-across+zero1+clip"),
               ("tiny_transformer", "dp2xpp2-across+zero2"),
-              ("tiny_mlp", "dp2xpp2-across+zero3"), ("tiny_seq2seq", "pp2")]
+              ("tiny_mlp", "dp2xpp2-across+zero3"), ("tiny_seq2seq", "pp2"),
+              ("tiny_regularized", "pp2")]
 # also running fit/evaluate/predict and a weight file round trip (each launch's first case
 # does): the file's weights and optimizer state gathered from every worker's pieces
 FULL = {"tiny_mlp dp8+zero3", "tiny_mlp dp2xpp2-across+zero3"}
