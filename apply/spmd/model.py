@@ -68,7 +68,8 @@ from keras import ops
 from tfplan import compat
 from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.checkpoint import save_atomically
-from tfplan.apply.collective_ops import instance_scope, member_all_reduce
+from tfplan.apply.collective_ops import (instance_scope, member_all_reduce, member_receive,
+                                         member_send)
 from tfplan.apply.groups import Group, group_key
 from tfplan.apply.input_shapes import InputShapeChecks
 from tfplan.apply.monitor import PlanMonitor
@@ -398,6 +399,48 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                 for value in getattr(self, "_elsewhere", ()):
                     compat.add_to_mean_total(compat.loss_tracker(self), value)
 
+    def _corrected_later(self, order: Any, column: ColumnPass) -> bool:
+        """Whether a column's gradients are corrected after its backward (1F1B on a model
+        whose output has a Keras mask: the slots weighted the loss by an estimate of the
+        mask's counts, the step's true counts known only after the last forward), from
+        the schedule and the model's graph alone: every worker computes the same."""
+        outputs = self._host.model.outputs  # (``_loss_terms``' "masked", from the graph)
+        if len(outputs) != 1 or compat.get_keras_mask(outputs[0]) is None:
+            return False
+        last = column.program.chunks - 1
+        first_backward = next(i for i, s in enumerate(order) if s.kind == "B")
+        return any(s.kind == "F" and s.stage == last for s in order[first_backward:])
+
+    def _send_correction(self, factor: Any, column: ColumnPass) -> None:
+        """The masked 1F1B correction (a scalar) from the last chunk's device to each of
+        the column's devices on other workers (a two-member broadcast each)."""
+        last = column.column[-1]
+        with tf.device(last):
+            factor = tf.cast(tf.convert_to_tensor(factor), tf.float32)
+        for device in dict.fromkeys(column.column):
+            if not self._copies.run.is_local(device):
+                pair = (last, device)
+                self._sends.append(member_send(factor, Group("pp", pair, group_key(pair)),
+                                               last))
+
+    def _received_correction(self, grads: dict[str, Any], column: ColumnPass
+                             ) -> dict[str, Any]:
+        """``_send_correction``'s factor received on each of this worker's devices of the
+        column, its gradients multiplied by it."""
+        last = column.column[-1]
+        out = dict(grads)
+        for device in dict.fromkeys(column.column):  # every one the sender sends to
+            if not self._copies.run.is_local(device):
+                continue
+            pair = (last, device)
+            with tf.device(device):
+                factor = member_receive(tf.constant([], tf.int32), tf.float32,
+                                        Group("pp", pair, group_key(pair)), device)
+                if device in grads:
+                    gs, vs = grads[device]
+                    out[device] = ([_times_sparse(g, factor) for g in gs], vs)
+        return out
+
     def _added_elsewhere(self, column: ColumnPass) -> None:
         """A column whose loss is on another worker: its chunks' added losses here enter
         the logged loss as one device's (``_track``: part j's weighs its rows, c'_j x the
@@ -624,23 +667,23 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                     grads = column.weight_grads()
                     if not last_here:
                         self._added_elsewhere(column)
+                        if self._corrected_later(order, column):  # the last stage's factor
+                            grads = self._received_correction(grads, column)
                         row.append(None)
                         row_totals.append(None)
                         row_grads.append(grads)
                         continue
+                    factor = 1.0  # of the column's gradients (masked 1F1B)
                     if deferred:  # 1F1B: the sum of the parts' counts, known now
                         total = self._totals(column.results, q, t)
                         if column.results[0]["masked"]:  # its estimate corrected
-                            if run.spans_workers(q, t):
-                                raise PlannerError(
-                                    f"Plan {self.plan.name!r} runs a {run.schedule} pipeline "
-                                    "across workers on a model whose output has a Keras "
-                                    "mask: the earlier stages' gradients would need the "
-                                    "step's mask counts from the last stage's worker. "
-                                    "Re-plan with --schedule gpipe.")
                             estimate = rows * column.results[0]["per_row"]
-                            grads = _divided(grads, total[0] / estimate,
-                                             run.loss_replicas[q][t])
+                            at = run.loss_replicas[q][t]
+                            grads = _divided(grads, total[0] / estimate, at)
+                            with tf.device(at):
+                                factor = ops.divide_no_nan(estimate, total[0])
+                    if run.spans_workers(q, t) and self._corrected_later(order, column):
+                        self._send_correction(factor, column)  # its stages elsewhere too
                     row.append(column.results)
                     row_totals.append(total)
                     row_grads.append(grads)

@@ -59,7 +59,7 @@ SPLITS = {
                                          ("feedforward_output_dense", "row"))),
 }
 SCHEDULE = {"tiny_mlp": "gpipe", "tiny_transformer": "1f1b", "tiny_cnn": "1f1b",
-            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b", "tiny_seq2seq": "gpipe",
+            "tiny_resnet_bn": "gpipe", "tiny_hub": "1f1b", "tiny_seq2seq": "1f1b",
             "tiny_regularized": "1f1b"}
 # (model, plan kind) on 2 workers of 4 CPUs; the first also runs fit/evaluate/predict/files
 CASES = [("tiny_mlp", "dp2xpp2xtp2"), ("tiny_transformer", "dp2xtp4"),
