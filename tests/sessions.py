@@ -10,8 +10,8 @@ out of memory and killed a worker. Fresh workers per session bound that: each se
 workers start small.
 
 The sessions: the files under ``tests/apply`` (the engine's tests, which train models on
-logical devices) dealt round-robin by path into ``APPLY_SESSIONS`` sessions, then every
-other test file in one. Options are passed to every session (``-m slow``, ``-x``, ``-k``);
+logical devices) dealt round-robin, largest file first, into ``APPLY_SESSIONS`` sessions,
+then every other test file in one. Options are passed to every session (``-m slow``, ``-x``, ``-k``);
 given test paths, it runs one session on them. ``--junitxml PATH`` (in the arguments or
 ``PYTEST_ADDOPTS``, as ``.ci/run`` sets it) gets every session's results merged. The exit
 status is the first failing session's (0 when all pass); a session's collected nothing
@@ -44,6 +44,10 @@ def sessions(files: list[str]) -> list[list[str]]:
     """The files of each session (module docstring)."""
     engine = [f for f in files if f.startswith(os.path.join("tests", "apply") + os.sep)]
     rest = [f for f in files if f not in engine]
+    # largest first, so the heavy files spread over the sessions (a file's size is a rough
+    # measure of its cost: measured per session, 13.8, 11.2 and 11.3 worker-minutes, where
+    # dealing them by name gave 7.8, 20.5 and 8.0)
+    engine.sort(key=lambda f: (-os.path.getsize(os.path.join(ROOT, f)), f))
     return [s for s in [engine[i::APPLY_SESSIONS] for i in range(APPLY_SESSIONS)] + [rest] if s]
 
 
