@@ -668,6 +668,8 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                     if not last_here:
                         self._added_elsewhere(column)
                         if self._corrected_later(order, column):  # the last stage's factor
+                            if any(any(chunks) for chunks in column.aux):  # (it would scale
+                                self._check_deferred(column, masked=True)  # them too)
                             grads = self._received_correction(grads, column)
                         row.append(None)
                         row_totals.append(None)
@@ -727,10 +729,13 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         weight = ops.divide_no_nan(ops.cast(rows_of(x), "float32"), rows)
         return [self.optimizer.scale_loss(weight * ops.cast(ops.sum(added), "float32"))]
 
-    def _check_deferred(self, column: ColumnPass) -> None:
+    def _check_deferred(self, column: ColumnPass, masked: bool | None = None) -> None:
         """A 1F1B part's loss and added losses divide by different sums where the output
-        has a Keras mask (its unmasked entries, its rows): refused, with the fix."""
-        if column.results[0]["masked"] and any(column.aux[0]):
+        has a Keras mask (its unmasked entries, its rows): refused, with the fix.
+        ``masked``: known from the graph (a stage whose loss is on another worker)."""
+        if masked is None:
+            masked = column.results[0]["masked"]
+        if masked and any(any(chunks) for chunks in column.aux):
             raise PlannerError(
                 f"Plan {self.plan.name!r} runs a {self._copies.run.schedule} pipeline on a "
                 "model whose output has a Keras mask and which adds losses (add_loss): "

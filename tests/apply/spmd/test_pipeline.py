@@ -271,3 +271,36 @@ def test_models_a_pipeline_cannot_cut_are_refused_with_the_fix():
     assert describe(plan).chunks == 2
     with pytest.raises(PlannerError, match="stages must cut the model's graph in order"):
         apply.wrap(shared, plan)
+
+
+def test_1f1b_on_a_masked_output_with_added_losses_is_refused_with_the_fix():
+    """Under 1F1B the slots weigh the loss by an estimate of the mask's counts and the
+    step corrects every gradient once the counts are known, which would scale the added
+    losses' gradients too (they divide by rows): refused, naming GPipe; GPipe trains."""
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((6,), dtype="int32", name="ids")
+        x = keras.layers.Embedding(10, 4, mask_zero=True, name="embed")(ids)
+        x = keras.layers.Dense(8, activation="tanh", name="hidden",
+                               activity_regularizer=keras.regularizers.L2(0.05))(x)
+        return keras.Model(ids, keras.layers.Dense(3, name="head")(x))
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 10, size=(BATCH, 6)).astype("int32")
+    x[:, 4:] = 0  # padding, masked out of the loss
+    y = rng.integers(0, 3, size=(BATCH, 6)).astype("int32")
+    for schedule in ("1f1b", "gpipe"):
+        plan = helpers.make_plan(build(), [helpers.cpus(0), helpers.cpus(1)],
+                                 num_microbatches=2, global_batch=BATCH,
+                                 stage_layers=[["embed", "hidden"], ["head"]])
+        plan = dataclasses.replace(plan, strategy=dataclasses.replace(
+            plan.strategy, schedule=schedule))
+        wrapped = apply.wrap(build, plan)
+        wrapped.compile(optimizer="sgd",
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if schedule == "1f1b":
+            with pytest.raises(PlannerError, match="Keras mask and which adds losses.*"
+                                                   "--schedule gpipe"):
+                wrapped.train_on_batch(x, y)
+        else:
+            assert np.isfinite(wrapped.train_on_batch(x, y))
