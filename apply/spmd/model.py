@@ -70,7 +70,6 @@ from tfplan.apply.backup import planned_callbacks, release
 from tfplan.apply.checkpoint import save_atomically
 from tfplan.apply.collective_ops import (instance_scope, member_all_reduce, member_receive,
                                          member_send)
-from tfplan.apply.groups import Group, group_key
 from tfplan.apply.input_shapes import InputShapeChecks
 from tfplan.apply.monitor import PlanMonitor
 from tfplan.apply.offload import state_on_host
@@ -82,7 +81,7 @@ from tfplan.apply.spmd.batch_norm import moving_statistics
 from tfplan.apply.spmd.copies import Copies
 from tfplan.apply.spmd.failures import worker_failures
 from tfplan.apply.spmd.optimizer_state import OptimizerState
-from tfplan.apply.spmd.pipeline import ColumnPass, slot_order
+from tfplan.apply.spmd.pipeline import ColumnPass, pp_group, slot_order
 from tfplan.apply.spmd.rank_layers import is_twin
 from tfplan.apply.spmd.reduction import reduced
 from tfplan.apply.spmd.context import check_loss_reduction, joined
@@ -419,9 +418,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
             factor = tf.cast(tf.convert_to_tensor(factor), tf.float32)
         for device in dict.fromkeys(column.column):
             if not self._copies.run.is_local(device):
-                pair = (last, device)
-                self._sends.append(member_send(factor, Group("pp", pair, group_key(pair)),
-                                               last))
+                self._sends.append(member_send(factor, pp_group((last, device)), last))
 
     def _received_correction(self, grads: dict[str, Any], column: ColumnPass
                              ) -> dict[str, Any]:
@@ -432,10 +429,9 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         for device in dict.fromkeys(column.column):  # every one the sender sends to
             if not self._copies.run.is_local(device):
                 continue
-            pair = (last, device)
             with tf.device(device):
                 factor = member_receive(tf.constant([], tf.int32), tf.float32,
-                                        Group("pp", pair, group_key(pair)), device)
+                                        pp_group((last, device)), device)
                 if device in grads:
                     gs, vs = grads[device]
                     out[device] = ([_times_sparse(g, factor) for g in gs], vs)
@@ -445,19 +441,23 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         """A column whose loss is on another worker: its chunks' added losses here enter
         the logged loss as one device's (``_track``: part j's weighs its rows, c'_j x the
         rows' share), kept in ``_elsewhere`` for ``_track_all``."""
-        terms = []
-        for j, part in enumerate(column.parts):
-            added = [compat.added_loss(self, v) for chunk in column.aux[j] for v in chunk]
-            if added and column.flags[j] is not None:  # padding rows refused (as there)
-                added = [_without_padding(a, column.flags[j], self._copies.run) for a in added]
-            if added:
-                x, _, _ = keras.utils.unpack_x_y_sample_weight(part)
-                with tf.device(HOST):
-                    terms.append(ops.cast(rows_of(x), "float32")
-                                 * ops.sum([ops.cast(a, "float32") for a in added]))
-        if terms:
-            with tf.device(HOST):
+        with tf.device(HOST):
+            terms = [rows_j * added for rows_j, added in (
+                self._added_sum(column, j, range(column.program.chunks))
+                for j in range(len(column.parts))) if added is not None]
+            if terms:
                 self._elsewhere.append(ops.sum(terms))
+
+    def _added_sum(self, column: ColumnPass, j: int, chunks: Any) -> tuple[Any, Any]:
+        """(part j's rows, the sum of its added losses on ``chunks``, float32; None where
+        there are none), the terms checked to hold no padding rows (``_without_padding``,
+        as on the last stage)."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(column.parts[j])
+        added = [compat.added_loss(self, v) for k in chunks for v in column.aux[j][k]]
+        if column.flags[j] is not None:
+            added = [_without_padding(a, column.flags[j], self._copies.run) for a in added]
+        total = ops.sum([ops.cast(a, "float32") for a in added]) if added else None
+        return ops.cast(rows_of(x), "float32"), total
 
     # ---------------------------------------------------------------- steps
     @contextlib.contextmanager
@@ -720,14 +720,10 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
         another worker: weighted as one device's, by the part's rows over the batch's real
         rows (``_slot_targets``' ``counts[1]``; both known on every worker, unlike the
         loss's counts), a part holding padding rows refused as on the last stage."""
-        added = [compat.added_loss(self, v) for v in column.aux[j][k]]
-        if not added:
+        rows_j, added = self._added_sum(column, j, (k,))
+        if added is None:
             return []
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(column.parts[j])
-        if column.flags[j] is not None:
-            added = [_without_padding(a, column.flags[j], self._copies.run) for a in added]
-        weight = ops.divide_no_nan(ops.cast(rows_of(x), "float32"), rows)
-        return [self.optimizer.scale_loss(weight * ops.cast(ops.sum(added), "float32"))]
+        return [self.optimizer.scale_loss(ops.divide_no_nan(rows_j, rows) * added)]
 
     def _check_deferred(self, column: ColumnPass, masked: bool | None = None) -> None:
         """A 1F1B part's loss and added losses divide by different sums where the output
@@ -831,7 +827,7 @@ class SpmdModel(InputShapeChecks, WorkerHooks, keras.Model):
                     total = ops.sqrt(ops.sum(ops.stack([sums[d] for d in column])))
                 elif global_clipnorm:  # a column across workers: its devices' scalars summed
                     total = ops.sqrt(member_all_reduce(  # by a collective over them
-                        sums[device], Group("pp", column, group_key(column)), device, "pp"))
+                        sums[device], pp_group(column), device, "pp"))
                 if global_clipnorm:
                     factor = global_clipnorm / ops.maximum(total, global_clipnorm)
                     gs = [_times(g, factor) for g in gs]

@@ -99,6 +99,14 @@ def slot_order(run: RunDescription) -> list[Slot]:
     return out
 
 
+def pp_group(devices: Sequence[str]) -> Group:
+    """A group of a column's devices outside the plan's table (a hop's pair, producer
+    first; a column's devices, chunk order): its key from the devices in that order, the
+    same on every worker."""
+    devices = tuple(devices)
+    return Group("pp", devices, group_key(devices))
+
+
 def _masked(spec: Any) -> bool:
     """Whether the graph's value ``spec`` (a KerasTensor) carries a Keras mask."""
     return compat.get_keras_mask(spec) is not None
@@ -188,8 +196,7 @@ class ColumnPass:
     # ------------------------------------------------------------------ hops between workers
     def _hop(self, producer: str, reader: str) -> Group:
         """The two-device group of a hop (producer first: the same on both workers)."""
-        pair = (producer, reader)
-        return Group("pp", pair, group_key(pair))
+        return pp_group((producer, reader))
 
     def _send_forward(self, j: int, k: int) -> None:
         """Forward slot (j, k) of another worker's chunk: the values this worker's chunks

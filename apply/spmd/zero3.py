@@ -62,8 +62,7 @@ def install(copies: Any, zero: Any) -> None:
             if model is None:  # another worker's column
                 continue
             # (another worker's chunks' layers never run here: not gathered)
-            index = {id(v): i for i, v in enumerate(zero.weights[q][t])
-                     if zero.shards[q][t][i] is not None}
+            index = {id(zero.weights[q][t][i]): i for i in zero.own(q, t)}
             for layer in _units(model):
                 mine = [index[id(v)] for v in layer.trainable_variables if id(v) in index]
                 if not mine:
